@@ -1,0 +1,50 @@
+"""megarl: Megatron-native RL post-training for LLMs.
+
+Versions are pinned to what was verified on the CPU dev/CI machines (Python 3.11) and carried to
+the GPU box. megatron-core 0.17+ requires Python >= 3.12, so 0.16.1 is the one version that runs on
+both (see ../shared/FACTS.md). Install torch first (`pip install torch==2.13.0`) so no dependency
+pulls a CUDA build on CPU machines.
+"""
+from setuptools import find_packages, setup
+
+CORE = [
+    "torch>=2.6,<=2.14.1",
+    "megatron-core==0.16.1",
+    "ray[default]==2.60.0",
+    "pyyaml>=6.0",
+    "safetensors==0.8.0",
+    "tensorboard==2.21.0",
+    "transformers==5.24.0",
+    "tokenizers==0.23.3",
+    "aiohttp==3.14.5",
+    "numpy>=1.26",
+]
+
+EXTRAS = {
+    # Everything the test-suite needs beyond the core: a real small model (GGUF, dequantised by
+    # transformers + gguf) and procedural reasoning tasks with scorers.
+    "test": [
+        "pytest>=8",
+        "gguf==0.19.0",
+        "reasoning-gym==0.1.25",
+        "pyarrow>=15",
+    ],
+    # GPU-only engines. apex is not on PyPI: build it from source if wanted (README).
+    "gpu": [
+        "transformer-engine[pytorch]>=2.4",
+        "sglang==0.5.23",
+    ],
+    "data": ["reasoning-gym==0.1.25", "gguf==0.19.0", "pyarrow>=15"],
+}
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-Core RL post-training (PPO, GRPO, DAPO) with SGLang-API rollout",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    package_data={"megarl": ["py.typed"]},
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+)
