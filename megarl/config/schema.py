@@ -1,0 +1,281 @@
+"""The one typed schema of a megarl run.
+
+Every field has a type, a default and a one-line help (``metadata["help"]``): recipes are YAML files
+of this tree, ``megarl config RECIPE`` prints it resolved, and the validator walks it. Sections
+mirror the parts of DESIGN.md so a reader can go from a YAML key to the module that consumes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+def opt(default: Any, help: str) -> Any:
+    """A dataclass field with a default and a help line (mutable defaults go through a factory)."""
+    if isinstance(default, (list, dict)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def section(cls: type, help: str) -> Any:
+    """A nested config section with its own defaults."""
+    return field(default_factory=cls, metadata={"help": help})
+
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+Family = Literal["auto", "llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
+
+
+@dataclass
+class ModelArch:
+    """Shape of the model. Filled from ``config.json`` when ``model.hf_path`` is readable (and
+    checked against it); recipes for models not on disk state it so validation and ``megarl plan``
+    work before any download."""
+
+    num_layers: int = opt(0, "transformer layers (0 = read from config.json)")
+    hidden_size: int = opt(0, "model width")
+    ffn_hidden_size: int = opt(0, "dense MLP width")
+    num_attention_heads: int = opt(0, "query heads")
+    num_kv_heads: int = opt(0, "key/value heads (GQA); equal to query heads for MHA")
+    head_dim: int = opt(0, "per-head width (0 = hidden_size / num_attention_heads)")
+    vocab_size: int = opt(0, "vocabulary size")
+    num_experts: int = opt(0, "routed experts per MoE layer (0 = dense model)")
+    moe_ffn_hidden_size: int = opt(0, "width of one routed expert")
+    moe_top_k: int = opt(0, "experts per token")
+    num_shared_experts: int = opt(0, "always-on shared experts (DeepSeek-V3: 1)")
+    first_k_dense: int = opt(0, "leading dense layers before MoE layers start (DeepSeek-V3: 3)")
+    kv_lora_rank: int = opt(0, "MLA compressed KV width (0 = not MLA)")
+    q_lora_rank: int = opt(0, "MLA compressed Q width (0 = no Q compression)")
+    tie_word_embeddings: bool = opt(False, "output layer shares the embedding matrix")
+
+
+@dataclass
+class ModelConfig:
+    hf_path: str = opt("builtin:smollm2-135m-instruct",
+                       "HF folder (config.json + safetensors), or builtin:smollm2-135m-instruct")
+    megatron_checkpoint: Optional[str] = opt(None, "start from this megatron torch_dist checkpoint instead of HF weights")
+    family: Family = opt("auto", "architecture family; auto = from config.json model_type")
+    tokenizer: Optional[str] = opt(None, "tokenizer folder (default: hf_path)")
+    dtype: Dtype = opt("float32", "parameter/compute dtype of the trainer (bfloat16 on GPU)")
+    recompute: Literal["none", "selective", "full"] = opt("none", "activation recomputation in training")
+    arch: ModelArch = section(ModelArch, "model shape for validation and planning")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = opt(1, "tensor-parallel size")
+    pp: int = opt(1, "pipeline-parallel size")
+    vpp: int = opt(1, "virtual pipeline chunks per pipeline rank (1 = off)")
+    ep: int = opt(1, "expert-parallel size (MoE)")
+    etp: int = opt(1, "expert tensor-parallel size (MoE)")
+    cp: int = opt(1, "context-parallel size")
+    sequence_parallel: bool = opt(False, "sequence parallelism with TP (needs tp > 1; not on CPU)")
+    first_stage_layers: int = opt(0, "layers on the first pipeline stage when uneven (0 = even split)")
+    last_stage_layers: int = opt(0, "layers on the last pipeline stage when uneven (0 = even split)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = opt(1e-6, "peak learning rate")
+    min_lr: float = opt(0.0, "floor of the LR schedule")
+    weight_decay: float = opt(0.01, "decoupled weight decay (AdamW)")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.999, "AdamW beta2")
+    adam_eps: float = opt(1e-8, "AdamW epsilon")
+    clip_grad: float = opt(1.0, "global grad-norm clip (0 = off)")
+    warmup_steps: int = opt(0, "linear warm-up optimizer steps")
+    lr_decay: Literal["constant", "cosine", "linear"] = opt("constant", "LR decay after warm-up")
+    distributed_optimizer: bool = opt(True, "shard optimizer states over data-parallel ranks")
+    offload: bool = opt(False, "offload params/optimizer to host memory between phases (colocated)")
+
+
+@dataclass
+class RoleConfig:
+    """One Megatron role (actor, critic, reference, reward model): its GPUs and parallel layout."""
+
+    enabled: bool = opt(True, "whether this role runs")
+    gpus: int = opt(1, "GPUs (ranks) in this role's pool; dp = gpus / (tp*pp*cp)")
+    parallel: ParallelConfig = section(ParallelConfig, "parallel layout of this role")
+    optim: OptimConfig = section(OptimConfig, "optimizer (trained roles only)")
+    model_path: Optional[str] = opt(None, "weights for this role if not the policy's (critic/reward model)")
+    micro_batch_size: int = opt(1, "sequences per micro-batch (when max_tokens_per_micro_batch = 0)")
+    max_tokens_per_micro_batch: int = opt(0, "token budget per micro-batch (dynamic batching; 0 = off)")
+
+
+@dataclass
+class ClusterConfig:
+    backend: Literal["local", "ray"] = opt("ray", "ray: one Ray actor per rank; local: in-process (tests, one GPU)")
+    ray_address: Optional[str] = opt(None, "join this Ray cluster (auto, ray://host:port); None = start one")
+    nodes: int = opt(1, "nodes in the job")
+    gpus_per_node: int = opt(0, "GPUs per node (0 = CPU run)")
+    device: Literal["cpu", "cuda"] = opt("cpu", "device of trainer ranks")
+    gpu_type: str = opt("none", "GPU model for planning: H100-80GB, H200-141GB, A100-80GB, none")
+    cpus_per_rank: float = opt(1.0, "Ray CPUs reserved per rank")
+    object_store_mb: int = opt(256, "object store of a Ray cluster that megarl starts itself")
+
+
+@dataclass
+class PlacementConfig:
+    mode: Literal["colocated", "disaggregated"] = opt("colocated", "share GPUs between training and rollout, or not")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = opt(1.0, "sampling temperature (0 = greedy)")
+    top_p: float = opt(1.0, "nucleus sampling mass")
+    top_k: int = opt(-1, "top-k sampling (-1 = off)")
+    max_new_tokens: int = opt(256, "longest response")
+    stop_token_ids: list[int] = opt([], "extra stop tokens besides the tokenizer's EOS")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["embedded", "sglang"] = opt("embedded", "embedded server (CPU/CI) or SGLang servers")
+    gpus: int = opt(0, "GPUs of the rollout pool (disaggregated) or shared (colocated)")
+    tp: int = opt(1, "tensor-parallel size of one rollout server")
+    num_servers: int = opt(1, "rollout servers; with GPUs: gpus / tp")
+    server_urls: list[str] = opt([], "use already running servers instead of starting them")
+    n_per_prompt: int = opt(8, "samples per prompt (group size)")
+    max_prompt_len: int = opt(512, "prompts longer than this are dropped with a warning")
+    sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
+    mem_fraction: float = opt(0.7, "SGLang --mem-fraction-static")
+    max_running_requests: int = opt(64, "concurrent sequences per server")
+    request_timeout_s: float = opt(600.0, "per-request timeout")
+    logprob_diff_bound: float = opt(0.05, "step 0 fails if mean |rollout - train| logprob exceeds this")
+
+
+@dataclass
+class KLConfig:
+    mode: Literal["none", "loss", "reward"] = opt("none", "KL to the reference: off, as a loss term, or as a reward penalty")
+    coef: float = opt(0.001, "KL coefficient (initial value when adaptive)")
+    estimator: Literal["k1", "k2", "k3"] = opt("k3", "KL estimator (Schulman 2020)")
+    adaptive: bool = opt(False, "adaptive coefficient (Ziegler et al. 2019)")
+    target: float = opt(0.1, "target KL for the adaptive controller")
+    horizon: int = opt(10000, "horizon of the adaptive controller")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    enabled: bool = opt(False, "DAPO: drop groups whose rewards are all equal, resample until full")
+    max_rounds: int = opt(4, "rollout rounds per step before training on what was collected")
+
+
+@dataclass
+class OverlongConfig:
+    enabled: bool = opt(False, "DAPO soft overlong punishment")
+    buffer_len: int = opt(64, "penalty ramps over the last this-many tokens of max_new_tokens")
+    penalty_factor: float = opt(1.0, "penalty at max length")
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae", "reinforce_plus_plus",
+                       "reinforce_plus_plus_baseline", "remax"] = opt("grpo", "advantage estimator")
+    policy_loss: Literal["ppo", "gspo", "clip_cov", "kl_cov"] = opt("ppo", "policy loss")
+    clip_low: float = opt(0.2, "PPO lower clip epsilon")
+    clip_high: float = opt(0.2, "PPO upper clip epsilon (DAPO clip-higher: 0.28)")
+    dual_clip_c: Optional[float] = opt(None, "dual-clip constant c > 1 (None = off)")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"] = opt("token-mean", "loss aggregation")
+    norm_adv_by_std: bool = opt(True, "divide group-centred advantages by the group std (GRPO)")
+    gamma: float = opt(1.0, "discount (GAE)")
+    lam: float = opt(1.0, "GAE lambda")
+    entropy_coef: float = opt(0.0, "entropy bonus coefficient")
+    value_clip: float = opt(0.2, "critic value clipping range")
+    tis_cap: Optional[float] = opt(None, "truncated importance sampling cap for rollout/train mismatch (None = off)")
+    ppo_epochs: int = opt(1, "passes over each rollout batch")
+    kl: KLConfig = section(KLConfig, "KL regularisation")
+    dynamic_sampling: DynamicSamplingConfig = section(DynamicSamplingConfig, "DAPO dynamic sampling")
+    overlong: OverlongConfig = section(OverlongConfig, "DAPO overlong reward shaping")
+
+
+@dataclass
+class BatchConfig:
+    prompts_per_step: int = opt(8, "prompts drawn per RL step (rollout batch)")
+    global_batch_size: int = opt(64, "samples per optimizer step (PPO mini-batch)")
+
+
+@dataclass
+class DataConfig:
+    source: Literal["jsonl", "parquet", "reasoning_gym"] = opt("reasoning_gym", "prompt source")
+    path: Optional[str] = opt(None, "train file (jsonl/parquet)")
+    eval_path: Optional[str] = opt(None, "held-out file (jsonl/parquet)")
+    prompt_key: str = opt("prompt", "field holding the prompt (string or chat messages)")
+    answer_key: str = opt("answer", "field holding the reference answer")
+    task: str = opt("basic_arithmetic", "reasoning-gym task name")
+    task_args: dict[str, Any] = opt({}, "keyword arguments of the reasoning-gym task")
+    num_train: int = opt(2048, "generated train prompts (reasoning_gym)")
+    num_eval: int = opt(64, "held-out prompts")
+    chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")
+    system_prompt: Optional[str] = opt(None, "system message prepended in the chat template")
+    shuffle: bool = opt(True, "reshuffle each epoch (deterministic from seed)")
+
+
+@dataclass
+class RewardConfig:
+    kind: Literal["rule", "reasoning_gym", "model", "function"] = opt("reasoning_gym", "how samples are scored")
+    function: Optional[str] = opt(None, "dotted path module:function(sample) -> float for kind=function")
+    rule: Literal["math_answer", "exact"] = opt("math_answer", "rule for kind=rule")
+    format_reward: float = opt(0.0, "added when the answer is found in the expected format")
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: int = opt(512, "weight-sync bucket size in MiB (peak extra memory ~2 buckets)")
+    transport: Literal["auto", "nccl", "gloo", "ipc", "disk"] = opt("auto", "auto: ipc if colocated on GPU, nccl/gloo broadcast otherwise")
+    verify_checksum: bool = opt(True, "server verifies a checksum per bucket")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = opt(None, "checkpoint folder (default: OUTPUT_DIR/checkpoints)")
+    interval: int = opt(0, "save every N steps (0 = only at the end)")
+    resume: str = opt("auto", "auto: latest in dir if any; none; or a checkpoint path")
+    keep_last: int = opt(2, "checkpoints kept")
+    export_hf: bool = opt(True, "export the final actor as an HF folder")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard_dir: Optional[str] = opt(None, "event files (default: OUTPUT_DIR/tensorboard)")
+    log_interval: int = opt(1, "console line every N steps")
+    progress_bar: bool = opt(True, "console progress bar")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = opt(100, "RL steps")
+    eval_interval: int = opt(0, "held-out evaluation every N steps (0 = before and after only)")
+    eval_before_after: bool = opt(True, "evaluate before the first and after the last step")
+
+
+@dataclass
+class RunConfig:
+    name: str = opt("megarl", "run name")
+    output_dir: str = opt("outputs/megarl", "where checkpoints, logs and exports go")
+    seed: int = opt(1234, "global seed (data order, sampling, init)")
+    model: ModelConfig = section(ModelConfig, "the policy model")
+    cluster: ClusterConfig = section(ClusterConfig, "nodes, GPUs and the Ray backend")
+    placement: PlacementConfig = section(PlacementConfig, "colocated or disaggregated roles")
+    actor: RoleConfig = section(RoleConfig, "policy being trained")
+    critic: RoleConfig = section(lambda: RoleConfig(enabled=False), "value model (GAE/PPO)")
+    ref: RoleConfig = section(lambda: RoleConfig(enabled=False), "frozen reference for KL")
+    reward_model: RoleConfig = section(lambda: RoleConfig(enabled=False), "learned reward model")
+    rollout: RolloutConfig = section(RolloutConfig, "rollout servers and sampling")
+    algorithm: AlgorithmConfig = section(AlgorithmConfig, "RL algorithm")
+    batch: BatchConfig = section(BatchConfig, "batch sizes")
+    data: DataConfig = section(DataConfig, "prompt data")
+    reward: RewardConfig = section(RewardConfig, "reward")
+    sync: SyncConfig = section(SyncConfig, "trainer -> rollout weight sync")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "checkpoints and resume")
+    logging: LoggingConfig = section(LoggingConfig, "tensorboard and console")
+    trainer: TrainerConfig = section(TrainerConfig, "loop length and evaluation")
+
+    @property
+    def trained_roles(self) -> list[str]:
+        return [r for r in ("actor", "critic") if getattr(self, r).enabled]
+
+    @property
+    def megatron_roles(self) -> list[str]:
+        return [r for r in ("actor", "critic", "ref", "reward_model") if getattr(self, r).enabled]

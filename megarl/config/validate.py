@@ -1,0 +1,321 @@
+"""Validation of a whole run before any process starts.
+
+Each rule appends one line naming the dotted field it blames, so a 64-node launch fails in the
+first second on the login node instead of after Ray, NCCL and a checkpoint load. The parallel
+arithmetic mirrors what megatron-core asserts deep inside ``initialize_model_parallel`` and
+``TransformerConfig``, said in the recipe's own terms.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from megarl.config.loader import ConfigError
+from megarl.config.schema import ModelArch, ParallelConfig, RoleConfig, RunConfig
+
+GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"}
+ROLES = ("actor", "critic", "ref", "reward_model")
+
+# HF config.json key(s) -> ModelArch field; the first key present wins.
+HF_ARCH_KEYS: dict[str, tuple[str, ...]] = {
+    "num_layers": ("num_hidden_layers",),
+    "hidden_size": ("hidden_size",),
+    "ffn_hidden_size": ("intermediate_size",),
+    "num_attention_heads": ("num_attention_heads",),
+    "num_kv_heads": ("num_key_value_heads", "num_attention_heads"),
+    "head_dim": ("head_dim",),
+    "vocab_size": ("vocab_size",),
+    "num_experts": ("num_experts", "n_routed_experts"),
+    "moe_ffn_hidden_size": ("moe_intermediate_size",),
+    "moe_top_k": ("num_experts_per_tok",),
+    "num_shared_experts": ("n_shared_experts",),
+    "first_k_dense": ("first_k_dense_replace",),
+    "kv_lora_rank": ("kv_lora_rank",),
+    "q_lora_rank": ("q_lora_rank",),
+    "tie_word_embeddings": ("tie_word_embeddings",),
+}
+
+
+def dp_size(role: RoleConfig) -> int:
+    """Data-parallel size derived from the role's pool and layout (0 if it does not divide)."""
+    p = role.parallel
+    model_parallel = p.tp * p.pp * p.cp
+    return role.gpus // model_parallel if model_parallel and role.gpus % model_parallel == 0 else 0
+
+
+def hf_config_path(hf_path: str) -> Path | None:
+    if hf_path.startswith("builtin:"):
+        return None
+    path = Path(hf_path).expanduser() / "config.json"
+    return path if path.is_file() else None
+
+
+def arch_from_hf(config: dict[str, Any]) -> dict[str, Any]:
+    """ModelArch fields read from an HF config.json dict (only keys that are present)."""
+    found: dict[str, Any] = {}
+    for field_name, keys in HF_ARCH_KEYS.items():
+        for key in keys:
+            if config.get(key) is not None:
+                found[field_name] = config[key]
+                break
+    return found
+
+
+def resolve_arch(cfg: RunConfig, problems: list[str]) -> None:
+    """Fill ``model.arch`` from config.json where readable; a recipe value that disagrees is an error."""
+    path = hf_config_path(cfg.model.hf_path)
+    if path is None:
+        return
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        problems.append(f"model.hf_path: cannot read {path}: {err}")
+        return
+    for name, value in arch_from_hf(hf).items():
+        current = getattr(cfg.model.arch, name)
+        if current not in (0, False) and current != value:
+            problems.append(f"model.arch.{name}: recipe says {current} but {path} says {value}")
+        setattr(cfg.model.arch, name, value)
+
+
+def _check_layer_split(name: str, p: ParallelConfig, num_layers: int, problems: list[str]) -> None:
+    """Layers must split evenly over (pp * vpp) chunks, after any uneven first/last stage."""
+    uneven = [(k, getattr(p, k)) for k in ("first_stage_layers", "last_stage_layers") if getattr(p, k)]
+    if uneven and p.pp < 2:
+        problems.append(f"{name}.parallel.{uneven[0][0]}: uneven pipeline stages need pp >= 2")
+        return
+    rest = num_layers - sum(v for _, v in uneven)
+    stages = p.pp - len(uneven)
+    if rest < 0 or (stages == 0 and rest) or (stages and rest % (stages * p.vpp)):
+        what = f"num_layers = {num_layers}" + "".join(f" - {k} {v}" for k, v in uneven)
+        problems.append(f"{name}.parallel.pp: {what} = {rest} layers do not split evenly over "
+                        f"{stages} stage(s) * vpp {p.vpp}")
+
+
+def _check_parallel(name: str, role: RoleConfig, arch: ModelArch, device: str, problems: list[str]) -> None:
+    p: ParallelConfig = role.parallel
+    for key in ("tp", "pp", "vpp", "ep", "etp", "cp"):
+        if getattr(p, key) < 1:
+            problems.append(f"{name}.parallel.{key}: must be >= 1, got {getattr(p, key)}")
+    if role.gpus < 1:
+        problems.append(f"{name}.gpus: must be >= 1 for an enabled role, got {role.gpus}")
+        return
+    if any(getattr(p, k) < 1 for k in ("tp", "pp", "vpp", "ep", "etp", "cp")):
+        return
+    mp = p.tp * p.pp * p.cp
+    if role.gpus % mp:
+        problems.append(f"{name}.gpus: {role.gpus} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp}")
+        return
+    if arch.num_attention_heads and arch.num_attention_heads % p.tp:
+        problems.append(f"{name}.parallel.tp: {p.tp} does not divide num_attention_heads = {arch.num_attention_heads}")
+    kv = arch.num_kv_heads if not arch.kv_lora_rank else arch.num_attention_heads
+    if kv and kv % p.tp:
+        problems.append(f"{name}.parallel.tp: {p.tp} does not divide num_kv_heads = {kv} (megatron shards KV groups over TP)")
+    if arch.num_layers:
+        _check_layer_split(name, p, arch.num_layers, problems)
+    if p.vpp > 1 and p.pp < 2:
+        problems.append(f"{name}.parallel.vpp: virtual pipeline ({p.vpp}) needs pp >= 2")
+    if p.ep > 1 or p.etp > 1:
+        if not arch.num_experts:
+            problems.append(f"{name}.parallel.ep: ep = {p.ep}, etp = {p.etp} but the model has no experts")
+        elif arch.num_experts % p.ep:
+            problems.append(f"{name}.parallel.ep: {p.ep} does not divide num_experts = {arch.num_experts}")
+        if (role.gpus // p.pp) % (p.ep * p.etp):
+            problems.append(f"{name}.parallel.ep: ep*etp = {p.ep * p.etp} does not divide gpus/pp = {role.gpus // p.pp}")
+    if p.sequence_parallel and p.tp < 2:
+        problems.append(f"{name}.parallel.sequence_parallel: needs tp >= 2")
+    if p.sequence_parallel and device == "cpu":
+        problems.append(f"{name}.parallel.sequence_parallel: not supported on CPU (torch norms refuse it)")
+    if p.cp > 1 and device == "cpu":
+        problems.append(f"{name}.parallel.cp: context parallel needs CUDA")
+    if role.max_tokens_per_micro_batch < 0:
+        problems.append(f"{name}.max_tokens_per_micro_batch: must be >= 0")
+    if role.micro_batch_size < 1:
+        problems.append(f"{name}.micro_batch_size: must be >= 1, got {role.micro_batch_size}")
+
+
+def _check_batches(cfg: RunConfig, problems: list[str]) -> None:
+    b, r = cfg.batch, cfg.rollout
+    if b.prompts_per_step < 1:
+        problems.append(f"batch.prompts_per_step: must be >= 1, got {b.prompts_per_step}")
+    if b.global_batch_size < 1:
+        problems.append(f"batch.global_batch_size: must be >= 1, got {b.global_batch_size}")
+        return
+    samples = b.prompts_per_step * r.n_per_prompt
+    if samples > 0 and samples % b.global_batch_size:
+        problems.append(f"batch.global_batch_size: {b.global_batch_size} does not divide samples per step "
+                        f"= prompts_per_step*n_per_prompt = {b.prompts_per_step}*{r.n_per_prompt} = {samples}")
+    for name in cfg.trained_roles:
+        role = getattr(cfg, name)
+        dp = dp_size(role)
+        if not dp:
+            continue
+        if role.max_tokens_per_micro_batch == 0 and b.global_batch_size % (role.micro_batch_size * dp):
+            problems.append(f"batch.global_batch_size: {b.global_batch_size} is not divisible by {name}.micro_batch_size*dp "
+                            f"= {role.micro_batch_size}*{dp} = {role.micro_batch_size * dp}")
+        elif b.global_batch_size % dp:
+            problems.append(f"batch.global_batch_size: {b.global_batch_size} is not divisible by {name} dp = {dp}")
+
+
+def _check_pools(cfg: RunConfig, problems: list[str]) -> None:
+    c = cfg.cluster
+    if c.nodes < 1:
+        problems.append(f"cluster.nodes: must be >= 1, got {c.nodes}")
+    if c.device == "cuda" and c.gpus_per_node < 1:
+        problems.append("cluster.gpus_per_node: device is cuda but gpus_per_node is 0")
+    if c.device == "cpu" and c.gpus_per_node:
+        problems.append(f"cluster.device: cpu but gpus_per_node = {c.gpus_per_node}; set cluster.device=cuda")
+    if c.backend == "local" and c.nodes > 1:
+        problems.append("cluster.backend: local runs on one node; use ray for nodes > 1")
+    roles = [n for n in ROLES if getattr(cfg, n).enabled]
+    total = c.nodes * c.gpus_per_node
+    if cfg.placement.mode == "colocated":
+        for n in roles:
+            if getattr(cfg, n).gpus != cfg.actor.gpus:
+                problems.append(f"{n}.gpus: colocated pools must be equal; actor.gpus = {cfg.actor.gpus}, {n}.gpus = {getattr(cfg, n).gpus}")
+        if c.device == "cuda" and cfg.rollout.gpus != cfg.actor.gpus:
+            problems.append(f"rollout.gpus: colocated pools must be equal; actor.gpus = {cfg.actor.gpus}, rollout.gpus = {cfg.rollout.gpus}")
+        if total and cfg.actor.gpus > total:
+            problems.append(f"actor.gpus: {cfg.actor.gpus} GPUs asked, the cluster has nodes*gpus_per_node = {total}")
+    elif c.device == "cuda":
+        # Disaggregated: the reference and reward model may share the actor's pool (they run in
+        # different phases), the critic and rollout need their own GPUs.
+        need = cfg.actor.gpus + cfg.rollout.gpus + (cfg.critic.gpus if cfg.critic.enabled else 0)
+        if need > total:
+            problems.append(f"rollout.gpus: disaggregated pools need actor + critic + rollout = {need} GPUs, "
+                            f"the cluster has {total}")
+    if cfg.rollout.gpus or (c.device == "cuda" and cfg.rollout.engine == "sglang"):
+        if cfg.rollout.tp < 1:
+            problems.append(f"rollout.tp: must be >= 1, got {cfg.rollout.tp}")
+        elif cfg.rollout.gpus % cfg.rollout.tp:
+            problems.append(f"rollout.gpus: {cfg.rollout.gpus} is not divisible by rollout.tp = {cfg.rollout.tp}")
+        elif cfg.rollout.gpus and cfg.rollout.num_servers != cfg.rollout.gpus // cfg.rollout.tp:
+            problems.append(f"rollout.num_servers: {cfg.rollout.num_servers} but rollout.gpus/rollout.tp = "
+                            f"{cfg.rollout.gpus // cfg.rollout.tp}")
+        arch = cfg.model.arch
+        if arch.num_kv_heads and not arch.kv_lora_rank and cfg.rollout.tp > arch.num_kv_heads and cfg.rollout.tp % arch.num_kv_heads:
+            problems.append(f"rollout.tp: {cfg.rollout.tp} cannot replicate num_kv_heads = {arch.num_kv_heads}")
+    if cfg.rollout.engine == "sglang" and c.device != "cuda" and not cfg.rollout.server_urls:
+        problems.append("rollout.engine: sglang needs cluster.device=cuda (or rollout.server_urls of running servers)")
+
+
+def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:
+    a, r = cfg.algorithm, cfg.rollout
+    if a.advantage in GROUP_ESTIMATORS and r.n_per_prompt < 2:
+        problems.append(f"rollout.n_per_prompt: {r.n_per_prompt}; advantage {a.advantage!r} compares samples "
+                        f"of a group and needs n_per_prompt >= 2")
+    if a.advantage == "gae" and not cfg.critic.enabled:
+        problems.append("critic.enabled: advantage 'gae' needs a critic (set critic.enabled=true)")
+    if a.advantage != "gae" and cfg.critic.enabled:
+        problems.append(f"critic.enabled: a critic is trained but advantage {a.advantage!r} does not use values")
+    if a.kl.mode != "none" and not cfg.ref.enabled:
+        problems.append(f"ref.enabled: algorithm.kl.mode = {a.kl.mode!r} needs the reference model (ref.enabled=true)")
+    if a.advantage == "reinforce_plus_plus" and a.kl.mode == "loss":
+        problems.append("algorithm.kl.mode: reinforce_plus_plus puts KL in the reward; use kl.mode=reward")
+    if not 0 < a.clip_low < 1:
+        problems.append(f"algorithm.clip_low: must be in (0, 1), got {a.clip_low}")
+    if a.clip_high <= 0:
+        problems.append(f"algorithm.clip_high: must be > 0, got {a.clip_high}")
+    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
+        problems.append(f"algorithm.dual_clip_c: must be > 1, got {a.dual_clip_c}")
+    if a.tis_cap is not None and a.tis_cap <= 0:
+        problems.append(f"algorithm.tis_cap: must be > 0, got {a.tis_cap}")
+    if not 0 <= a.gamma <= 1:
+        problems.append(f"algorithm.gamma: must be in [0, 1], got {a.gamma}")
+    if not 0 <= a.lam <= 1:
+        problems.append(f"algorithm.lam: must be in [0, 1], got {a.lam}")
+    if a.kl.coef < 0:
+        problems.append(f"algorithm.kl.coef: must be >= 0, got {a.kl.coef}")
+    if a.ppo_epochs < 1:
+        problems.append(f"algorithm.ppo_epochs: must be >= 1, got {a.ppo_epochs}")
+    if a.dynamic_sampling.enabled and a.advantage not in GROUP_ESTIMATORS:
+        problems.append(f"algorithm.dynamic_sampling.enabled: needs a group estimator, advantage is {a.advantage!r}")
+    if a.overlong.enabled and not 0 < a.overlong.buffer_len < r.sampling.max_new_tokens:
+        problems.append(f"algorithm.overlong.buffer_len: must be in (0, max_new_tokens = {r.sampling.max_new_tokens}), "
+                        f"got {a.overlong.buffer_len}")
+    s = r.sampling
+    if s.temperature < 0:
+        problems.append(f"rollout.sampling.temperature: must be >= 0, got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        problems.append(f"rollout.sampling.top_p: must be in (0, 1], got {s.top_p}")
+    if s.top_k == 0 or s.top_k < -1:
+        problems.append(f"rollout.sampling.top_k: must be -1 (off) or >= 1, got {s.top_k}")
+    if s.max_new_tokens < 1:
+        problems.append(f"rollout.sampling.max_new_tokens: must be >= 1, got {s.max_new_tokens}")
+    if r.n_per_prompt < 1:
+        problems.append(f"rollout.n_per_prompt: must be >= 1, got {r.n_per_prompt}")
+
+
+def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
+    for name in cfg.trained_roles:
+        o = getattr(cfg, name).optim
+        if o.lr <= 0:
+            problems.append(f"{name}.optim.lr: must be > 0, got {o.lr}")
+        if o.min_lr < 0 or o.min_lr > o.lr:
+            problems.append(f"{name}.optim.min_lr: must be in [0, lr = {o.lr}], got {o.min_lr}")
+        for beta in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(o, beta) < 1:
+                problems.append(f"{name}.optim.{beta}: must be in [0, 1), got {getattr(o, beta)}")
+    d, rw = cfg.data, cfg.reward
+    if d.source in ("jsonl", "parquet") and not d.path:
+        problems.append(f"data.path: data.source = {d.source!r} needs a file path")
+    if rw.kind == "function" and not rw.function:
+        problems.append("reward.function: reward.kind = 'function' needs module:function")
+    if rw.function and ":" not in rw.function:
+        problems.append(f"reward.function: {rw.function!r} must look like package.module:function")
+    if rw.kind == "model" and not cfg.reward_model.enabled:
+        problems.append("reward_model.enabled: reward.kind = 'model' needs the reward model role")
+    if rw.kind == "reasoning_gym" and d.source != "reasoning_gym":
+        problems.append(f"reward.kind: 'reasoning_gym' scores reasoning-gym tasks but data.source = {d.source!r}")
+    if cfg.sync.bucket_mb < 1:
+        problems.append(f"sync.bucket_mb: must be >= 1, got {cfg.sync.bucket_mb}")
+    if cfg.sync.transport == "ipc" and cfg.placement.mode != "colocated":
+        problems.append("sync.transport: ipc needs placement.mode = colocated")
+    if cfg.sync.transport == "nccl" and cfg.cluster.device != "cuda":
+        problems.append("sync.transport: nccl needs cluster.device = cuda")
+    if cfg.trainer.total_steps < 1:
+        problems.append(f"trainer.total_steps: must be >= 1, got {cfg.trainer.total_steps}")
+    if cfg.checkpoint.interval < 0:
+        problems.append(f"checkpoint.interval: must be >= 0, got {cfg.checkpoint.interval}")
+
+
+def _check_paths(cfg: RunConfig, problems: list[str]) -> None:
+    """Files the run will open. Checked at launch, not by ``megarl config``, so a cluster recipe
+    can be validated on a machine that does not hold its data."""
+    for field_name, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path),
+                              ("model.megatron_checkpoint", cfg.model.megatron_checkpoint)):
+        if value and not Path(value).expanduser().exists():
+            problems.append(f"{field_name}: {value!r} does not exist")
+    hf = cfg.model.hf_path
+    if not hf.startswith("builtin:") and hf_config_path(hf) is None:
+        problems.append(f"model.hf_path: no config.json in {hf!r}")
+    for name in ROLES:
+        path = getattr(cfg, name).model_path
+        if getattr(cfg, name).enabled and path and not path.startswith("builtin:") and hf_config_path(path) is None:
+            problems.append(f"{name}.model_path: no config.json in {path!r}")
+
+
+def collect_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
+    problems: list[str] = []
+    if check_paths:
+        _check_paths(cfg, problems)
+    resolve_arch(cfg, problems)
+    for name in ROLES:
+        role = getattr(cfg, name)
+        if role.enabled:
+            _check_parallel(name, role, cfg.model.arch, cfg.cluster.device, problems)
+    _check_batches(cfg, problems)
+    _check_pools(cfg, problems)
+    _check_algorithm(cfg, problems)
+    _check_rest(cfg, problems)
+    return problems
+
+
+def validate_config(cfg: RunConfig, check_paths: bool = False) -> RunConfig:
+    """Raise ``ConfigError`` listing every problem; returns the config (arch filled) when valid.
+    ``check_paths`` also requires the data and model files to exist (done at launch)."""
+    problems = collect_problems(cfg, check_paths)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
