@@ -1,0 +1,120 @@
+"""Metric helpers: detached, masked statistics that every step logs (DESIGN.md "The loop").
+
+All return 0-dim float tensors (call ``.item()`` when logging) and ignore padded positions. A
+statistic over an empty selection is 0 rather than ``nan``/``inf``, so logs stay finite.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+from .masked import as_bool_mask, masked_mean, masked_var, sanitize
+
+
+def masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    m = as_bool_mask(mask)
+    if not bool(m.any()):
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    return x.detach()[m].max()
+
+
+def masked_min(x: Tensor, mask: Tensor) -> Tensor:
+    m = as_bool_mask(mask)
+    if not bool(m.any()):
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    return x.detach()[m].min()
+
+
+def _stats(x: Tensor, mask: Tensor, prefix: str) -> Dict[str, Tensor]:
+    x = x.detach()
+    return {
+        f"{prefix}_mean": masked_mean(x, mask),
+        f"{prefix}_std": masked_var(x, mask).sqrt(),
+        f"{prefix}_max": masked_max(x, mask),
+        f"{prefix}_min": masked_min(x, mask),
+    }
+
+
+@torch.no_grad()
+def clip_fraction(ratio: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
+                  clip_high: float) -> Tensor:
+    """Fraction of valid tokens whose PPO objective is clipped (Schulman et al. 2017): the clipped
+    term is the active one, i.e. ``A > 0, ratio > 1 + clip_high`` or ``A < 0, ratio < 1 - clip_low``.
+    """
+    hit = ((advantages > 0) & (ratio > 1 + clip_high)) | ((advantages < 0) & (ratio < 1 - clip_low))
+    return masked_mean(hit.to(ratio.dtype), mask)
+
+
+@torch.no_grad()
+def approx_kl(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, estimator: str = "k1") -> Tensor:
+    """Mean per-token KL(old || new) estimate between the behaviour and the current policy,
+    samples drawn from ``old`` (Schulman 2020 "Approximating KL Divergence"): ``k1`` is
+    ``mean(old - new)`` (what verl logs as ``ppo_kl``), ``k3`` the non-negative low-variance one.
+    """
+    from .kl import get_kl_estimator
+
+    kl = get_kl_estimator(estimator)(sanitize(old_logprobs.detach(), mask),
+                                     sanitize(logprobs.detach(), mask))
+    return masked_mean(kl, mask)
+
+
+@torch.no_grad()
+def entropy_mean(entropy: Tensor, mask: Tensor) -> Tensor:
+    """Token-mean entropy of the policy over valid tokens (Cui et al. 2025 track it as the
+    signal of entropy collapse)."""
+    return masked_mean(entropy.detach(), mask)
+
+
+def ratio_stats(ratio: Tensor, mask: Tensor) -> Dict[str, Tensor]:
+    """``ratio_mean/std/max/min`` of the importance ratio pi/pi_old over valid tokens."""
+    return _stats(ratio, mask, "ratio")
+
+
+def advantage_stats(advantages: Tensor, mask: Tensor) -> Dict[str, Tensor]:
+    """``adv_mean/std/max/min`` over valid tokens."""
+    return _stats(advantages, mask, "adv")
+
+
+def returns_stats(returns: Tensor, mask: Tensor) -> Dict[str, Tensor]:
+    """``returns_mean/std/max/min`` over valid tokens."""
+    return _stats(returns, mask, "returns")
+
+
+def reward_stats(rewards: Tensor) -> Dict[str, Tensor]:
+    """``reward_mean/std/max/min`` of ``[batch]`` sequence rewards."""
+    r = rewards.detach()
+    r = r if r.is_floating_point() else r.to(torch.get_default_dtype())
+    return _stats(r, torch.ones_like(r, dtype=torch.bool), "reward")
+
+
+def response_length_stats(mask: Tensor, max_len: Optional[int] = None) -> Dict[str, Tensor]:
+    """``response_length_mean/max/min`` and, with ``max_len``, ``response_clip_ratio`` (the share
+    of responses that hit the length limit)."""
+    lengths = as_bool_mask(mask).sum(-1).to(torch.get_default_dtype())
+    out = {
+        "response_length_mean": lengths.mean(),
+        "response_length_max": lengths.max(),
+        "response_length_min": lengths.min(),
+    }
+    if max_len is not None:
+        out["response_clip_ratio"] = (lengths >= max_len).to(lengths.dtype).mean()
+    return out
+
+
+@torch.no_grad()
+def logprob_mismatch(train_logprobs: Tensor, rollout_logprobs: Tensor,
+                     mask: Tensor) -> Dict[str, Tensor]:
+    """Rollout-vs-train log-prob mismatch (Yao et al. 2025, "Your Efficient RL Framework Secretly
+    Brings You Off-Policy RL Training"): ``|log pi_train - log pi_rollout|`` mean and max over valid
+    tokens, and the k3 KL(rollout || train) estimate. Large values mean the inference engine
+    samples from a visibly different distribution than the trainer scores.
+    """
+    d = sanitize(train_logprobs.detach() - rollout_logprobs.detach(), mask)
+    log_r = d.clamp(-20, 20)
+    return {
+        "rollout_logprob_diff_mean": masked_mean(d.abs(), mask),
+        "rollout_logprob_diff_max": masked_max(d.abs(), mask),
+        "rollout_kl_k3": masked_mean(torch.exp(log_r) - log_r - 1, mask),
+    }

@@ -1,0 +1,74 @@
+"""Name -> function registries, so a run's config can pick an algorithm by a string.
+
+Each kind (advantage estimator, policy loss, KL estimator) has its own table. Registering an existing
+name raises: a silent overwrite would make a typo in a plugin change every run that uses the name.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+class Registry:
+    """A small name -> callable table with aliases and a helpful error on unknown names."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._table: Dict[str, Callable] = {}
+
+    def register(self, name: str, *aliases: str) -> Callable[[F], F]:
+        """Decorator: register ``fn`` under ``name`` and every alias."""
+
+        def deco(fn: F) -> F:
+            for n in (name, *aliases):
+                if n in self._table and self._table[n] is not fn:
+                    raise ValueError(f"{self.kind} {n!r} is already registered")
+                self._table[n] = fn
+            return fn
+
+        return deco
+
+    def get(self, name: str) -> Callable:
+        try:
+            return self._table[name]
+        except KeyError:
+            raise KeyError(f"unknown {self.kind} {name!r}; known: {sorted(self._table)}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._table)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+POLICY_LOSSES = Registry("policy loss")
+KL_ESTIMATORS = Registry("KL estimator")
+
+
+def register_advantage_estimator(name: str, *aliases: str) -> Callable[[F], F]:
+    """Register an advantage estimator; see ``megarl.algos`` for the signature it must have."""
+    return ADVANTAGE_ESTIMATORS.register(name, *aliases)
+
+
+def register_policy_loss(name: str, *aliases: str) -> Callable[[F], F]:
+    """Register a policy loss ``fn(logprobs, old_logprobs, advantages, mask, cfg, **kw)``."""
+    return POLICY_LOSSES.register(name, *aliases)
+
+
+def register_kl_estimator(name: str, *aliases: str) -> Callable[[F], F]:
+    """Register a per-token KL estimator ``fn(logprobs, ref_logprobs) -> Tensor``."""
+    return KL_ESTIMATORS.register(name, *aliases)
+
+
+def get_advantage_estimator(name: str) -> Callable:
+    return ADVANTAGE_ESTIMATORS.get(name)
+
+
+def get_policy_loss(name: str) -> Callable:
+    return POLICY_LOSSES.get(name)
+
+
+def get_kl_estimator(name: str) -> Callable:
+    return KL_ESTIMATORS.get(name)
