@@ -1,0 +1,282 @@
+"""Async client for SGLang's native HTTP API (and the megarl embedded server, which speaks the same
+subset).  Field names are sglang 0.5.23's (`megarl/rollout/protocol.py`, checked against the
+wheel by tests/test_client_fields.py).
+
+Real SGLang launch that this client is tested to match (GPU box; see README_SGLANG.md):
+
+    python -m sglang.launch_server --model-path /path/to/hf_model --host 127.0.0.1 --port 30000 \
+        --tp-size 1 --mem-fraction-static 0.7 --skip-tokenizer-init --enable-memory-saver \
+        --disable-radix-cache --random-seed 0
+
+Embedded server (CPU / small GPU / CI):
+
+    megarl serve /path/to/hf_model --port 30000        # == python -m megarl.rollout.server ...
+
+Retries: idempotent calls (generate, health, get_model_info, flush_cache, release/resume) are
+retried on connection errors, timeouts and 5xx with exponential backoff; weight-update calls are
+never retried (a half-done broadcast cannot be replayed) -- they raise.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import aiohttp
+
+from .protocol import CHECKSUM_FIELD, ENDPOINTS, FLATTENED_BUCKET, SGLANG_VERSION  # noqa: F401
+
+
+class ServerError(RuntimeError):
+    """Base of client errors; `.url` names the server."""
+
+    def __init__(self, url: str, msg: str):
+        super().__init__(f"{url}: {msg}")
+        self.url = url
+
+
+class ServerDown(ServerError, ConnectionError):
+    """The server cannot be reached (refused, reset, DNS, timeout) after all retries."""
+
+
+class RequestFailed(ServerError):
+    """The server answered with an error status (4xx, or 5xx after retries)."""
+
+    def __init__(self, url: str, status: int, body: Any):
+        super().__init__(url, f"HTTP {status}: {body}")
+        self.status = status
+        self.body = body
+
+
+def sampling_params(max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
+                    top_k: int = -1, min_p: float = 0.0, stop_token_ids: Optional[Sequence[int]] = None,
+                    n: int = 1, ignore_eos: bool = False, sampling_seed: Optional[int] = None,
+                    **extra) -> Dict[str, Any]:
+    """A `sampling_params` dict with sglang's SamplingParams field names."""
+    d: Dict[str, Any] = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
+                         "top_p": float(top_p), "top_k": int(top_k), "min_p": float(min_p), "n": int(n),
+                         "ignore_eos": bool(ignore_eos)}
+    if stop_token_ids:
+        d["stop_token_ids"] = [int(t) for t in stop_token_ids]
+    if sampling_seed is not None:
+        d["sampling_seed"] = int(sampling_seed)
+    d.update(extra)
+    return d
+
+
+@dataclass
+class GenerateOutput:
+    output_ids: List[int]
+    logprobs: Optional[List[float]]       # rollout logprob of each output token (None if not asked)
+    finish_reason: str                    # "stop" | "length" | "abort"
+    matched: Optional[Any] = None         # stop token / string that ended it
+    prompt_tokens: int = 0
+    text: Optional[str] = None
+    weight_version: Optional[str] = None
+    meta_info: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "GenerateOutput":
+        meta = d.get("meta_info", {}) or {}
+        fr = meta.get("finish_reason") or {}
+        otl = meta.get("output_token_logprobs")
+        ids = d.get("output_ids")
+        if ids is None and otl is not None:
+            ids = [int(x[1]) for x in otl]
+        return cls(output_ids=list(ids or []),
+                   logprobs=[float(x[0]) for x in otl] if otl is not None else None,
+                   finish_reason=fr.get("type", "unknown") if isinstance(fr, dict) else str(fr),
+                   matched=fr.get("matched") if isinstance(fr, dict) else None,
+                   prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
+                   text=d.get("text"), weight_version=meta.get("weight_version"), meta_info=meta)
+
+
+class SGLangClient:
+    """One server.  Use as `async with SGLangClient(url) as c: ...` (or call `close()`)."""
+
+    def __init__(self, url: str, max_concurrency: int = 64, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 5.0, retries: int = 3, backoff_s: float = 0.5):
+        self.url = url.rstrip("/")
+        if not self.url.startswith("http"):
+            self.url = "http://" + self.url
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_concurrency = max_concurrency
+        self._sem: Optional[asyncio.Semaphore] = None
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._loop = None
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self):
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session = aiohttp.ClientSession(timeout=self.timeout,
+                                                  connector=aiohttp.TCPConnector(limit=self.max_concurrency))
+            self._sem = asyncio.Semaphore(self.max_concurrency)
+            self._loop = loop
+        return self._session
+
+    async def _call(self, endpoint: str, payload: Optional[dict] = None, retry: bool = True,
+                    expect_json: bool = True) -> Any:
+        method, path = ENDPOINTS[endpoint]
+        sess = self._sess()
+        attempts = (self.retries + 1) if retry else 1
+        last: Optional[BaseException] = None
+        for a in range(attempts):
+            try:
+                async with self._sem:
+                    async with sess.request(method, self.url + path, json=payload) as r:
+                        raw = await r.read()
+                        if r.status >= 500 and retry and a + 1 < attempts:
+                            last = RequestFailed(self.url, r.status, raw[:500].decode(errors="replace"))
+                        elif r.status >= 400:
+                            try:
+                                body = await r.json(content_type=None)
+                            except Exception:
+                                body = raw[:2000].decode(errors="replace")
+                            raise RequestFailed(self.url + path, r.status, body)
+                        else:
+                            if not expect_json:
+                                return raw.decode(errors="replace")
+                            if not raw:
+                                return None
+                            try:
+                                return await r.json(content_type=None)
+                            except Exception:
+                                return raw.decode(errors="replace")
+            except RequestFailed:
+                raise
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, aiohttp.ClientPayloadError) as e:
+                last = e
+            if a + 1 < attempts:
+                await asyncio.sleep(self.backoff_s * (2 ** a) * (0.5 + random.random()))
+        if isinstance(last, RequestFailed):
+            raise last
+        raise ServerDown(self.url, f"{path} unreachable after {attempts} attempt(s): {type(last).__name__}: {last}")
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, input_ids: Union[List[int], List[List[int]]], sampling: Optional[Dict[str, Any]] = None,
+                       return_logprob: bool = True, rid: Optional[Union[str, List[str]]] = None,
+                       ) -> List[GenerateOutput]:
+        """Token ids in -> outputs (always a list: prompt-major, n per prompt)."""
+        payload: Dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling or sampling_params(),
+                                   "return_logprob": return_logprob, "stream": False}
+        if rid is not None:
+            payload["rid"] = rid
+        out = await self._call("generate", payload)
+        items = out if isinstance(out, list) else [out]
+        return [GenerateOutput.from_json(d) for d in items]
+
+    async def generate_raw(self, payload: Dict[str, Any]) -> Any:
+        return await self._call("generate", payload)
+
+    # ------------------------------------------------------------------ weights
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> Dict[str, Any]:
+        return await self._call("init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}, retry=False)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Dict[str, Any]:
+        return await self._call("destroy_weights_update_group", {"group_name": group_name}, retry=False)
+
+    async def update_weights_from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
+                                              group_name: str = "weight_update_group",
+                                              load_format: Optional[str] = None, flush_cache: bool = True,
+                                              weight_version: Optional[str] = None,
+                                              checksums: Optional[List[str]] = None) -> Dict[str, Any]:
+        p: Dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                             "flush_cache": flush_cache}
+        if load_format is not None:
+            p["load_format"] = load_format
+        if weight_version is not None:
+            p["weight_version"] = weight_version
+        if checksums is not None:
+            p[CHECKSUM_FIELD] = checksums
+        return await self._call("update_weights_from_distributed", p, retry=False)
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: List[str], load_format: Optional[str] = None,
+                                         flush_cache: bool = True, weight_version: Optional[str] = None,
+                                         checksums: Optional[List[str]] = None) -> Dict[str, Any]:
+        p: Dict[str, Any] = {"serialized_named_tensors": serialized_named_tensors, "flush_cache": flush_cache}
+        if load_format is not None:
+            p["load_format"] = load_format
+        if weight_version is not None:
+            p["weight_version"] = weight_version
+        if checksums is not None:
+            p[CHECKSUM_FIELD] = checksums
+        return await self._call("update_weights_from_tensor", p, retry=False)
+
+    async def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
+                                       weight_version: Optional[str] = None, flush_cache: bool = True) -> Dict[str, Any]:
+        p: Dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
+        if load_format is not None:
+            p["load_format"] = load_format
+        if weight_version is not None:
+            p["weight_version"] = weight_version
+        return await self._call("update_weights_from_disk", p, retry=False)
+
+    # ------------------------------------------------------------------ memory / cache / info
+    async def flush_cache(self) -> str:
+        return await self._call("flush_cache", None, expect_json=False)
+
+    async def release_memory_occupation(self, tags: Optional[List[str]] = None):
+        return await self._call("release_memory_occupation", {"tags": tags} if tags else {})
+
+    async def resume_memory_occupation(self, tags: Optional[List[str]] = None):
+        return await self._call("resume_memory_occupation", {"tags": tags} if tags else {})
+
+    async def health(self) -> bool:
+        """True iff the server answers /health with 200 (no retries; never raises)."""
+        try:
+            await self._call("health", None, retry=False, expect_json=False)
+            return True
+        except ServerError:
+            return False
+
+    async def wait_healthy(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
+        loop = asyncio.get_running_loop()
+        t_end = loop.time() + timeout_s
+        while loop.time() < t_end:
+            if await self.health():
+                return
+            await asyncio.sleep(poll_s)
+        raise ServerDown(self.url, f"not healthy after {timeout_s:.0f}s")
+
+    async def get_model_info(self) -> Dict[str, Any]:
+        return await self._call("get_model_info", None)
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread, for synchronous callers (trainer ranks) that must issue
+    HTTP calls *while* they run a blocking collective (broadcast) on their own thread."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._t = threading.Thread(target=self.loop.run_forever, name="megarl-http", daemon=True)
+        self._t.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout: Optional[float] = None):
+        return self.submit(coro).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._t.join(timeout=5)

@@ -1,0 +1,285 @@
+"""Continuous-batching engine: one scheduler thread owns the model and the KV cache.
+
+Loop (one iteration = one "step"):
+  1. run queued control ops (weight updates, memory release/resume, flush) -- between steps,
+     never in the middle of a forward;
+  2. admit waiting requests into free KV slots (up to `max_running`, `max_prefill_tokens` per
+     step) and prefill them as one right-padded batch;
+  3. one decode step over every running request (new and old together);
+  4. sample each row with its own params; finished requests free their slot and resolve.
+
+Logprobs are computed from the same fp32 logits the token is sampled from:
+`log_softmax(logits / temperature)` (raw logits when temperature == 0), before top-k/top-p/min-p
+filtering -- the same convention as sglang's default `output_token_logprobs`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .model import DecoderModel
+
+log = logging.getLogger("megarl.rollout.engine")
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    sampling_seed: Optional[int] = None
+
+    @classmethod
+    def from_dict(cls, d: Optional[Dict[str, Any]]) -> "Sampling":
+        d = dict(d or {})
+        s = cls()
+        for k in ("max_new_tokens", "min_new_tokens", "top_k", "sampling_seed"):
+            if d.get(k) is not None:
+                setattr(s, k, int(d[k]))
+        for k in ("temperature", "top_p", "min_p"):
+            if d.get(k) is not None:
+                setattr(s, k, float(d[k]))
+        if d.get("ignore_eos") is not None:
+            s.ignore_eos = bool(d["ignore_eos"])
+        if d.get("stop_token_ids"):
+            s.stop_token_ids = tuple(int(t) for t in d["stop_token_ids"])
+        if s.max_new_tokens < 0 or s.temperature < 0 or not (0 < s.top_p <= 1) or s.top_k == 0:
+            raise ValueError(f"invalid sampling params {d}")
+        return s
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class Request:
+    input_ids: List[int]
+    sampling: Sampling
+    return_logprob: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    output_ids: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    finish_reason: Optional[dict] = None
+    slot: int = -1
+    pending: int = -1          # last sampled token, not yet written to the KV cache
+    generator: Optional[torch.Generator] = None
+    t_start: float = field(default_factory=time.time)
+
+    def result(self, weight_version: str) -> dict:
+        meta = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": 0,
+            "weight_version": weight_version,
+            "e2e_latency": time.time() - self.t_start,
+        }
+        if self.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
+        return {"output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def sample(logits: torch.Tensor, reqs: List[Request], default_gen: torch.Generator):
+    """logits fp32 [B, V] -> (tokens [B], logprobs [B]) with per-row params."""
+    B = logits.shape[0]
+    temps = torch.tensor([r.sampling.temperature if not r.sampling.greedy else 1.0 for r in reqs],
+                         dtype=torch.float32, device=logits.device)
+    scaled = logits / temps[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    tokens = torch.empty(B, dtype=torch.long, device=logits.device)
+    greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy]
+    if greedy:
+        gi = torch.tensor(greedy, device=logits.device)
+        tokens[gi] = logits[gi].argmax(dim=-1)
+    for i, r in enumerate(reqs):
+        if r.sampling.greedy:
+            continue
+        s = r.sampling
+        p = logp[i].exp()
+        if s.top_k > 0 and s.top_k < p.numel():
+            kth = torch.topk(p, s.top_k).values[-1]
+            p = torch.where(p < kth, torch.zeros_like(p), p)
+        if s.top_p < 1.0:
+            sp, si = torch.sort(p, descending=True)
+            cum = torch.cumsum(sp, 0)
+            drop = (cum - sp) > s.top_p * cum[-1]
+            sp[drop] = 0.0
+            p = torch.zeros_like(p).scatter_(0, si, sp)
+        if s.min_p > 0.0:
+            p = torch.where(p < s.min_p * p.max(), torch.zeros_like(p), p)
+        g = r.generator or default_gen
+        tokens[i] = torch.multinomial(p.cpu() / p.sum().cpu(), 1, generator=g).to(logits.device)[0]
+    lps = logp.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), lps.tolist()
+
+
+class Engine:
+    def __init__(self, model: DecoderModel, max_running: int = 32, max_len: int = 2048,
+                 max_prefill_tokens: int = 8192, seed: int = 0):
+        self.model = model
+        self.max_running = max_running
+        self.max_len = max_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: "queue.Queue[Request]" = queue.Queue()
+        self.controls: "queue.Queue[tuple]" = queue.Queue()
+        self.running: List[Request] = []
+        self.free_slots = list(range(max_running))
+        self.weight_version = "default"
+        self.gen = torch.Generator().manual_seed(seed)
+        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "max_batch": 0}
+        self.released: set = set()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._backlog: List[Request] = []
+        self._thread: Optional[threading.Thread] = None
+        model.alloc_cache(max_running, max_len)
+
+    # ------------------------------------------------------------ public (any thread)
+    def start(self):
+        self._thread = threading.Thread(target=self._loop, name="megarl-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def submit(self, req: Request) -> concurrent.futures.Future:
+        n = len(req.input_ids)
+        if n == 0:
+            raise ValueError("empty input_ids")
+        if n >= self.max_len:
+            raise ValueError(f"prompt of {n} tokens does not fit max_len {self.max_len}")
+        if "kv_cache" in self.released or "weights" in self.released:
+            raise RuntimeError(f"memory released ({sorted(self.released)}); call /resume_memory_occupation")
+        if req.sampling.sampling_seed is not None:
+            req.generator = torch.Generator().manual_seed(req.sampling.sampling_seed)
+        self.waiting.put(req)
+        self._wake.set()
+        return req.done
+
+    def control(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the engine thread between steps; returns a future of its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.controls.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    def num_active(self) -> int:
+        return len(self.running) + self.waiting.qsize() + len(self._backlog)
+
+    # ------------------------------------------------------------ engine thread
+    def _loop(self):
+        while not self._stop.is_set():
+            try:
+                self._run_controls()
+                admitted = self._admit()
+                if not self.running:
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+                    continue
+                self._decode(skip=admitted)
+            except Exception as e:  # never die silently: fail the running requests
+                log.exception("engine step failed")
+                for r in self.running:
+                    self._finish(r, {"type": "abort", "message": f"engine error: {e}"}, error=e)
+                self.running = []
+
+    def _run_controls(self):
+        while True:
+            try:
+                fn, fut = self.controls.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def _admit(self) -> List[Request]:
+        while True:
+            try:
+                self._backlog.append(self.waiting.get_nowait())
+            except queue.Empty:
+                break
+        new, budget = [], self.max_prefill_tokens
+        while self._backlog and self.free_slots:
+            r = self._backlog[0]
+            if new and len(r.input_ids) > budget:
+                break
+            self._backlog.pop(0)
+            if r.done.cancelled():
+                continue
+            r.slot = self.free_slots.pop()
+            budget -= len(r.input_ids)
+            new.append(r)
+        if not new:
+            return []
+        logits = self.model.prefill([r.input_ids for r in new], [r.slot for r in new])
+        self.stats["prefill_tokens"] += sum(len(r.input_ids) for r in new)
+        self.running.extend(new)
+        self._consume(new, logits)
+        return new
+
+    def _decode(self, skip: List[Request]):
+        # requests admitted this step already got their first token from the prefill logits;
+        # they join the decode batch from the next step on -- except that we still want to
+        # batch them now: feed every running request's pending token.
+        batch = [r for r in self.running if r.finish_reason is None]
+        if not batch:
+            self.running = []
+            return
+        pos = [len(r.input_ids) + len(r.output_ids) - 1 for r in batch]
+        logits = self.model.decode([r.pending for r in batch], [r.slot for r in batch], pos)
+        self.stats["steps"] += 1
+        self.stats["decode_tokens"] += len(batch)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
+        self._consume(batch, logits)
+
+    def _consume(self, reqs: List[Request], logits: torch.Tensor):
+        toks, lps = sample(logits, reqs, self.gen)
+        eos = set(self.model.spec.eos_token_ids)
+        for r, t, lp in zip(reqs, toks, lps):
+            r.output_ids.append(t)
+            r.logprobs.append(lp)
+            r.pending = t
+            s = r.sampling
+            n = len(r.output_ids)
+            if n >= s.min_new_tokens and (t in s.stop_token_ids or (not s.ignore_eos and t in eos)):
+                self._finish(r, {"type": "stop", "matched": t})
+            elif n >= s.max_new_tokens:
+                self._finish(r, {"type": "length", "length": s.max_new_tokens})
+            elif len(r.input_ids) + n >= self.max_len:
+                self._finish(r, {"type": "length", "length": n})
+        self.running = [r for r in self.running if r.finish_reason is None]
+
+    def _finish(self, r: Request, reason: dict, error: Optional[BaseException] = None):
+        r.finish_reason = reason
+        if r.slot >= 0:
+            self.free_slots.append(r.slot)
+            r.slot = -1
+        if not r.done.done():
+            if error is not None:
+                r.done.set_exception(error)
+            else:
+                r.done.set_result(r.result(self.weight_version))

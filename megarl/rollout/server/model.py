@@ -1,0 +1,392 @@
+"""A compact torch implementation of the HF decoder families the embedded server serves.
+
+Families: llama (SmolLM2, Llama-2/3, Mistral-like), qwen2 (qkv bias), qwen3 (qk-norm),
+qwen3_moe (qk-norm + top-k routed experts).  Parameters are held under their HF checkpoint
+names (experts stacked per layer, addressable as `...mlp.experts.{e}.{gate,up,down}_proj.weight`),
+so weight updates load by HF name.
+
+KV cache: slot-based and preallocated: per layer `k`, `v` of shape
+[max_slots, kv_heads, max_len, head_dim].  A request owns one slot for its lifetime.
+Attention runs through `scaled_dot_product_attention` with an explicit mask, in the model dtype
+(fp32 on CPU by default); logits are returned in fp32.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+@dataclass
+class Spec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    # MoE (qwen3_moe)
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: Tuple[int, ...] = ()
+    eos_token_ids: Tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "Spec":
+        mt = cfg.model_type
+        if mt not in SUPPORTED:
+            raise ValueError(f"embedded server: unsupported model_type {mt!r} (supported: {SUPPORTED})")
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        moe_layers: Tuple[int, ...] = ()
+        ne = 0
+        if mt == "qwen3_moe":
+            ne = cfg.num_experts
+            step = getattr(cfg, "decoder_sparse_step", 1) or 1
+            only = set(getattr(cfg, "mlp_only_layers", []) or [])
+            moe_layers = tuple(i for i in range(cfg.num_hidden_layers)
+                               if i not in only and ne > 0 and (i + 1) % step == 0)
+        eos = getattr(cfg, "eos_token_id", None)
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            model_type=mt,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=(mt == "qwen2") or bool(getattr(cfg, "attention_bias", False)),
+            o_bias=(mt in ("llama", "mistral", "qwen3", "qwen3_moe")) and bool(getattr(cfg, "attention_bias", False)),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+            num_experts=ne,
+            top_k=getattr(cfg, "num_experts_per_tok", 0) if ne else 0,
+            moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) if ne else 0,
+            norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", False)),
+            moe_layers=moe_layers,
+            eos_token_ids=eos,
+        )
+
+
+def rope_inv_freq(cfg, head_dim: int) -> Tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling exactly as transformers computes them."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    return inv.float(), float(scale)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dt = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x.to(dt)
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+_EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class DecoderModel:
+    """Weights by HF name + a forward over a slot KV cache."""
+
+    def __init__(self, hf_config, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        self.cfg = hf_config
+        self.spec = s = Spec.from_hf_config(hf_config)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        inv, self.rope_scale = rope_inv_freq(hf_config, s.head_dim)
+        self.inv_freq = inv.to(self.device)
+        self.params: Dict[str, torch.Tensor] = {}
+        self._alloc()
+        self.k_cache: List[torch.Tensor] = []
+        self.v_cache: List[torch.Tensor] = []
+        self.max_slots = 0
+        self.max_len = 0
+
+    # ---------------------------------------------------------------- parameters
+    def _shapes(self) -> Dict[str, Tuple[int, ...]]:
+        s = self.spec
+        H, D = s.hidden_size, s.head_dim
+        out: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, H), "model.norm.weight": (H,)}
+        if not s.tie_word_embeddings:
+            out["lm_head.weight"] = (s.vocab_size, H)
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = (H,)
+            out[p + "post_attention_layernorm.weight"] = (H,)
+            out[p + "self_attn.q_proj.weight"] = (s.num_heads * D, H)
+            out[p + "self_attn.k_proj.weight"] = (s.num_kv_heads * D, H)
+            out[p + "self_attn.v_proj.weight"] = (s.num_kv_heads * D, H)
+            out[p + "self_attn.o_proj.weight"] = (H, s.num_heads * D)
+            if s.qkv_bias:
+                out[p + "self_attn.q_proj.bias"] = (s.num_heads * D,)
+                out[p + "self_attn.k_proj.bias"] = (s.num_kv_heads * D,)
+                out[p + "self_attn.v_proj.bias"] = (s.num_kv_heads * D,)
+            if s.o_bias:
+                out[p + "self_attn.o_proj.bias"] = (H,)
+            if s.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = (D,)
+                out[p + "self_attn.k_norm.weight"] = (D,)
+            if i in s.moe_layers:
+                E, I = s.num_experts, s.moe_intermediate_size
+                out[p + "mlp.gate.weight"] = (E, H)
+                out[p + "mlp.experts.gate_proj"] = (E, I, H)
+                out[p + "mlp.experts.up_proj"] = (E, I, H)
+                out[p + "mlp.experts.down_proj"] = (E, H, I)
+            else:
+                I = s.intermediate_size
+                out[p + "mlp.gate_proj.weight"] = (I, H)
+                out[p + "mlp.up_proj.weight"] = (I, H)
+                out[p + "mlp.down_proj.weight"] = (H, I)
+                if s.mlp_bias:
+                    out[p + "mlp.gate_proj.bias"] = (I,)
+                    out[p + "mlp.up_proj.bias"] = (I,)
+                    out[p + "mlp.down_proj.bias"] = (H,)
+        return out
+
+    def _alloc(self):
+        for n, shp in self._shapes().items():
+            self.params[n] = torch.zeros(shp, device=self.device, dtype=self.dtype)
+
+    def hf_names(self) -> Dict[str, Tuple[int, ...]]:
+        """Every HF checkpoint name this model accepts, with its shape (experts expanded)."""
+        out = {}
+        for n, t in self.params.items():
+            if n.endswith(("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")):
+                base, proj = n.rsplit(".", 1)
+                for e in range(t.shape[0]):
+                    out[f"{base}.{e}.{proj}.weight"] = tuple(t.shape[1:])
+            else:
+                out[n] = tuple(t.shape)
+        return out
+
+    def target(self, name: str) -> Optional[torch.Tensor]:
+        """The tensor (a view for one expert) that HF name `name` loads into, or None if unknown.
+        `lm_head.weight` of a tied model maps to the embedding (sglang skips it; so do we: None
+        is returned only for truly unknown names -- see `is_ignored`)."""
+        t = self.params.get(name)
+        if t is not None:
+            return t
+        m = _EXPERT_RE.match(name)
+        if m:
+            stacked = self.params.get(f"{m.group(1)}.{m.group(4)}")
+            e = int(m.group(3))
+            if stacked is not None and e < stacked.shape[0]:
+                return stacked[e]
+        return None
+
+    def is_ignored(self, name: str) -> bool:
+        return self.spec.tie_word_embeddings and name == "lm_head.weight"
+
+    def load_state(self, named: Iterable[Tuple[str, torch.Tensor]], strict: bool = True) -> List[str]:
+        """Copy HF-named tensors in (no verification beyond name and shape); returns names seen."""
+        seen = []
+        for name, t in named:
+            if self.is_ignored(name):
+                continue
+            dst = self.target(name)
+            if dst is None:
+                if strict:
+                    raise KeyError(f"unknown weight name {name!r}")
+                continue
+            if tuple(dst.shape) != tuple(t.shape):
+                raise ValueError(f"shape mismatch for {name}: got {tuple(t.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+            seen.append(name)
+        return seen
+
+    def load_hf_dir(self, path: str):
+        from safetensors import safe_open
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        seen = set()
+        for f in files:
+            with safe_open(os.path.join(path, f), framework="pt") as fh:
+                for k in fh.keys():
+                    seen.update(self.load_state([(k, fh.get_tensor(k))], strict=False))
+        missing = set(self.hf_names()) - seen
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+    # ---------------------------------------------------------------- KV cache
+    def alloc_cache(self, max_slots: int, max_len: int):
+        s = self.spec
+        shp = (max_slots, s.num_kv_heads, max_len, s.head_dim)
+        self.k_cache = [torch.zeros(shp, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
+        self.v_cache = [torch.zeros(shp, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
+        self.max_slots, self.max_len = max_slots, max_len
+
+    def free_cache(self):
+        self.k_cache, self.v_cache = [], []
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+
+    # ---------------------------------------------------------------- forward
+    def _rope(self, pos: torch.Tensor):
+        # pos: [B, T] int64 -> cos, sin [B, 1, T, D]
+        freqs = pos[..., None].float() * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(self.dtype)[:, None]
+        sin = (emb.sin() * self.rope_scale).to(self.dtype)[:, None]
+        return cos, sin
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        p = f"model.layers.{i}.mlp."
+        P = self.params
+        if i not in self.spec.moe_layers:
+            g = F.linear(x, P[p + "gate_proj.weight"], P.get(p + "gate_proj.bias"))
+            u = F.linear(x, P[p + "up_proj.weight"], P.get(p + "up_proj.bias"))
+            return F.linear(F.silu(g) * u, P[p + "down_proj.weight"], P.get(p + "down_proj.bias"))
+        s = self.spec
+        shp = x.shape
+        h = x.reshape(-1, shp[-1])
+        logits = F.linear(h, P[p + "gate.weight"])
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        w, idx = torch.topk(probs, s.top_k, dim=-1)
+        if s.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        w = w.to(h.dtype)
+        out = torch.zeros_like(h)
+        gp, up, dp = P[p + "experts.gate_proj"], P[p + "experts.up_proj"], P[p + "experts.down_proj"]
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            xe = h[tok]
+            ye = F.linear(F.silu(F.linear(xe, gp[e])) * F.linear(xe, up[e]), dp[e])
+            out.index_add_(0, tok, ye * w[tok, slot, None])
+        return out.reshape(shp)
+
+    def _layer(self, i: int, x, cos, sin, slots, pos, attn_mask, prefill_lens=None):
+        s = self.spec
+        P = self.params
+        p = f"model.layers.{i}.self_attn."
+        B, T, _ = x.shape
+        h = _rms(x, P[f"model.layers.{i}.input_layernorm.weight"], s.rms_norm_eps)
+        q = F.linear(h, P[p + "q_proj.weight"], P.get(p + "q_proj.bias")).view(B, T, s.num_heads, s.head_dim).transpose(1, 2)
+        k = F.linear(h, P[p + "k_proj.weight"], P.get(p + "k_proj.bias")).view(B, T, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = F.linear(h, P[p + "v_proj.weight"], P.get(p + "v_proj.bias")).view(B, T, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        if s.qk_norm:
+            q = _rms(q, P[p + "q_norm.weight"], s.rms_norm_eps)
+            k = _rms(k, P[p + "k_norm.weight"], s.rms_norm_eps)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        kc, vc = self.k_cache[i], self.v_cache[i]
+        if prefill_lens is not None:
+            # prefill: write the first len_b positions of each row into its slot, attend locally
+            for b in range(B):
+                L = prefill_lens[b]
+                kc[slots[b], :, :L] = k[b, :, :L]
+                vc[slots[b], :, :L] = v[b, :, :L]
+            kk, vv = k, v
+        else:
+            # decode (T == 1): write at pos, attend over the slot's prefix
+            kc[slots, :, pos] = k[:, :, 0]
+            vc[slots, :, pos] = v[:, :, 0]
+            Lm = int(pos.max().item()) + 1
+            kk = kc[slots, :, :Lm]
+            vv = vc[slots, :, :Lm]
+        if s.num_kv_heads != s.num_heads:
+            rep = s.num_heads // s.num_kv_heads
+            kk = kk.repeat_interleave(rep, dim=1)
+            vv = vv.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, scale=1.0 / math.sqrt(s.head_dim))
+        a = a.transpose(1, 2).reshape(B, T, s.num_heads * s.head_dim)
+        x = x + F.linear(a, P[p + "o_proj.weight"], P.get(p + "o_proj.bias"))
+        h = _rms(x, P[f"model.layers.{i}.post_attention_layernorm.weight"], s.rms_norm_eps)
+        return x + self._mlp(i, h)
+
+    def _head(self, x):
+        x = _rms(x, self.params["model.norm.weight"], self.spec.rms_norm_eps)
+        w = self.params["model.embed_tokens.weight"] if self.spec.tie_word_embeddings else self.params["lm_head.weight"]
+        return F.linear(x, w).float()
+
+    @torch.inference_mode()
+    def prefill(self, seqs: List[List[int]], slots: List[int]) -> torch.Tensor:
+        """Run prompts (right-padded into one batch) and fill their slots; fp32 logits [B, V] of
+        each prompt's last position."""
+        B = len(seqs)
+        lens = [len(q) for q in seqs]
+        T = max(lens)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for b, q in enumerate(seqs):
+            ids[b, : len(q)] = torch.tensor(q, dtype=torch.long)
+        ids = ids.to(self.device)
+        pos = torch.arange(T, device=self.device)[None].expand(B, T)
+        cos, sin = self._rope(pos)
+        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None].expand(B, 1, T, T)
+        x = F.embedding(ids, self.params["model.embed_tokens.weight"])
+        for i in range(self.spec.num_layers):
+            x = self._layer(i, x, cos, sin, slots, None, mask, prefill_lens=lens)
+        last = x[torch.arange(B, device=self.device), torch.tensor(lens, device=self.device) - 1]
+        return self._head(last)
+
+    @torch.inference_mode()
+    def decode(self, tokens: List[int], slots: List[int], positions: List[int]) -> torch.Tensor:
+        """One step for B running requests: token b sits at positions[b] of slot slots[b].
+        Returns fp32 logits [B, V]."""
+        B = len(tokens)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        sl = torch.tensor(slots, dtype=torch.long, device=self.device)
+        cos, sin = self._rope(pos[:, None])
+        Lm = int(max(positions)) + 1
+        mask = (torch.arange(Lm, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
+        x = F.embedding(ids, self.params["model.embed_tokens.weight"])
+        for i in range(self.spec.num_layers):
+            x = self._layer(i, x, cos, sin, sl, pos, mask)
+        return self._head(x[:, 0])
+
+    @torch.inference_mode()
+    def forward_full(self, ids: List[int]) -> torch.Tensor:
+        """Logits [T, V] over a whole sequence without touching running slots (uses slot 0 of a
+        private 1-slot cache).  For tests and prompt logprobs."""
+        saved = (self.k_cache, self.v_cache, self.max_slots, self.max_len)
+        try:
+            self.alloc_cache(1, len(ids))
+            B, T = 1, len(ids)
+            t = torch.tensor(ids, dtype=torch.long, device=self.device)[None]
+            pos = torch.arange(T, device=self.device)[None]
+            cos, sin = self._rope(pos)
+            mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None]
+            x = F.embedding(t, self.params["model.embed_tokens.weight"])
+            for i in range(self.spec.num_layers):
+                x = self._layer(i, x, cos, sin, [0], None, mask, prefill_lens=[T])
+            return self._head(x[0])
+        finally:
+            self.k_cache, self.v_cache, self.max_slots, self.max_len = saved

@@ -1,0 +1,184 @@
+"""Server side of weight updates: receive, verify, then swap -- or refuse and keep the old weights.
+
+All functions here run on the engine thread (between decode steps), see `Engine.control`.
+Verification happens before a single parameter is touched:
+  * every name must be a weight of the served model (tied `lm_head.weight` is skipped, as sglang
+    does), every shape must match, the dtype must be a float dtype (cast to the model dtype);
+  * the bucket checksum (megarl extension field `megarl_checksums`) must match the received bytes.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import os
+import pickle
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megarl.sync.bucket import BucketMeta, checksum, dtype_from_name
+from megarl.sync.groups import destroy_group, init_custom_process_group, tcp
+
+from .model import DecoderModel
+
+log = logging.getLogger("megarl.rollout.weights")
+
+
+class WeightRefused(ValueError):
+    """A weight update that failed verification; the served weights are unchanged."""
+
+
+class WeightReceiver:
+    def __init__(self, model: DecoderModel):
+        self.model = model
+        self.groups: Dict[str, object] = {}
+        self.num_updates = 0
+
+    # ------------------------------------------------------------------ groups
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str = "weight_update_group", backend: str = "nccl") -> str:
+        if backend == "nccl" and self.model.device.type != "cuda":
+            backend = "gloo"  # embedded server on CPU: the trainer must use gloo too
+        if group_name in self.groups:
+            destroy_group(self.groups.pop(group_name))
+        self.groups[group_name] = init_custom_process_group(
+            backend, tcp(master_address, int(master_port)), int(world_size), int(rank_offset), group_name)
+        return f"joined group {group_name} as rank {rank_offset} of {world_size} ({backend})"
+
+    def destroy_group(self, group_name: str) -> str:
+        if group_name not in self.groups:
+            raise KeyError(f"no group {group_name}")
+        destroy_group(self.groups.pop(group_name))
+        return f"destroyed {group_name}"
+
+    # ------------------------------------------------------------------ verify + swap
+    def _check(self, named: Sequence[Tuple[str, torch.Tensor]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        pairs = []
+        errors = []
+        for name, t in named:
+            if self.model.is_ignored(name):
+                continue
+            dst = self.model.target(name)
+            if dst is None:
+                errors.append(f"unknown weight name {name!r}")
+                continue
+            if tuple(dst.shape) != tuple(t.shape):
+                errors.append(f"shape mismatch for {name}: got {tuple(t.shape)}, model has {tuple(dst.shape)}")
+                continue
+            if not t.dtype.is_floating_point:
+                errors.append(f"non-float dtype {t.dtype} for {name}")
+                continue
+            if not torch.isfinite(t).all():
+                errors.append(f"non-finite values in {name}")
+                continue
+            pairs.append((dst, t))
+        if errors:
+            raise WeightRefused("; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
+        return pairs
+
+    def _apply(self, pairs):
+        for dst, t in pairs:
+            dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+        self.num_updates += 1
+
+    def _verify_sum(self, flat: torch.Tensor, expected: Optional[str]):
+        if expected is None:
+            return
+        got = checksum(flat)
+        if got != expected:
+            raise WeightRefused(f"bucket checksum mismatch: got {got}, trainer sent {expected}")
+
+    # ------------------------------------------------------------------ transports
+    def from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
+                         group_name: str = "weight_update_group", load_format: Optional[str] = None,
+                         checksums: Optional[List[str]] = None) -> str:
+        if group_name not in self.groups:
+            raise KeyError(f"group {group_name!r} not initialised; call /init_weights_update_group first")
+        pg = self.groups[group_name]
+        meta = BucketMeta.from_fields(names, dtypes, shapes)  # one dtype -> aligned views
+        flat = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.model.device)
+        if load_format == "flattened_bucket":
+            dist.broadcast(flat, src=0, group=pg)
+        else:
+            # sglang's default wire format: one broadcast per tensor, in order
+            handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in meta.views(flat)]
+            for h in handles:
+                h.wait()
+        # Always receive first (the trainer is mid-broadcast), then judge.
+        self._verify_sum(flat, (checksums or [None])[0])
+        self._apply(self._check(meta.views(flat)))
+        return f"updated {len(names)} tensors ({meta.nbytes} bytes)"
+
+    def from_tensor(self, serialized_named_tensors: List[str], load_format: Optional[str] = None,
+                    checksums: Optional[List[str]] = None, tp_rank: int = 0) -> str:
+        payload = serialized_named_tensors[tp_rank]
+        data = base64.b64decode(payload) if isinstance(payload, str) else payload
+        obj = _SafeUnpickler(io.BytesIO(data)).load()
+        if load_format == "flattened_bucket" or isinstance(obj, dict):
+            flat = obj["flattened_tensor"]
+            named = [(m["name"] if isinstance(m, dict) else m.name,
+                      flat[(m["start_idx"] if isinstance(m, dict) else m.start_idx):(m["end_idx"] if isinstance(m, dict) else m.end_idx)]
+                      .view(dtype_from_name(str(m["dtype"] if isinstance(m, dict) else m.dtype)))
+                      .view(list(m["shape"] if isinstance(m, dict) else m.shape)))
+                     for m in obj["metadata"]]
+            self._verify_sum(flat, (checksums or [None])[0])
+        else:
+            named = [(n, t) for n, t in obj]
+            if checksums:
+                ts = [t for _, t in named]
+                base = ts[0].untyped_storage() if ts else None
+                # a view list of one flat bucket (what megarl sends): checksum the whole storage
+                if base is not None and all(t.untyped_storage().data_ptr() == base.data_ptr() for t in ts):
+                    start = min(t.storage_offset() * t.element_size() for t in ts)
+                    nbytes = sum(t.numel() * t.element_size() for t in ts)
+                    flat = torch.empty(0, dtype=torch.uint8, device=ts[0].device).set_(base, start, (nbytes,))
+                    self._verify_sum(flat, checksums[0])
+                else:
+                    raise WeightRefused("megarl_checksums given but the tensors are not views of one bucket")
+        self._apply(self._check(named))
+        return f"updated {len(named)} tensors from tensor handles"
+
+    def from_disk(self, model_path: str) -> str:
+        from safetensors import safe_open
+        if not os.path.isdir(model_path):
+            raise WeightRefused(f"{model_path} is not a directory")
+        files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+        if not files:
+            raise WeightRefused(f"no *.safetensors in {model_path}")
+        named = []
+        sums = {}
+        sums_path = os.path.join(model_path, "megarl_checksums.json")
+        if os.path.exists(sums_path):
+            import json
+            with open(sums_path) as f:
+                sums = json.load(f)
+        for fn in files:
+            with safe_open(os.path.join(model_path, fn), framework="pt") as fh:
+                for k in fh.keys():
+                    t = fh.get_tensor(k)
+                    if k in sums:
+                        self._verify_sum(t.contiguous(), sums[k])
+                    named.append((k, t))
+        pairs = self._check(named)
+        missing = set(self.model.hf_names()) - {n for n, _ in named}
+        if missing:
+            raise WeightRefused(f"{model_path} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+        self._apply(pairs)
+        return f"loaded {len(pairs)} tensors from {model_path}"
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Only torch tensor/storage rebuild paths and plain containers (payloads come from a trainer
+    over loopback, but we still refuse arbitrary globals)."""
+
+    _ALLOWED_PREFIX = ("torch", "collections", "megarl.sync", "sglang.srt.weight_sync")
+    _ALLOWED_BUILTINS = {"list", "dict", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "slice", "getattr"}
+
+    def find_class(self, module, name):
+        if module == "builtins" and name in self._ALLOWED_BUILTINS:
+            return super().find_class(module, name)
+        if module.split(".")[0] in ("torch",) or module.startswith(self._ALLOWED_PREFIX) or module.startswith("multiprocessing.reduction"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")

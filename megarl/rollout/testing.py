@@ -1,0 +1,96 @@
+"""Helpers to run embedded rollout servers as real processes (tests, benchmarks, CPU runs)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import List, Optional
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_tiny_hf_model(path: str, family: str = "llama", seed: int = 0, std: float = 0.15, **overrides):
+    """Save a random tiny HF model (hidden 64, 2 layers) of `family` to `path`; returns the HF model."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    kw = dict(TINY, **overrides)
+    if family == "llama":
+        cfg = LlamaConfig(**kw)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**kw)
+    elif family == "qwen3":
+        cfg = Qwen3Config(head_dim=16, **kw)
+    elif family == "qwen3_moe":
+        kw.setdefault("moe_intermediate_size", 32)
+        kw.setdefault("num_experts", 4)
+        kw.setdefault("num_experts_per_tok", 2)
+        kw.setdefault("norm_topk_prob", True)
+        cfg = Qwen3MoeConfig(head_dim=16, **kw)
+    else:
+        raise ValueError(family)
+    cfg.eos_token_id = kw.get("eos_token_id", None)
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, std)
+    m.save_pretrained(path)
+    return m
+
+
+class ServerProcess:
+    """`python -m megarl.rollout.server MODEL --port P` as a child process."""
+
+    def __init__(self, model: str, port: Optional[int] = None, extra: Optional[List[str]] = None,
+                 threads: int = 1, env: Optional[dict] = None, log_path: Optional[str] = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        e = dict(os.environ)
+        e.setdefault("OMP_NUM_THREADS", str(threads))
+        e["HF_HUB_OFFLINE"] = "1"
+        e.update(env or {})
+        cmd = [sys.executable, "-m", "megarl.rollout.server", model, "--port", str(self.port),
+               "--num-threads", str(threads)] + list(extra or [])
+        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, env=e, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+        t_end = time.time() + timeout
+        while time.time() < t_end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except Exception:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server {self.url} not healthy after {timeout}s")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+
+    def __enter__(self):
+        return self.wait_ready()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,38 @@
+"""A torch.distributed process group between processes that are NOT in one default world.
+
+Trainer ranks already live in megatron's default group; rollout servers live in their own
+processes.  The weight-update group joins one trainer rank (rank 0) with every rollout rank
+(rank_offset..) over its own TCP store, the same way sglang's `init_custom_process_group` does
+(`sglang/srt/utils/common.py`), so a megarl trainer can join a real sglang server's group.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int,
+                              group_name: str, timeout: Optional[timedelta] = None):
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
+                                                    _world, default_pg_timeout, rendezvous)
+    timeout = timeout or default_pg_timeout
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                      group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_group(pg) -> None:
+    try:
+        dist.destroy_process_group(pg)
+    except Exception:
+        pass
+
+
+def tcp(addr: str, port: int) -> str:
+    return f"tcp://[{addr}]:{port}" if ":" in addr else f"tcp://{addr}:{port}"
