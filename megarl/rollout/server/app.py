@@ -7,6 +7,7 @@ loaded (503 before); `/flush_cache` answers plain text.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 import uuid
@@ -30,7 +31,6 @@ class ServerState:
         self.tokenizer = None
         self.ready = False
         self.load_error: Optional[str] = None
-        self.weights_lock = asyncio.Lock()
 
 
 def _json_error(status: int, msg: str) -> web.Response:
@@ -150,18 +150,32 @@ def build_app(state: ServerState) -> web.Application:
             return web.json_response(outs[0])
         return web.json_response(outs)
 
-    async def _weights_op(fn, *args, **kw):
+    executors: Dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+    def _executor(group: str) -> concurrent.futures.ThreadPoolExecutor:
+        # one thread per weight-update group: a group's ops run in arrival order; different
+        # groups (trainer senders) proceed concurrently.
+        if group not in executors:
+            executors[group] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weights-{group}")
+        return executors[group]
+
+    async def _weights_op(group: str, fn, *args, apply: bool = True):
+        """Receive + verify on the group's thread, then (if `apply`) swap in on the engine thread."""
         eng = engine()
-        async with state.weights_lock:
-            fut = eng.control(lambda: fn(*args, **kw))
-            try:
-                msg = await asyncio.wrap_future(fut)
-            except WeightRefused as e:
-                log.warning("weight update refused: %s", e)
-                return web.json_response({"success": False, "message": f"refused, old weights kept: {e}"}, status=400)
-            except Exception as e:
-                log.exception("weight op failed")
-                return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
+        loop = asyncio.get_running_loop()
+        try:
+            res = await loop.run_in_executor(_executor(group), lambda: fn(*args))
+            if apply:
+                pairs, msg = res
+                await asyncio.wrap_future(eng.control(lambda: state.receiver.apply(pairs)))
+            else:
+                msg = res
+        except WeightRefused as e:
+            log.warning("weight update refused: %s", e)
+            return web.json_response({"success": False, "message": f"refused, old weights kept: {e}"}, status=400)
+        except Exception as e:
+            log.exception("weight op failed")
+            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
         return web.json_response({"success": True, "message": msg})
 
     @routes.post("/init_weights_update_group")
@@ -172,14 +186,15 @@ def build_app(state: ServerState) -> web.Application:
                     b.get("group_name", "weight_update_group"), b.get("backend", "nccl"))
         except KeyError as e:
             return web.json_response({"success": False, "message": f"missing field {e}"}, status=400)
-        # Rendezvous blocks until the trainer joins: run it on the engine thread like every weight
-        # op so the event loop keeps serving /health.
-        return await _weights_op(state.receiver.init_group, *args)
+        # Rendezvous blocks until the trainer joins: it runs on the group's thread, so the event
+        # loop keeps serving /health and the engine keeps decoding.
+        return await _weights_op(args[4], state.receiver.init_group, *args, apply=False)
 
     @routes.post("/destroy_weights_update_group")
     async def destroy_group(request):
         b = await _body(request)
-        return await _weights_op(state.receiver.destroy_group, b.get("group_name", "weight_update_group"))
+        g = b.get("group_name", "weight_update_group")
+        return await _weights_op(g, state.receiver.destroy_group, g, apply=False)
 
     def _bump_version(b):
         if b.get("weight_version") is not None:
@@ -191,7 +206,7 @@ def build_app(state: ServerState) -> web.Application:
         for k in ("names", "dtypes", "shapes"):
             if k not in b:
                 return web.json_response({"success": False, "message": f"missing field {k}"}, status=400)
-        resp = await _weights_op(state.receiver.from_distributed, b["names"], b["dtypes"], b["shapes"],
+        resp = await _weights_op(b.get("group_name", "weight_update_group"), state.receiver.from_distributed, b["names"], b["dtypes"], b["shapes"],
                                  b.get("group_name", "weight_update_group"), b.get("load_format"),
                                  b.get(CHECKSUM_FIELD))
         if resp.status == 200:
@@ -203,7 +218,7 @@ def build_app(state: ServerState) -> web.Application:
         b = await _body(request)
         if "serialized_named_tensors" not in b:
             return web.json_response({"success": False, "message": "missing field serialized_named_tensors"}, status=400)
-        resp = await _weights_op(state.receiver.from_tensor, b["serialized_named_tensors"], b.get("load_format"),
+        resp = await _weights_op("__tensor__", state.receiver.from_tensor, b["serialized_named_tensors"], b.get("load_format"),
                                  b.get(CHECKSUM_FIELD))
         if resp.status == 200:
             _bump_version(b)
@@ -214,7 +229,7 @@ def build_app(state: ServerState) -> web.Application:
         b = await _body(request)
         if "model_path" not in b:
             return web.json_response({"success": False, "message": "missing field model_path"}, status=400)
-        resp = await _weights_op(state.receiver.from_disk, b["model_path"])
+        resp = await _weights_op("__disk__", state.receiver.from_disk, b["model_path"])
         if resp.status == 200:
             _bump_version(b)
         data = {"success": resp.status == 200, "message": _msg(resp), "num_paused_requests": 0}

@@ -1,6 +1,9 @@
 """Server side of weight updates: receive, verify, then swap -- or refuse and keep the old weights.
 
-All functions here run on the engine thread (between decode steps), see `Engine.control`.
+Receiving and verifying run on a per-group worker thread (so decoding goes on while a bucket
+arrives, and several trainer senders -- one group each, e.g. one per PP stage / EP rank -- can
+stream at once without waiting on each other); only `apply` (the copy into the live parameters)
+runs on the engine thread between decode steps (`Engine.control`).
 Verification happens before a single parameter is touched:
   * every name must be a weight of the served model (tied `lm_head.weight` is skipped, as sglang
     does), every shape must match, the dtype must be a float dtype (cast to the model dtype);
@@ -78,10 +81,12 @@ class WeightReceiver:
             raise WeightRefused("; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
         return pairs
 
-    def _apply(self, pairs):
+    def apply(self, pairs) -> int:
+        """Engine thread: copy verified tensors into the live parameters."""
         for dst, t in pairs:
             dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
         self.num_updates += 1
+        return len(pairs)
 
     def _verify_sum(self, flat: torch.Tensor, expected: Optional[str]):
         if expected is None:
@@ -108,8 +113,7 @@ class WeightReceiver:
                 h.wait()
         # Always receive first (the trainer is mid-broadcast), then judge.
         self._verify_sum(flat, (checksums or [None])[0])
-        self._apply(self._check(meta.views(flat)))
-        return f"updated {len(names)} tensors ({meta.nbytes} bytes)"
+        return self._check(meta.views(flat)), f"updated {len(names)} tensors ({meta.nbytes} bytes)"
 
     def from_tensor(self, serialized_named_tensors: List[str], load_format: Optional[str] = None,
                     checksums: Optional[List[str]] = None, tp_rank: int = 0) -> str:
@@ -137,8 +141,7 @@ class WeightReceiver:
                     self._verify_sum(flat, checksums[0])
                 else:
                     raise WeightRefused("megarl_checksums given but the tensors are not views of one bucket")
-        self._apply(self._check(named))
-        return f"updated {len(named)} tensors from tensor handles"
+        return self._check(named), f"updated {len(named)} tensors from tensor handles"
 
     def from_disk(self, model_path: str) -> str:
         from safetensors import safe_open
@@ -165,8 +168,7 @@ class WeightReceiver:
         missing = set(self.model.hf_names()) - {n for n, _ in named}
         if missing:
             raise WeightRefused(f"{model_path} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
-        self._apply(pairs)
-        return f"loaded {len(pairs)} tensors from {model_path}"
+        return pairs, f"loaded {len(pairs)} tensors from {model_path}"
 
 
 class _SafeUnpickler(pickle.Unpickler):
