@@ -9,6 +9,11 @@ from torch import Tensor
 from .masked import group_index
 
 
+def _lengths(x: Tensor) -> Tensor:
+    x = x.detach()
+    return x if x.is_floating_point() else x.to(torch.get_default_dtype())
+
+
 class GroupFilter(NamedTuple):
     group_keep: Tensor  # [num_groups] bool
     sample_keep: Tensor  # [batch] bool
@@ -152,9 +157,7 @@ def overlong_penalty(response_lengths: Tensor, max_len: int, buffer_len: int,
     """
     if not 0 < buffer_len <= max_len:
         raise ValueError("need 0 < buffer_len <= max_len")
-    length = response_lengths.detach().to(torch.get_default_dtype()
-                                          if not response_lengths.is_floating_point()
-                                          else response_lengths.dtype)
+    length = _lengths(response_lengths)
     expected = max_len - buffer_len
     soft = (expected - length) / buffer_len
     pen = torch.where(length <= expected, torch.zeros_like(length), soft)
@@ -171,16 +174,16 @@ def length_penalty(response_lengths: Tensor, correct: Tensor, group_size: Option
     response gets ``lambda_i``, a wrong one ``min(0, lambda_i)``. Groups whose lengths are all
     equal get 0. Shorter correct answers are rewarded; long wrong ones are punished.
     """
-    length = response_lengths.detach().to(torch.get_default_dtype())
+    length = _lengths(response_lengths)
     idx, n = group_index(length.shape[0], group_size, group_ids, device=length.device)
-    gmax = torch.full((n,), float("-inf"), dtype=length.dtype).scatter_reduce(
+    gmax = torch.full((n,), float("-inf"), dtype=length.dtype, device=length.device).scatter_reduce(
         0, idx, length, reduce="amax")[idx]
-    gmin = torch.full((n,), float("inf"), dtype=length.dtype).scatter_reduce(
+    gmin = torch.full((n,), float("inf"), dtype=length.dtype, device=length.device).scatter_reduce(
         0, idx, length, reduce="amin")[idx]
     span = gmax - gmin
     lam = torch.where(span > 0, 0.5 - (length - gmin) / span.clamp(min=1e-12),
                       torch.zeros_like(length))
-    ok = correct.detach().bool()
+    ok = correct.detach().bool().to(length.device)
     return coef * torch.where(ok, lam, lam.clamp(max=0.0))
 
 
@@ -189,5 +192,5 @@ def linear_length_penalty(response_lengths: Tensor, max_len: int, coef: float = 
     """Simple length cost ``-coef * L / max_len`` ``[batch]`` (a common baseline shaping, e.g.
     the length-penalty ablations of Kimi k1.5 / O1-Pruner); bounded in ``[-coef, 0]`` for
     ``L <= max_len``."""
-    length = response_lengths.detach().to(torch.get_default_dtype())
+    length = _lengths(response_lengths)
     return -coef * length / max_len

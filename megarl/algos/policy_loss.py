@@ -95,6 +95,8 @@ def _prepare(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: T
         if t.shape != logprobs.shape:
             raise ValueError(f"{name} {tuple(t.shape)} != logprobs {tuple(logprobs.shape)}")
     m = as_bool_mask(mask)
+    if logprobs.dtype in (torch.float16, torch.bfloat16):  # ratios/exp in fp32
+        logprobs = logprobs.float()
     lp = sanitize(logprobs, m)
     old = sanitize(old_logprobs.detach().to(lp.dtype), m)
     adv = sanitize(advantages.detach().to(lp.dtype), m)

@@ -63,12 +63,15 @@ def register_kl_estimator(name: str, *aliases: str) -> Callable[[F], F]:
 
 
 def get_advantage_estimator(name: str) -> Callable:
+    """The advantage estimator registered as ``name`` (``KeyError`` lists the known names)."""
     return ADVANTAGE_ESTIMATORS.get(name)
 
 
 def get_policy_loss(name: str) -> Callable:
+    """The policy loss registered as ``name`` (``KeyError`` lists the known names)."""
     return POLICY_LOSSES.get(name)
 
 
 def get_kl_estimator(name: str) -> Callable:
+    """The per-token KL estimator registered as ``name`` (``KeyError`` lists the known names)."""
     return KL_ESTIMATORS.get(name)
