@@ -39,6 +39,8 @@ from .registry import register_advantage_estimator
 
 
 class AdvantageOutput(NamedTuple):
+    """``(advantages, returns)``, both ``[batch, T]``, zero on padding, without gradient."""
+
     advantages: Tensor
     returns: Tensor
 

@@ -17,8 +17,9 @@ between GRPO, DAPO and Dr.GRPO:
     removes the per-response ``1/|o_i|`` length normalisation of GRPO (which biases towards long
     wrong answers) and divides by a *constant* ``L`` (the generation budget) instead. ``L``
     defaults to ``T = mask.shape[-1]``; pass ``norm_len=max_response_length`` so it does not
-    depend on how much a batch happened to be padded. Note: verl's mode of the same name divides
-    by ``L`` only (no ``1/B``); megarl follows the paper's ``1/G`` mean over responses.
+    depend on how much a batch happened to be padded. Note: older verl releases divide the
+    summed loss by ``L`` only (no ``1/B``); megarl, like the paper's ``1/G`` and newer verl, takes
+    the mean over responses.
 
 Micro-batches and data parallelism: a scalar that must equal the loss of the *global* batch when
 the trainer splits it and sums gradients needs the global denominators. Pass ``num_tokens`` (for
