@@ -192,6 +192,20 @@ def apply_cpu_shim(force: bool = False) -> bool:
         moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
+        # 8. grad clipping asserts grads are 'torch.cuda.FloatTensor' -> same scaling, any device.
+        from megatron.core.optimizer import clip_grads as _clip_grads, optimizer as _optimizer
+
+        def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+            params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+            attr = "decoupled_grad" if use_decoupled_grad else "grad"
+            grads = [getattr(p, attr).detach() for p in params if getattr(p, attr, None) is not None]
+            clip_coeff = max_norm / (total_norm + 1.0e-6)
+            if clip_coeff < 1.0 and grads:
+                torch._foreach_mul_(grads, clip_coeff)
+
+        _clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+        _optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
         # 3. global torch-function mode rewriting cuda devices.
         _MODE = _CudaToCpuMode()
         _MODE.__enter__()

@@ -1,0 +1,70 @@
+"""Save and restore a trained role exactly: model, optimizer (incl. distributed-optimizer
+shards), LR schedule, step count and every rank's RNG state, in megatron's torch_dist format.
+
+The caller (the trainer) writes into a temporary folder and renames it into place once every role
+has finished, so a crash mid-save never leaves a half checkpoint that ``resume`` would pick up.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.models.builder import unwrap
+
+
+def _sharded_state(worker: Any) -> dict[str, Any]:
+    chunks = [unwrap(c) for c in worker.chunks]
+    if len(chunks) == 1:
+        state = {"model": chunks[0].sharded_state_dict()}
+    else:
+        state = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    if worker.optimizer is not None:
+        state["optimizer"] = worker.optimizer.sharded_state_dict(state)
+    return state
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_train_state(worker: Any, path: str | Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(_sharded_state(worker), str(path))
+    extra = {"steps": worker.steps, "rng": _rng_state(),
+             "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else None}
+    torch.save(extra, path / f"extra_rank{worker.spec.rank}.pt")
+
+
+def load_train_state(worker: Any, path: str | Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    loaded = dist_checkpointing.load(_sharded_state(worker), str(path))
+    chunks = [unwrap(c) for c in worker.chunks]
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded[f"model{i}"])
+    if worker.optimizer is not None:
+        worker.optimizer.load_state_dict(loaded["optimizer"])
+        # DDP keeps its own main-grad buffers; the params are what was loaded.
+    extra = torch.load(path / f"extra_rank{worker.spec.rank}.pt", weights_only=False)
+    worker.steps = extra["steps"]
+    if worker.scheduler is not None and extra["scheduler"] is not None:
+        worker.scheduler.load_state_dict(extra["scheduler"])
+    random.setstate(extra["rng"]["python"])
+    torch.set_rng_state(extra["rng"]["torch"])
+    if "cuda" in extra["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(extra["rng"]["cuda"])
