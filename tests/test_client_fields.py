@@ -1,0 +1,179 @@
+"""The client's request/response fields vs sglang's own dataclasses.
+
+Importing `sglang.srt.managers.io_struct` from the wheel installed with --no-deps fails (it needs
+psutil, msgspec, zmq and sglang's runtime); so this test parses the wheel's *source* with `ast`
+when the wheel is installed, and always checks the client against the field list pinned in
+megarl/rollout/protocol.py (copied from sglang 0.5.23).
+"""
+import ast
+import asyncio
+import importlib.util
+import os
+
+import pytest
+from aiohttp import web
+
+from megarl.rollout import protocol
+from megarl.rollout.client import GenerateOutput, SGLangClient, sampling_params
+
+# Pinned from sglang 0.5.23 (io_struct.py / sampling_params.py): the full field sets of the
+# classes megarl talks to, so a client field that sglang does not have is caught even without
+# the wheel.
+PINNED_0_5_23 = {
+    "InitWeightsUpdateGroupReqInput": {"rid", "http_worker_ipc", "master_address", "master_port", "rank_offset",
+                                       "world_size", "group_name", "backend"},
+    "UpdateWeightsFromDistributedReqInput": {"rid", "http_worker_ipc", "names", "dtypes", "shapes", "group_name",
+                                             "flush_cache", "abort_all_requests", "weight_version", "load_format",
+                                             "selector", "torch_empty_cache"},
+    "UpdateWeightsFromTensorReqInput": {"rid", "http_worker_ipc", "serialized_named_tensors", "load_format",
+                                        "flush_cache", "abort_all_requests", "weight_version", "selector",
+                                        "torch_empty_cache"},
+    "UpdateWeightFromDiskReqInput": {"rid", "http_worker_ipc", "model_path", "load_format", "abort_all_requests",
+                                     "weight_version", "is_async", "torch_empty_cache", "keep_pause",
+                                     "recapture_cuda_graph", "token_step", "flush_cache", "manifest"},
+    "ReleaseMemoryOccupationReqInput": {"rid", "http_worker_ipc", "tags"},
+    "ResumeMemoryOccupationReqInput": {"rid", "http_worker_ipc", "tags"},
+}
+
+
+def _sglang_root():
+    spec = importlib.util.find_spec("sglang")  # does not import sglang
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def _class_fields(path, names):
+    tree = ast.parse(open(path).read())
+    out = {}
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def fields(cls):
+        f = set()
+        for b in cls.bases:
+            if isinstance(b, ast.Name) and b.id in classes:
+                f |= fields(classes[b.id])
+        for st in cls.body:
+            if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+                f.add(st.target.id)
+        return f
+    for n in names:
+        if n in classes:
+            out[n] = fields(classes[n])
+    return out
+
+
+def _sglang_version(root):
+    try:
+        from importlib.metadata import version
+        return version("sglang")
+    except Exception:
+        return None
+
+
+def test_io_struct_import_needs_sglang_runtime():
+    """Documents why we parse instead of import (the --no-deps wheel cannot import io_struct)."""
+    if _sglang_root() is None:
+        pytest.skip("sglang wheel not installed (pip install --no-deps sglang==0.5.23)")
+    try:
+        import sglang.srt.managers.io_struct  # noqa: F401
+        imported = True
+    except Exception:
+        imported = False
+    print(f"io_struct importable without deps: {imported}")
+
+
+def test_protocol_fields_exist_in_installed_sglang():
+    root = _sglang_root()
+    if root is None:
+        pytest.skip("sglang wheel not installed (pip install --no-deps sglang==0.5.23)")
+    io = _class_fields(os.path.join(root, "srt/managers/io_struct.py"), list(protocol.SGLANG_CLASSES))
+    sp = _class_fields(os.path.join(root, "srt/sampling/sampling_params.py"), ["SamplingParams"])
+    io.update(sp)
+    # GenerateReqInput is a dataclass (annotated fields too)
+    for cls, ours in protocol.SGLANG_CLASSES.items():
+        assert cls in io, f"{cls} not found in sglang {_sglang_version(root)}"
+        missing = set(ours) - io[cls]
+        assert not missing, f"{cls}: megarl uses {missing} which sglang {_sglang_version(root)} lacks"
+    for cls, full in PINNED_0_5_23.items():
+        if _sglang_version(root) == protocol.SGLANG_VERSION:
+            assert io[cls] == full, f"pinned {cls} drifted from the wheel"
+    # sglang ignores unknown request fields (our checksum extension relies on it)
+    src = open(os.path.join(root, "srt/utils/msgspec_utils.py")).read()
+    assert 'extra_behavior="ignore"' in src
+    # flattened_bucket receive path exists for update_weights_from_distributed
+    wu = open(os.path.join(root, "srt/model_executor/model_runner_components/weight_updater.py")).read()
+    assert 'load_format == "flattened_bucket"' in wu and "_receive_bucketed_weights_from_distributed" in wu
+
+
+def test_pinned_lists_cover_client_protocol():
+    for cls, ours in protocol.SGLANG_CLASSES.items():
+        if cls in PINNED_0_5_23:
+            assert set(ours) <= PINNED_0_5_23[cls], cls
+
+
+def test_client_sends_only_sglang_fields():
+    """Every JSON body the client sends uses sglang field names (+ documented megarl extensions)."""
+    seen = {}
+
+    async def handler(request):
+        body = await request.json() if request.can_read_body else {}
+        seen[request.path] = body or {}
+        if request.path == "/generate":
+            return web.json_response([{"output_ids": [3, 4], "meta_info": {
+                "id": "x", "finish_reason": {"type": "stop", "matched": 4}, "prompt_tokens": 2,
+                "completion_tokens": 2, "output_token_logprobs": [[-0.5, 3, None], [-0.25, 4, None]]}}] * 2)
+        if request.path == "/flush_cache":
+            return web.Response(text="Cache flushed.\n")
+        if request.path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            return web.Response()
+        return web.json_response({"success": True, "message": "ok"})
+
+    path_cls = {"/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+                "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+                "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+                "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+                "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+                "/resume_memory_occupation": "ResumeMemoryOccupationReqInput"}
+
+    async def main():
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        async with SGLangClient(f"http://127.0.0.1:{port}") as c:
+            outs = await c.generate([1, 2], sampling_params(max_new_tokens=2, temperature=0.5, top_p=0.9, top_k=5,
+                                                            stop_token_ids=[4], n=2, sampling_seed=1))
+            await c.init_weights_update_group("127.0.0.1", 1234, 1, 2, "g", "gloo")
+            await c.update_weights_from_distributed(["a"], ["float32"], [[2]], group_name="g",
+                                                    load_format="flattened_bucket", weight_version="v1",
+                                                    checksums=["x"])
+            await c.update_weights_from_tensor(["AAAA"], weight_version="v1", checksums=["x"])
+            await c.update_weights_from_disk("/tmp/x", weight_version="v1")
+            await c.flush_cache()
+            await c.release_memory_occupation(["kv_cache"])
+            await c.resume_memory_occupation(["kv_cache"])
+        await runner.cleanup()
+        return outs
+
+    outs = asyncio.run(main())
+    g = seen["/generate"]
+    assert set(g) <= set(protocol.GENERATE_REQ_FIELDS)
+    assert set(g["sampling_params"]) <= set(protocol.SAMPLING_PARAMS_FIELDS)
+    for path, cls in path_cls.items():
+        allowed = set(PINNED_0_5_23[cls]) | set(protocol.EXTENSION_FIELDS.get(cls, ()))
+        assert set(seen[path]) <= allowed, (path, set(seen[path]) - allowed)
+    assert seen["/update_weights_from_distributed"][protocol.CHECKSUM_FIELD] == ["x"]
+    assert len(outs) == 2 and outs[0].output_ids == [3, 4] and outs[0].logprobs == [-0.5, -0.25]
+    assert outs[0].finish_reason == "stop" and outs[0].matched == 4
+
+
+def test_parse_sglang_shaped_response():
+    o = GenerateOutput.from_json({"text": "hi", "output_ids": [7], "meta_info": {
+        "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 3, "weight_version": "w",
+        "output_token_logprobs": [[-1.0, 7, None]]}})
+    assert (o.output_ids, o.logprobs, o.finish_reason, o.prompt_tokens, o.text, o.weight_version) == \
+        ([7], [-1.0], "length", 3, "hi", "w")
