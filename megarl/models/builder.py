@@ -17,6 +17,16 @@ def _has_te() -> bool:
         return False
 
 
+def _fix_mla_without_te():
+    """megatron-core 0.16.1: without TE, ``multi_latent_attention.HAVE_TE`` is True because the TE
+    extension module imports with MagicMock stand-ins, and ``isinstance(x, TELinear)`` then raises.
+    Applies on CPU and GPU alike (the GPU box has no TE either)."""
+    if _has_te():
+        return
+    from megatron.core.transformer import multi_latent_attention as mla
+    mla.HAVE_TE = False
+
+
 def layer_block_spec(config, vp_stage: Optional[int] = None, attention_backend: str = "sdpa"):
     """Decoder block spec: megatron's local modules with the core attention replaced by
     :class:`SDPAttention` (``attention_backend="sdpa"``), or megatron's Transformer Engine spec
@@ -30,6 +40,8 @@ def layer_block_spec(config, vp_stage: Optional[int] = None, attention_backend: 
                                           normalization="RMSNorm", vp_stage=vp_stage)
     from .attention import SDPAttention
 
+    if getattr(config, "multi_latent_attention", False):
+        _fix_mla_without_te()
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization="RMSNorm", vp_stage=vp_stage)
     for layer_spec in spec.layer_specs:
@@ -163,6 +175,21 @@ def forward_logits(chunks, input_ids: torch.Tensor, position_ids: Optional[torch
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     chunks = [unwrap(c) for c in (chunks if isinstance(chunks, (list, tuple)) else [chunks])]
+    modes = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()  # megatron refuses MoE+TP without sequence parallel in training mode
+    try:
+        return _forward_logits(chunks, input_ids, position_ids, attention_mask)
+    finally:
+        for c, m in zip(chunks, modes):
+            c.train(m)
+
+
+def _forward_logits(chunks, input_ids, position_ids, attention_mask):
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
     b, s = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
