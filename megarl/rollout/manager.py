@@ -30,6 +30,23 @@ class RolloutManager:
         self.clients = [SGLangClient(u, max_concurrency=max_concurrency, timeout_s=timeout_s) for u in self.urls]
         self.dead: set[int] = set()
         self.failures: list[str] = []
+        self.outstanding: list[int] = [0] * len(self.urls)   # requests in flight per server
+
+    @property
+    def dead_urls(self) -> list[str]:
+        return [self.urls[i] for i in sorted(self.dead)]
+
+    def live_urls(self) -> list[str]:
+        return [u for i, u in enumerate(self.urls) if i not in self.dead]
+
+    def call_all(self, method: str, *args, **kw) -> dict[str, Any]:
+        """Call a client method (e.g. ``flush_cache``, ``release_memory_occupation``) on every live
+        server; returns url -> answer."""
+        async def go():
+            outs = await asyncio.gather(*(getattr(self.clients[i], method)(*args, **kw)
+                                          for i in range(len(self.urls)) if i not in self.dead))
+            return dict(zip(self.live_urls(), outs))
+        return self.io.run(go())
 
     def generate(self, prompts: list[list[int]], n: int, sampling: dict[str, Any],
                  seed: Optional[int] = None) -> list[list[GenerateOutput]]:
@@ -49,6 +66,7 @@ class RolloutManager:
                 server = (start + attempt) % len(self.clients)
                 if server in self.dead:
                     continue
+                self.outstanding[server] += 1
                 try:
                     out = await self.clients[server].generate(prompts[p], params, return_logprob=True)
                     results[p][k] = out[0] if isinstance(out, list) else out
@@ -61,6 +79,8 @@ class RolloutManager:
                         message = f"rollout server {self.urls[server]} failed: {err}; retrying its requests elsewhere"
                         self.failures.append(message)
                         log.warning(message)
+                finally:
+                    self.outstanding[server] -= 1
             raise NoServerLeft(f"no rollout server left for prompt {p}: {'; '.join(self.failures)}")
 
         await asyncio.gather(*(one(i, p, k) for i, (p, k) in enumerate(jobs)))
