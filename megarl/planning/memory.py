@@ -1,0 +1,516 @@
+"""Per-GPU memory plan of a run: what each role and the rollout servers hold, phase by phase.
+
+Everything is in bytes per GPU (per CPU rank when ``cluster.gpu_type: none``). The estimate is
+deliberately simple and every term is printed, so a user can see which knob to turn.
+
+Static state of a Megatron role (per GPU, for its largest pipeline stage)
+    P = parameters on this GPU: attention/MLP / tp, routed experts / (ep * etp), norms and router
+        replicated, embedding on the first stage, output layer (or tied copy) on the last one.
+    params     = P * w                      w = 2 bytes (bf16/fp16) or 4 (fp32)
+    grads      = P * 4                      fp32 main-grad buffer (megatron DDP with bf16 keeps
+                                            fp32 grads; an fp32 model has fp32 grads anyway)
+    optimizer  = P * (4 + 8) / d            fp32 master copy (not needed for fp32 models) + Adam
+                                            m and v; d = data-parallel size with the distributed
+                                            optimizer (expert-data-parallel size for routed
+                                            experts), else 1. This is Megatron-LM's
+                                            "6 + 12/d bytes per parameter" for bf16 (docs of the
+                                            distributed optimizer).
+    Frozen roles (ref, reward model) hold params only.
+
+Activations (training, per GPU) -- Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", eq. (1)-(5): per layer and token, with tensor parallel t and sequence
+parallel, the stored activations are (34 h + 5 a s) / t bytes for GPT with 2-byte values, where
+the 5 a s term is the attention matrix; selective recomputation removes exactly that term, full
+recomputation keeps only the 2 h-byte layer input. Our models differ from that paper's GPT
+(GQA, SwiGLU of width f instead of 4h GELU, RMSNorm, no dropout, flash/SDPA attention that never
+stores the s x s matrix), so the same bookkeeping gives, per layer and token (2-byte values):
+    norm inputs 2*2h + QKV input 2h + MLP input 2h     = 8h          (/t with sequence parallel)
+    attention Q, K, V, O (flash attention keeps them)  = 4q + 4kv    (/t)   q = heads*head_dim,
+                                                                            kv = kv_heads*head_dim
+    SwiGLU: gate and up outputs 4f + down input 2f     = 6f          (/t)
+    MoE layer instead of the MLP: router logits 4E (fp32) + per routed copy (top-k per token)
+        dispatched input 2h + expert output 2h + 6 f_e / etp, + shared experts 6 f_e n_s / t.
+    (Check: MHA, f = 4h, no dropout masks gives 8h + 8h + 24h = 40h vs the paper's 34h + 5as/h
+    with 2h of dropout masks and 16h of GELU in/out instead of our 24h of SwiGLU.)
+  recompute none / selective: the above for every layer (selective = megatron's default
+    "core_attn" recompute, which saves nothing more once attention is flash/SDPA: the s x s
+    matrix the paper's selective recompute removes is never stored).
+  recompute full: 2h per layer (/t with SP) for the layer inputs, plus one layer's activations
+    while it is recomputed.
+  Pipeline: with 1F1B the first stage holds activations of pp micro-batches (stage s: pp - s),
+    times (1 + (pp - 1) / (pp * vpp)) with interleaving (same paper, section 4.2.3); capped by
+    the number of micro-batches per step.
+  Tokens per micro-batch: max_tokens_per_micro_batch, else micro_batch_size * (max_prompt_len +
+    max_new_tokens); / cp.
+  Output layer (last stage): logits for RL log-probs/entropy: tokens * vocab/t * (2 bf16 + 4 fp32
+    log-softmax + 4 fp32 gradient) bytes. Critic/reward model heads are hidden -> 1 (no logits).
+  fp32 models: all activation terms double (4-byte values).
+
+Rollout (SGLang) per GPU of a server of tensor-parallel size r:
+    weights = total params * w / r
+    SGLang takes mem_fraction * GPU memory for weights + KV pool ("--mem-fraction-static").
+    KV per token: GQA 2 * layers * ceil(kv_heads / r) * head_dim * 2 bytes; MLA (compressed
+    latent, replicated on every TP rank) layers * (kv_lora_rank + 64) * 2 bytes.
+    KV needed = max_running_requests * (max_prompt_len + max_new_tokens) * KV per token.
+Weight sync: about two buckets of max(bucket_mb, largest HF tensor) on each side.
+Runtime: 1 GiB per process on a GPU (CUDA context, NCCL buffers, allocator slack), 2 GiB more for
+    an SGLang server (CUDA graphs, forward activations of a prefill chunk) outside mem_fraction.
+
+Phases:
+    colocated (one pool; rollout memory released while training, trainer offloaded during
+    rollout only where ``optim.offload``): train:<role>, forward:<role>, rollout, sync; the GPU must
+    hold the largest.
+    disaggregated: trainer pool (actor + ref + reward model), critic pool, rollout pool, each its
+    own peak.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from megarl.config.schema import ModelArch, RoleConfig, RunConfig
+from megarl.config.validate import dp_size
+from megarl.planning.params import (MLA_QK_NOPE, MLA_QK_ROPE, MLA_V, ModelParams, head_dim, is_mla,
+                                    is_moe_layer, model_params, stage_shards)
+
+GIB = 1024 ** 3
+MIB = 1024 ** 2
+
+# Memory of one GPU as CUDA reports it (nvidia-smi "Total", MiB). Names are matched
+# case-insensitively; the short names (H100, H200, ...) are aliases of the first entry.
+GPU_MIB = {
+    "H100-80GB": 81559,
+    "H100-94GB": 95830,
+    "H200-141GB": 143771,
+    "H20-96GB": 97871,
+    "A100-80GB": 81920,
+    "A100-40GB": 40960,
+    "B200-180GB": 183359,
+    "GB200-186GB": 189471,
+    "L40S-48GB": 46068,
+}
+
+RUNTIME_PER_PROCESS = 1 * GIB
+SGLANG_EXTRA = 2 * GIB
+CPU_RUNTIME_PER_PROCESS = int(0.5 * GIB)   # python + torch + megatron imports, per rank
+
+
+def gpu_memory(gpu_type: str) -> Optional[int]:
+    """Bytes of one GPU, None for CPU runs; raises KeyError naming the known types."""
+    name = gpu_type.strip().upper()
+    if name in ("", "NONE", "CPU"):
+        return None
+    for key, mib in GPU_MIB.items():
+        if name == key.upper() or name == key.split("-")[0].upper():
+            return mib * MIB
+    raise KeyError(f"cluster.gpu_type: unknown GPU {gpu_type!r}; known: {', '.join(GPU_MIB)}, none")
+
+
+def host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def weight_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+@dataclass
+class RolePlan:
+    role: str
+    layout: str
+    trained: bool
+    gpus: int
+    dp: int
+    expert_dp: int
+    stage: int                  # the pipeline stage with the largest total (reported)
+    params_on_gpu: int          # parameter count on that GPU
+    params: int                 # bytes
+    grads: int
+    optimizer: int
+    activations: int            # training (trained roles) or forward working set (frozen roles)
+    logits: int
+    offload: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def static(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        return self.static + self.activations + self.logits
+
+
+@dataclass
+class RolloutPlan:
+    gpus: int
+    tp: int
+    servers: int
+    weights: int
+    kv_per_token: int
+    kv_needed: int
+    kv_available: int           # mem_fraction * GPU - weights (GPU runs); = kv_needed on CPU
+    reserved: int               # mem_fraction * GPU (what SGLang takes), or weights + KV on CPU
+    seq_len: int
+    concurrent_at_full_length: int
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Phase:
+    name: str
+    pool: str
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass
+class Plan:
+    recipe: str
+    gpu_type: str
+    device_bytes: int           # GPU memory, or host memory (CPU)
+    cpu: bool
+    placement: str
+    total_params: int
+    active_params: int
+    roles: dict[str, RolePlan]
+    rollout: RolloutPlan
+    sync_buckets: int
+    phases: list[Phase]
+    nodes_needed: int
+    nodes: int
+    gpus_per_node: int
+    problems: list[str]
+    warnings: list[str]
+    suggestions: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["fits"] = self.fits
+        for name, r in self.roles.items():
+            d["roles"][name]["static"] = r.static
+            d["roles"][name]["peak"] = r.peak
+        d["phases"] = [dict(name=p.name, pool=p.pool, parts=p.parts, total=p.total) for p in self.phases]
+        d["pools"] = self.pool_peaks()
+        return d
+
+    def pool_peaks(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for p in self.phases:
+            if p.pool not in out or p.total > out[p.pool]["total"]:
+                out[p.pool] = {"phase": p.name, "total": p.total}
+        for v in out.values():
+            v["capacity"] = self.device_bytes
+            v["headroom"] = self.device_bytes - v["total"]
+        return out
+
+
+# ----------------------------------------------------------------------------- activations
+def _per_token_layer_bytes(arch: ModelArch, layer: int, role: RoleConfig, recompute: str, elem: int) -> float:
+    """Stored activation bytes per token (of this GPU's micro-batch) for one layer."""
+    p = role.parallel
+    t = p.tp
+    sp = p.sequence_parallel and t > 1
+    h = arch.hidden_size
+    if recompute == "full":
+        return 2 * h * elem / 2 / (t if sp else 1)
+    hsz = 8 * h / (t if sp else 1)
+    nh = arch.num_attention_heads
+    if is_mla(arch):
+        qk = MLA_QK_NOPE + MLA_QK_ROPE
+        attn = (2 * nh * qk + 2 * nh * qk + 2 * nh * MLA_V + 2 * nh * MLA_V) / t
+        latent = 2 * (arch.q_lora_rank + arch.kv_lora_rank + MLA_QK_ROPE) / (t if sp else 1)
+        attn += latent
+    else:
+        hd = head_dim(arch)
+        kv_heads_per_rank = max(1, math.ceil(arch.num_kv_heads / t)) if t > 1 else arch.num_kv_heads
+        attn = 4 * nh * hd / t + 4 * kv_heads_per_rank * hd
+    if is_moe_layer(arch, layer):
+        tokens_frac = 1 / t if (t > 1) else 1       # megatron MoE with TP requires SP: tokens / t
+        fe = arch.moe_ffn_hidden_size
+        mlp = 4 * arch.num_experts * tokens_frac
+        mlp += arch.moe_top_k * tokens_frac * (4 * h + 6 * fe / p.etp)
+        mlp += 6 * fe * arch.num_shared_experts / t
+    else:
+        mlp = 6 * arch.ffn_hidden_size / t
+    return (hsz + attn + mlp) * elem / 2
+
+
+def micro_batch_tokens(cfg: RunConfig, role: RoleConfig) -> int:
+    seq = cfg.rollout.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    tokens = role.max_tokens_per_micro_batch or role.micro_batch_size * seq
+    return math.ceil(tokens / role.parallel.cp)
+
+
+def _in_flight(cfg: RunConfig, role: RoleConfig, stage: int) -> float:
+    p = role.parallel
+    if p.pp <= 1:
+        return 1
+    seq = cfg.rollout.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    dp = max(dp_size(role), 1)
+    samples = max(cfg.batch.global_batch_size // dp, 1)
+    per_mb = role.max_tokens_per_micro_batch or role.micro_batch_size * seq
+    micro_batches = max(1, math.ceil(samples * seq / per_mb))
+    n = min(p.pp - stage, micro_batches)
+    if p.vpp > 1:
+        n *= 1 + (p.pp - 1) / (p.pp * p.vpp)
+    return n
+
+
+# ----------------------------------------------------------------------------- roles
+def plan_role(cfg: RunConfig, name: str) -> RolePlan:
+    role: RoleConfig = getattr(cfg, name)
+    arch = cfg.model.arch
+    p = role.parallel
+    trained = name in cfg.trained_roles
+    value_head = name in ("critic", "reward_model")
+    mp = model_params(arch, value_head=value_head)
+    w = weight_bytes(cfg.model.dtype)
+    elem = w
+    dp = max(dp_size(role), 1)
+    edp = max(role.gpus // (p.pp * p.ep * p.etp), 1) if arch.num_experts else dp
+    d_dense = dp if role.optim.distributed_optimizer else 1
+    d_expert = edp if role.optim.distributed_optimizer else 1
+    recompute = cfg.model.recompute if trained else "none"
+    tokens = micro_batch_tokens(cfg, role)
+    best: Optional[RolePlan] = None
+    shards = stage_shards(arch, mp, p)
+    for sh in shards:
+        params = sh.total * w
+        if trained:
+            grads = sh.total * 4
+            master = 0 if w == 4 else 4
+            optimizer = int(sh.dense * (master + 8) / d_dense + sh.expert * (master + 8) / d_expert)
+        else:
+            grads = optimizer = 0
+        per_token = [_per_token_layer_bytes(arch, i, role, recompute, elem) for i in sh.layers]
+        if trained:
+            acts = tokens * sum(per_token) * _in_flight(cfg, role, sh.stage)
+            if recompute == "full" and sh.layers:
+                one = max(_per_token_layer_bytes(arch, i, role, "none", elem) for i in sh.layers)
+                acts += tokens * one
+        else:
+            # forward only: one layer's activations live at a time
+            acts = tokens * max(per_token, default=0)
+        last = sh.stage == len(shards) - 1
+        logits = 0
+        if last and not value_head:
+            vocab_shard = math.ceil(arch.vocab_size / p.tp)
+            logits = tokens * vocab_shard * ((2 + 4 + 4) if trained else (2 + 4))
+        layout = f"tp{p.tp} pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else "") + (f" cp{p.cp}" if p.cp > 1 else "") \
+            + (f" ep{p.ep} etp{p.etp}" if arch.num_experts else "") + f" dp{dp}" + (" sp" if p.sequence_parallel else "")
+        rp = RolePlan(role=name, layout=layout, trained=trained, gpus=role.gpus, dp=dp, expert_dp=edp,
+                      stage=sh.stage, params_on_gpu=sh.total, params=params, grads=grads, optimizer=optimizer,
+                      activations=int(acts), logits=int(logits), offload=role.optim.offload)
+        if best is None or rp.peak > best.peak:
+            best = rp
+    assert best is not None
+    if trained and not role.optim.distributed_optimizer and dp > 1:
+        best.notes.append("optimizer states replicated on every data-parallel rank (distributed_optimizer: false)")
+    if trained:
+        best.notes.append(f"{tokens} tokens per micro-batch, recompute {recompute}")
+    return best
+
+
+def plan_rollout(cfg: RunConfig, mp: ModelParams, device: Optional[int]) -> RolloutPlan:
+    r = cfg.rollout
+    arch = cfg.model.arch
+    tp = max(r.tp, 1)
+    w = weight_bytes(cfg.model.dtype)
+    weights = math.ceil(mp.total * w / tp)
+    if is_mla(arch):
+        kv_tok = arch.num_layers * (arch.kv_lora_rank + MLA_QK_ROPE) * w
+    else:
+        kv_heads = max(1, math.ceil(arch.num_kv_heads / tp))
+        kv_tok = 2 * arch.num_layers * kv_heads * head_dim(arch) * w
+    seq = r.max_prompt_len + r.sampling.max_new_tokens
+    needed = r.max_running_requests * seq * kv_tok
+    if device is None:
+        reserved = weights + needed
+        available = needed
+    else:
+        reserved = int(r.mem_fraction * device)
+        available = reserved - weights
+    servers = max(r.num_servers, 1)
+    gpus = r.gpus or tp * servers
+    return RolloutPlan(gpus=gpus, tp=tp, servers=servers, weights=weights, kv_per_token=kv_tok,
+                       kv_needed=needed, kv_available=available, reserved=reserved, seq_len=seq,
+                       concurrent_at_full_length=max(available, 0) // max(kv_tok * seq, 1))
+
+
+# ----------------------------------------------------------------------------- whole plan
+def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[int] = None) -> Plan:
+    arch = cfg.model.arch
+    if not arch.num_layers or not arch.hidden_size or not arch.vocab_size:
+        raise ValueError("model.arch: num_layers, hidden_size and vocab_size are needed to plan "
+                         "(state them in the recipe or point model.hf_path at a config.json)")
+    device = gpu_memory_override if gpu_memory_override is not None else gpu_memory(cfg.cluster.gpu_type)
+    cpu = device is None
+    capacity = host_memory() if cpu else device
+    mp = model_params(arch)
+    roles = {n: plan_role(cfg, n) for n in cfg.megatron_roles}
+    rollout = plan_rollout(cfg, mp, device)
+    w = weight_bytes(cfg.model.dtype)
+    bucket = max(cfg.sync.bucket_mb * MIB, mp.largest_tensor * w)
+    buckets = 2 * bucket
+    runtime = CPU_RUNTIME_PER_PROCESS if cpu else RUNTIME_PER_PROCESS
+    problems: list[str] = []
+    warnings: list[str] = []
+    suggestions: list[str] = []
+    phases: list[Phase] = []
+
+    def resident(name: str) -> int:
+        r = roles[name]
+        return 0 if r.offload else r.static
+
+    if cpu:
+        # One host: every rank of every role plus the embedded server share its memory.
+        ranks = {n: r.gpus for n, r in roles.items()}
+        parts = {f"{n} x{ranks[n]} ranks": ranks[n] * (roles[n].peak + runtime) for n in roles}
+        parts[f"rollout x{rollout.servers} servers"] = rollout.servers * (rollout.reserved + runtime)
+        parts["sync buckets"] = buckets
+        phases.append(Phase("all roles at peak", "host", parts))
+    elif cfg.placement.mode == "colocated":
+        n_proc = len(roles) + 1
+        base = {"runtime": n_proc * runtime}
+        for n, r in roles.items():
+            others = {f"{o} resident": resident(o) for o in roles if o != n and resident(o)}
+            kind = "train" if r.trained else "forward"
+            phases.append(Phase(f"{kind}:{n}", "gpu", {**base, **others, f"{n} state": r.static,
+                                                      f"{n} activations": r.activations, f"{n} logits": r.logits}))
+        res = {f"{o} resident": resident(o) for o in roles if resident(o)}
+        phases.append(Phase("rollout", "gpu", {**base, **res, "sglang mem_fraction": rollout.reserved,
+                                               "sglang runtime": SGLANG_EXTRA}))
+        actor_params = roles["actor"].params
+        sync = {**base, **res}
+        if roles["actor"].offload:
+            sync["actor params (reloaded)"] = actor_params
+        sync.update({"rollout weights": rollout.weights, "sync buckets (send+recv)": 2 * buckets})
+        phases.append(Phase("sync", "gpu", sync))
+    else:
+        base = {"runtime": runtime}
+        trainer_roles = [n for n in roles if n != "critic"]
+        for n in roles:
+            pool = "critic" if n == "critic" else "trainer"
+            members = ["critic"] if n == "critic" else trainer_roles
+            others = {f"{o} resident": resident(o) for o in members if o != n and resident(o)}
+            r = roles[n]
+            kind = "train" if r.trained else "forward"
+            phases.append(Phase(f"{kind}:{n}", pool, {**base, "processes": (len(members) - 1) * runtime, **others,
+                                                      f"{n} state": r.static, f"{n} activations": r.activations,
+                                                      f"{n} logits": r.logits}))
+        phases.append(Phase("sync (send)", "trainer", {**base, "processes": (len(trainer_roles) - 1) * runtime,
+                                                        **{f"{o} resident": roles[o].static for o in trainer_roles},
+                                                        "sync buckets": buckets}))
+        phases.append(Phase("rollout", "rollout", {**base, "sglang mem_fraction": rollout.reserved,
+                                                    "sglang runtime": SGLANG_EXTRA, "sync buckets (recv)": buckets}))
+
+    # ---- verdicts
+    unit = "host memory" if cpu else f"one {cfg.cluster.gpu_type}"
+    pools = {}
+    for ph in phases:
+        if ph.pool not in pools or ph.total > pools[ph.pool].total:
+            pools[ph.pool] = ph
+    for pool, ph in pools.items():
+        if ph.total > capacity:
+            role = ph.name.split(":", 1)[1] if ":" in ph.name else ph.name.split()[0]
+            biggest = max(ph.parts.items(), key=lambda kv: kv[1])
+            problems.append(
+                f"{role}: phase '{ph.name}' needs {ph.total / GIB:.1f} GiB per "
+                f"{'host' if cpu else 'GPU'}, {unit} has {capacity / GIB:.1f} GiB: short by "
+                f"{(ph.total - capacity) / GIB:.1f} GiB (largest part: {biggest[0]} {biggest[1] / GIB:.1f} GiB)")
+    if not cpu:
+        if rollout.kv_available <= 0:
+            problems.append(f"rollout: weights {rollout.weights / GIB:.1f} GiB per GPU (tp{rollout.tp}) exceed "
+                            f"rollout.mem_fraction * GPU = {rollout.reserved / GIB:.1f} GiB: short by "
+                            f"{-rollout.kv_available / GIB:.1f} GiB before any KV cache; raise rollout.tp or mem_fraction")
+        elif rollout.concurrent_at_full_length < 1:
+            problems.append(f"rollout: KV pool {rollout.kv_available / GIB:.2f} GiB per GPU holds less than one "
+                            f"sequence of {rollout.seq_len} tokens ({rollout.kv_per_token * rollout.seq_len / GIB:.2f} GiB): "
+                            f"short by {(rollout.kv_per_token * rollout.seq_len - rollout.kv_available) / GIB:.2f} GiB")
+        elif rollout.kv_needed > rollout.kv_available:
+            warnings.append(f"rollout: KV pool {rollout.kv_available / GIB:.1f} GiB per GPU holds "
+                            f"{rollout.concurrent_at_full_length} sequences of {rollout.seq_len} tokens at full length, "
+                            f"max_running_requests = {cfg.rollout.max_running_requests} would need "
+                            f"{rollout.kv_needed / GIB:.1f} GiB (SGLang then runs fewer at a time; long tails slow down)")
+    # ---- nodes
+    gpn = cfg.cluster.gpus_per_node
+    if cpu or not gpn:
+        nodes_needed = 1
+    elif cfg.placement.mode == "colocated":
+        nodes_needed = math.ceil(max([r.gpus for r in roles.values()] + [rollout.gpus]) / gpn)
+    else:
+        nodes_needed = math.ceil((roles["actor"].gpus + (roles["critic"].gpus if "critic" in roles else 0)) / gpn) \
+            + math.ceil(rollout.gpus / gpn)
+    if nodes_needed > cfg.cluster.nodes:
+        problems.append(f"cluster.nodes: the pools need {nodes_needed} nodes of {gpn} GPUs, the recipe has "
+                        f"{cfg.cluster.nodes}: short by {nodes_needed - cfg.cluster.nodes} node(s)")
+    plan = Plan(recipe=recipe, gpu_type=cfg.cluster.gpu_type, device_bytes=capacity, cpu=cpu,
+                placement=cfg.placement.mode, total_params=mp.total, active_params=mp.active(arch), roles=roles,
+                rollout=rollout, sync_buckets=buckets, phases=phases, nodes_needed=nodes_needed,
+                nodes=cfg.cluster.nodes, gpus_per_node=gpn, problems=problems, warnings=warnings,
+                suggestions=suggestions)
+    if problems and not cpu:
+        suggestions.extend(_suggest(cfg, plan, recipe, gpu_memory_override))
+    return plan
+
+
+def _suggest(cfg: RunConfig, plan: Plan, recipe: str, override: Optional[int]) -> list[str]:
+    """What would make it fit: more data-parallel ranks (shards the optimizer), or offload."""
+    import copy
+    out = []
+    capacity = plan.device_bytes
+    failing = {p.split(":", 1)[0] for p in plan.problems}
+    for name in plan.roles:
+        if name not in failing:
+            continue
+        role = getattr(cfg, name)
+        if not role.optim.distributed_optimizer and name in cfg.trained_roles:
+            out.append(f"{name}: set {name}.optim.distributed_optimizer=true to shard optimizer states over dp")
+        for factor in (2, 4, 8, 16, 32):
+            trial = copy.deepcopy(cfg)
+            for r in (trial.megatron_roles if trial.placement.mode == "colocated" else [name]):
+                getattr(trial, r).gpus *= factor
+            if trial.placement.mode == "colocated":
+                trial.rollout.gpus *= factor
+                trial.rollout.num_servers *= factor
+            trial.cluster.nodes = 10 ** 6
+            tp = make_plan(trial, recipe, override)
+            if not any(p.startswith(name + ":") for p in tp.problems):
+                out.append(f"{name}: fits with {name}.gpus={getattr(trial, name).gpus} (dp x{factor}, "
+                           f"{tp.nodes_needed} node(s) of {cfg.cluster.gpus_per_node} GPUs)")
+                break
+        else:
+            out.append(f"{name}: more data-parallel ranks alone do not make it fit: raise tp/pp/ep, "
+                       f"use recompute: full, or {name}.optim.offload=true (colocated)")
+    if any(p.startswith("rollout:") for p in plan.problems):
+        ro = plan.rollout
+        phase = next((p for p in plan.phases if p.name == "rollout"), None)
+        if phase is not None and plan.placement == "colocated":
+            others = phase.total - ro.reserved
+            device = ro.reserved / cfg.rollout.mem_fraction
+            allowed = math.floor((capacity - others) / device * 20) / 20
+            if allowed * device > ro.weights + ro.kv_per_token * ro.seq_len:
+                out.append(f"rollout: rollout.mem_fraction={allowed:.2f} fits next to what stays resident")
+            resident = [k.split()[0] for k, v in phase.parts.items() if k.endswith("resident") and v]
+            if resident:
+                out.append("rollout: or offload the trainer during rollout: "
+                           + " ".join(f"{r}.optim.offload=true" for r in resident))
+        out.append("rollout: raise rollout.tp (weights / tp) or rollout.mem_fraction if the weights do not fit")
+    return out

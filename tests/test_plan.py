@@ -1,0 +1,143 @@
+"""`megarl plan`: numbers equal a hand calculation, published parameter counts, refusal naming role
+and shortfall, JSON output, CPU recipe fits."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.config import load_config
+from megarl.planning.cli import plan_main
+from megarl.planning.memory import GIB, MIB, make_plan
+from megarl.planning.params import model_params, stage_layers
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_RECIPE = str(ROOT / "recipes/smollm2-135m-grpo-cpu.yaml")
+
+# A tiny GPU recipe whose every number is worked out by hand below.
+TINY = [
+    "model.dtype=bfloat16", "model.recompute=none",
+    "model.arch.num_layers=2", "model.arch.hidden_size=64", "model.arch.ffn_hidden_size=128",
+    "model.arch.num_attention_heads=4", "model.arch.num_kv_heads=2", "model.arch.head_dim=16",
+    "model.arch.vocab_size=1000", "model.arch.tie_word_embeddings=false",
+    "cluster.device=cuda", "cluster.gpus_per_node=2", "cluster.nodes=1", "cluster.gpu_type=H100-80GB",
+    "actor.gpus=2", "actor.optim.distributed_optimizer=true", "actor.max_tokens_per_micro_batch=100",
+    "rollout.gpus=2", "rollout.tp=1", "rollout.num_servers=2", "rollout.mem_fraction=0.5",
+    "rollout.max_running_requests=4", "rollout.max_prompt_len=16", "rollout.sampling.max_new_tokens=16",
+    "sync.bucket_mb=1", "batch.global_batch_size=16",
+]
+
+
+def test_tiny_plan_equals_hand_calculation():
+    cfg = load_config(CPU_RECIPE, TINY)
+    plan = make_plan(cfg, "tiny")
+    h, f, nh, nkv, hd, V, L = 64, 128, 4, 2, 16, 1000, 2
+    # parameters: per layer q (h*nh*hd) + k,v (2*h*nkv*hd) + o (nh*hd*h) + SwiGLU 3*h*f + 2 norms
+    attn = h * nh * hd + 2 * h * nkv * hd + nh * hd * h          # 4096 + 4096 + 4096
+    layer = attn + 3 * h * f + 2 * h                               # 12288 + 24576 + 128 = 36992
+    total = V * h + V * h + h + L * layer                           # embedding + output + final norm
+    assert total == 202048
+    assert plan.total_params == total
+    a = plan.roles["actor"]
+    assert a.params_on_gpu == total                                # tp1 pp1: everything on one GPU
+    assert a.params == 2 * total                                   # bf16
+    assert a.grads == 4 * total                                    # fp32 main grads
+    assert a.optimizer == int(total * 12 / 2)                      # fp32 master + Adam m, v over dp = 2
+    # activations (Korthikanti-style bookkeeping for SwiGLU/GQA/flash, 2-byte values), 100 tokens:
+    # 8h (norm/qkv/mlp inputs) + 4*nh*hd + 4*nkv*hd (Q,K,V,O) + 6f (SwiGLU) bytes per token and layer
+    per_token_layer = 8 * h + 4 * nh * hd + 4 * nkv * hd + 6 * f   # 512 + 256 + 128 + 768 = 1664
+    assert a.activations == 100 * L * per_token_layer               # 332800
+    assert a.logits == 100 * V * 10                                 # bf16 logits + fp32 log-softmax + fp32 grad
+    # rollout: bf16 weights / tp, KV = 2 (K,V) * layers * kv_heads * head_dim * 2 bytes per token
+    ro = plan.rollout
+    assert ro.weights == 2 * total
+    assert ro.kv_per_token == 2 * L * nkv * hd * 2 == 256
+    assert ro.kv_needed == 4 * (16 + 16) * 256
+    gpu = 81559 * MIB
+    assert ro.reserved == int(0.5 * gpu)
+    assert ro.kv_available == int(0.5 * gpu) - 2 * total
+    # sync: two buckets of max(1 MiB, largest tensor = the 1000 x 64 embedding in bf16 = 128000 B)
+    assert plan.sync_buckets == 2 * MIB
+    phases = {p.name: p for p in plan.phases}
+    state = 2 * total + 4 * total + int(total * 6)
+    assert phases["train:actor"].total == 2 * GIB + state + 332800 + 1_000_000   # 2 processes x 1 GiB
+    assert phases["rollout"].total == 2 * GIB + state + int(0.5 * gpu) + 2 * GIB
+    assert plan.fits and plan.nodes_needed == 1
+
+
+def test_tp_pp_sharding_by_hand():
+    """tp2 pp2 with uneven last stage: embedding on stage 0, output on the last, layers split."""
+    over = TINY + ["model.arch.num_layers=5", "actor.gpus=4", "rollout.gpus=4", "rollout.num_servers=4",
+                   "cluster.gpus_per_node=4", "actor.parallel.tp=2", "actor.parallel.pp=2",
+                   "actor.parallel.last_stage_layers=2", "batch.global_batch_size=8"]
+    cfg = load_config(CPU_RECIPE, over)
+    assert [len(r) for r in stage_layers(5, cfg.actor.parallel)] == [3, 2]
+    plan = make_plan(cfg)
+    h, V = 64, 1000
+    sharded_layer = (12288 + 24576) // 2 + 2 * h                   # attention + MLP over tp, norms replicated
+    stage0 = 3 * sharded_layer + V * h // 2
+    stage1 = 2 * sharded_layer + V * h // 2 + h
+    a = plan.roles["actor"]
+    assert a.params_on_gpu == (stage0 if a.stage == 0 else stage1)
+    assert {a.stage: a.params_on_gpu} in ({0: stage0}, {1: stage1})
+
+
+def test_published_parameter_counts():
+    """Totals against the model cards (DeepSeek-V3 671B without the 14B MTP module, Qwen3-235B-A22B,
+    Qwen3-30B-A3B 30.5B / 3.3B active, Llama-3.1-8B 8.03B, Qwen2.5-0.5B 0.49B, SmolLM2-135M)."""
+    published = {"deepseek-v3-671b-grpo": (671e9, 37e9), "qwen3-235b-a22b-dapo": (235e9, 22e9),
+                 "qwen3-30b-a3b-grpo": (30.5e9, 3.3e9), "llama3.1-8b-ppo": (8.03e9, 8.03e9),
+                 "qwen2.5-0.5b-grpo": (0.494e9, 0.494e9), "qwen3-8b-dapo": (8.2e9, 8.2e9),
+                 "smollm2-135m-grpo-cpu": (134.5e6, 134.5e6)}
+    for name, (total, active) in published.items():
+        arch = load_config(str(ROOT / f"recipes/{name}.yaml")).model.arch
+        mp = model_params(arch)
+        assert abs(mp.total - total) / total < 0.015, (name, mp.total)
+        assert abs(mp.active(arch) - active) / active < 0.05, (name, mp.active(arch))
+
+
+def test_cpu_recipe_fits_and_json(capsys):
+    assert plan_main([CPU_RECIPE, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True and out["cpu"] is True
+    assert out["roles"]["actor"]["params"] == out["total_params"] * 4      # fp32 on CPU
+    assert out["pools"]["host"]["headroom"] > 0
+
+
+def test_refuses_recipe_that_cannot_fit_naming_role_and_shortfall():
+    """Qwen3-235B on H100s without offload: the actor's training phase does not fit."""
+    recipe = str(ROOT / "recipes/qwen3-235b-a22b-dapo.yaml")
+    over = ["cluster.gpu_type=H100-80GB", "actor.optim.offload=false"]
+    proc = subprocess.run([sys.executable, "-m", "megarl", "plan", recipe, *over, "--json"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["fits"] is False
+    peak = plan["pools"]["gpu"]
+    short = (peak["total"] - peak["capacity"]) / GIB
+    assert short > 0
+    m = re.search(r"(\w+): phase '([^']+)' needs ([\d.]+) GiB per GPU, one H100-80GB has ([\d.]+) GiB: short by ([\d.]+) GiB",
+                  proc.stderr)
+    assert m, proc.stderr
+    assert m.group(1) in plan["roles"] or m.group(1) in ("rollout", "sync")
+    assert float(m.group(5)) == pytest.approx(short, abs=0.051)
+    # the readable table says the same and suggests a way out
+    proc = subprocess.run([sys.executable, "-m", "megarl", "plan", recipe, *over], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout and "suggestion:" in proc.stdout
+
+
+def test_too_few_nodes_is_refused():
+    cfg = load_config(str(ROOT / "recipes/deepseek-v3-671b-grpo.yaml"), [])
+    cfg.cluster.nodes = 16                 # trainer 16 nodes + rollout 8 nodes do not fit in 16
+    plan = make_plan(cfg)
+    assert not plan.fits and plan.nodes_needed == 24
+    assert any(p.startswith("cluster.nodes:") and "short by 8 node(s)" in p for p in plan.problems)
+
+
+def test_unknown_gpu_is_a_config_error(capsys):
+    assert plan_main([CPU_RECIPE, "cluster.gpu_type=Z100-1GB"]) == 2
+    assert "H100-80GB" in capsys.readouterr().err
