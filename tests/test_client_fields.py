@@ -177,3 +177,22 @@ def test_parse_sglang_shaped_response():
         "output_token_logprobs": [[-1.0, 7, None]]}})
     assert (o.output_ids, o.logprobs, o.finish_reason, o.prompt_tokens, o.text, o.weight_version) == \
         ([7], [-1.0], "length", 3, "hi", "w")
+
+
+def test_documented_sglang_launch_flags_exist():
+    """The launch flags in megarl/rollout/README_SGLANG.md are sglang server-arg fields
+    (sglang derives `--a-b` from field `a_b` in srt/arg_groups/fields/*.py)."""
+    import glob
+    import re
+    root = _sglang_root()
+    if root is None:
+        pytest.skip("sglang wheel not installed")
+    src = "".join(open(f).read() for f in glob.glob(os.path.join(root, "srt/arg_groups/fields/*.py")))
+    doc = open(os.path.join(os.path.dirname(protocol.__file__), "README_SGLANG.md")).read()
+    sg = doc.split("## Real SGLang")[1].split("## Embedded")[0]
+    flags = set(re.findall(r"--([a-z][a-z0-9-]+)", sg))
+    assert {"skip-tokenizer-init", "disable-radix-cache", "enable-memory-saver", "model-path"} <= flags
+    for f in flags:
+        if f in ("host", "port"):
+            continue
+        assert re.search(rf"^\s+{f.replace('-', '_')}\s*:", src, re.M), f
