@@ -19,8 +19,9 @@
 #   MEGARL_RAY_NUM_GPUS   default SLURM_GPUS_ON_NODE, else the count in CUDA_VISIBLE_DEVICES, else 0
 #   MEGARL_RAY_OBJECT_STORE_MB   object store per node (default: Ray's, 30% of RAM); Ray's minimum
 #                         is ~75 MB, CI uses 100
-#   MEGARL_RAY_RESOURCES  JSON custom resources of this node, e.g. '{"megarl_rollout": 8}'
-#                         (the disaggregated sbatch marks rollout nodes this way)
+#   MEGARL_RAY_POOL       train | rollout: adds the custom resource {"megarl_<pool>": GPUs of this
+#                         node} (the disaggregated sbatch marks its pools this way)
+#   MEGARL_RAY_RESOURCES  JSON custom resources of this node (replaces the pool resource)
 #   MEGARL_RAY_TMPDIR     Ray's --temp-dir (default /tmp/ray_$SLURM_JOB_ID): one per job so two
 #                         jobs on one node never share sockets or session logs. Ray's unix socket
 #                         paths must stay under 107 characters: keep it short.
@@ -59,7 +60,11 @@ args=(--block --disable-usage-stats --num-cpus="$cpus" --num-gpus="$gpus"
       --dashboard-agent-listen-port="$p_agent" --dashboard-agent-grpc-port="$p_grpc"
       --metrics-export-port="$p_metrics" --runtime-env-agent-port="$p_renv")
 [[ -n "${MEGARL_RAY_OBJECT_STORE_MB:-}" ]] && args+=(--object-store-memory=$((MEGARL_RAY_OBJECT_STORE_MB * 1024 * 1024)))
-[[ -n "${MEGARL_RAY_RESOURCES:-}" ]] && args+=(--resources="$MEGARL_RAY_RESOURCES")
+if [[ -n "${MEGARL_RAY_RESOURCES:-}" ]]; then
+  args+=(--resources="$MEGARL_RAY_RESOURCES")
+elif [[ -n "${MEGARL_RAY_POOL:-}" ]]; then
+  args+=(--resources="{\"megarl_${MEGARL_RAY_POOL}\": $((gpus > 0 ? gpus : cpus))}")
+fi
 [[ -n "${MEGARL_RAY_NODE_IP:-}" ]] && args+=(--node-ip-address="$MEGARL_RAY_NODE_IP")
 
 # On SIGTERM, Ray >= 2.5x first "drains" the node (for Serve) for up to this many seconds before
@@ -82,7 +87,7 @@ run_ray() {
   return "$rc"
 }
 
-echo "[ray_bootstrap] $(hostname) slurm-node=${SLURMD_NODENAME:-?} role=$role cpus=$cpus gpus=$gpus tmp=$tmpdir" >&2
+echo "[ray_bootstrap] $(hostname) slurm-node=${SLURMD_NODENAME:-?} role=$role${MEGARL_RAY_POOL:+ pool=$MEGARL_RAY_POOL} cpus=$cpus gpus=$gpus tmp=$tmpdir" >&2
 case "$role" in
   head)
     if [[ "${MEGARL_RAY_DASHBOARD:-1}" == 1 ]]; then

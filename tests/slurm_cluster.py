@@ -195,8 +195,10 @@ PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINI
         return subprocess.run(cmd, env=env, check=check, capture_output=True, text=True, **kw)
 
     def sbatch(self, args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None) -> int:
-        out = self.run(["sbatch", "--parsable", *args], env=env or {}, cwd=cwd).stdout.strip()
-        return int(out.split(";")[0])
+        proc = self.run(["sbatch", "--parsable", *args], env=env or {}, cwd=cwd, check=False)
+        if proc.returncode:
+            raise RuntimeError(f"sbatch {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return int(proc.stdout.strip().split(";")[0])
 
     def job(self, job_id: int) -> dict[str, str]:
         out = self.run(["scontrol", "show", "job", "-o", str(job_id)]).stdout

@@ -118,12 +118,12 @@ megarl_free_port() {
 
 MEGARL_RAY_STEPS=()
 
-# megarl_ray_up INFO_JSON [NODE_RESOURCES_FN]
+# megarl_ray_up INFO_JSON [NODE_POOL_FN]
 #   INFO_JSON receives one JSON line once every node joined (address, nodes, CPUs, GPUs, resources).
-#   NODE_RESOURCES_FN, if given, is called with the node index and prints the JSON custom
-#   resources of that node (the disaggregated script uses it to mark rollout nodes).
+#   NODE_POOL_FN, if given, is called with the node index and prints that node's pool name
+#   (train | rollout): the node gets the Ray resource {"megarl_<pool>": its GPUs}.
 megarl_ray_up() {
-  local info=${1:?megarl_ray_up INFO_JSON [NODE_RESOURCES_FN]} resources_fn=${2:-}
+  local info=${1:?megarl_ray_up INFO_JSON [NODE_POOL_FN]} pool_fn=${2:-}
   mapfile -t MEGARL_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   read -ra cpus_per_node <<<"$(megarl_expand_counts "${SLURM_JOB_CPUS_PER_NODE:-1}")"
   local nnodes=${#MEGARL_NODES[@]} head=${MEGARL_NODES[0]}
@@ -137,15 +137,15 @@ megarl_ray_up() {
   export RAY_ADDRESS="$MEGARL_HEAD_IP:$MEGARL_RAY_PORT"
   megarl_log "Ray head on $head ($RAY_ADDRESS), $((nnodes - 1)) worker node(s): ${MEGARL_NODES[*]}"
   trap megarl_ray_down EXIT
-  local i node role target res
+  local i node role target pool
   for ((i = 0; i < nnodes; i++)); do
     node=${MEGARL_NODES[$i]}
     if ((i == 0)); then role=head target=$MEGARL_RAY_PORT; else role=worker target=$RAY_ADDRESS; fi
-    res=""
-    [[ -n "$resources_fn" ]] && res=$($resources_fn "$i")
+    pool=""
+    [[ -n "$pool_fn" ]] && pool=$($pool_fn "$i")
     # --overlap: the step shares CPUs/GPUs with the driver and later steps (Ray hands them out);
     # one task per node, with every CPU of that node so SLURM_CPUS_ON_NODE is right inside.
-    MEGARL_RAY_RESOURCES="$res" srun --overlap --nodes=1 --ntasks=1 --cpus-per-task="${cpus_per_node[$i]:-${cpus_per_node[0]}}" \
+    MEGARL_RAY_POOL="$pool" srun --overlap --nodes=1 --ntasks=1 --cpus-per-task="${cpus_per_node[$i]:-${cpus_per_node[0]}}" \
       -w "$node" --job-name="megarl-ray-$role-$i" --kill-on-bad-exit=1 "${MEGARL_SRUN_CONTAINER[@]}" \
       bash "$MEGARL_HOME/launch/ray_bootstrap.sh" "$role" "$target" &
     MEGARL_RAY_STEPS+=($!)
