@@ -18,6 +18,7 @@ CORE = [
     "tokenizers==0.23.3",
     "aiohttp==3.14.5",
     "numpy>=1.26",
+    "psutil>=5.9",  # megatron dist_checkpointing writer processes need it
 ]
 
 EXTRAS = {

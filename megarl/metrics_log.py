@@ -1,0 +1,49 @@
+"""Per-step metrics: tensorboard event files and a compact console line with a progress bar."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Mapping
+
+CONSOLE_KEYS = [("reward/mean", "reward", "{:.3f}"), ("response/length_mean", "len", "{:.0f}"),
+                ("actor/pg_loss", "pg", "{:+.4f}"), ("actor/clip_frac", "clip", "{:.3f}"),
+                ("actor/entropy", "ent", "{:.3f}"), ("actor/kl_loss", "kl", "{:.4f}"),
+                ("actor/grad_norm", "gn", "{:.3f}"), ("rollout/logprob_diff_mean", "lpdiff", "{:.1e}"),
+                ("time/step_s", "step_s", "{:.1f}")]
+
+
+class MetricsLogger:
+    def __init__(self, tensorboard_dir: Path, total_steps: int, progress_bar: bool = True):
+        from torch.utils.tensorboard import SummaryWriter
+
+        tensorboard_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(str(tensorboard_dir))
+        self.total = total_steps
+        self.progress_bar = progress_bar
+        self.start = time.time()
+
+    def log(self, step: int, metrics: Mapping[str, float], console: bool = True) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, float(value), step)
+        self.writer.flush()
+        if console:
+            print(self.format_line(step, metrics), flush=True)
+
+    def format_line(self, step: int, metrics: Mapping[str, float]) -> str:
+        parts = [f"{short}={fmt.format(metrics[key])}" for key, short, fmt in CONSOLE_KEYS if key in metrics]
+        done = step / max(self.total, 1)
+        bar = ""
+        if self.progress_bar:
+            filled = int(20 * done)
+            elapsed = time.time() - self.start
+            eta = elapsed / max(done, 1e-9) - elapsed if done > 0 else 0.0
+            bar = f"[{'#' * filled}{'.' * (20 - filled)}] eta {eta / 60:.1f}m "
+        return f"step {step}/{self.total} {bar}" + " ".join(parts)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def note(message: str) -> None:
+    print(f"[megarl] {message}", file=sys.stderr, flush=True)

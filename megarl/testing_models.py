@@ -1,0 +1,43 @@
+"""Small real-tokenizer models for tests and CPU smoke runs.
+
+A random tiny Llama with SmolLM2's tokenizer and chat template: the whole RL loop (chat
+templates, reasoning-gym prompts, decoding, rewards) runs exactly as with the real model, at a
+fraction of the cost.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+
+def make_tiny_chat_model(path: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                         seed: int = 0, tie: bool = True, family: str = "llama") -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from megarl.models.smollm2 import smollm2_hf_dir
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    src = Path(smollm2_hf_dir())
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    import json
+
+    base = json.loads((src / "config.json").read_text())
+    cfg = config_cls(vocab_size=base["vocab_size"], hidden_size=hidden, intermediate_size=2 * hidden,
+                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                     max_position_embeddings=1024, tie_word_embeddings=tie, bos_token_id=base.get("bos_token_id"),
+                     eos_token_id=base.get("eos_token_id"), rope_theta=10000.0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(tmp)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens", "generation_config")):
+            shutil.copy(f, tmp / f.name)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path

@@ -1,0 +1,532 @@
+"""The RL loop, readable top to bottom (DESIGN.md, "The loop").
+
+    prompts -> rollout (SGLang API) -> rewards -> filters -> old/ref logprobs, values
+            -> advantages -> actor/critic updates (Megatron) -> weight sync -> log, checkpoint
+
+Everything heavy lives elsewhere: workers/ runs Megatron ranks, rollout/ talks to servers, algos/
+holds the math, sync/ moves weights. This module only decides what happens in which order.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from megarl.config import RunConfig, load_config, validate_config
+from megarl.metrics_log import MetricsLogger, note
+
+GROUP_FREE_ESTIMATORS = {"gae", "reinforce_plus_plus", "remax"}
+
+
+class LogprobMismatch(RuntimeError):
+    """Rollout and trainer disagree on the sampled tokens' logprobs: wrong weights or naming."""
+
+
+@dataclass
+class Sample:
+    record: Any
+    group: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: str
+    reward: float = 0.0
+    text: str = ""
+
+
+@dataclass
+class TrainerState:
+    step: int = 0
+    loader: dict[str, Any] = field(default_factory=dict)
+    kl_coef: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+# ---------------------------------------------------------------------------------------------
+
+def sync_weights(worker: Any, urls: list[str], sync_cfg: Any, device: str, version: str) -> dict[str, float]:
+    """Runs on every actor rank: stream HF-named weights bucket by bucket to all servers."""
+    from megarl.sync.push import WeightPusher, is_sender_rank, push_megatron, sender_group_name
+
+    if not hasattr(worker, "_pusher"):
+        pusher = None
+        if is_sender_rank():
+            transport = {"auto": "distributed", "nccl": "distributed", "gloo": "distributed",
+                         "ipc": "tensor", "disk": "disk"}[sync_cfg.transport]
+            pusher = WeightPusher(urls, transport=transport, bucket_mb=sync_cfg.bucket_mb,
+                                  backend="nccl" if device == "cuda" else "gloo",
+                                  group_name=sender_group_name(), send_checksums=sync_cfg.verify_checksum,
+                                  disk_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "megarl_sync"))
+            pusher.connect()
+        worker._pusher = pusher
+    stats = push_megatron(worker.chunks, None, worker._pusher, weight_version=version)
+    return stats.as_dict() if worker._pusher is not None else {}
+
+
+def export_hf_shard(worker: Any, out_dir: str) -> dict[str, str]:
+    """Each sender rank writes the HF tensors it owns into its own safetensors file."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in worker.iter_hf_weights()}
+    if not tensors:
+        return {}
+    file_name = f"model-rank{worker.spec.rank:05d}.safetensors"
+    save_file(tensors, os.path.join(out_dir, file_name), metadata={"format": "pt"})
+    return {name: file_name for name in tensors}
+
+
+def build_sequence_batch(samples: list[Sample], **tensors: torch.Tensor):
+    from megarl.workers import SequenceBatch
+
+    batch = SequenceBatch([s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples])
+    batch.tensors = {"response_mask": batch.response_mask(), **tensors}
+    return batch
+
+
+def pad_rows(rows: list[torch.Tensor | list[float]], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        row = torch.as_tensor(row, dtype=torch.float32)
+        out[i, : row.numel()] = row[:width]
+    return out
+
+
+def minibatches(num_samples: int, global_batch_size: int, seed: int) -> list[list[int]]:
+    """Shuffled mini-batches of whole samples; a short tail joins the last mini-batch."""
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+    size = min(global_batch_size, num_samples)
+    batches = [order[i:i + size] for i in range(0, num_samples - num_samples % size, size)]
+    if num_samples % size:
+        batches[-1].extend(order[num_samples - num_samples % size:])
+    return batches
+
+
+def denominators(mask: torch.Tensor, batches: list[list[int]]) -> list[dict[str, float]]:
+    return [{"num_tokens": float(mask[b].sum().clamp(min=1)), "num_seqs": float(len(b))} for b in batches]
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer
+# ---------------------------------------------------------------------------------------------
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.ckpt_dir = Path(cfg.checkpoint.dir or self.out / "checkpoints")
+        self.state = TrainerState(kl_coef=cfg.algorithm.kl.coef)
+        self.groups: dict[str, Any] = {}
+        self.servers = None
+        self.logger: Optional[MetricsLogger] = None
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        from megarl.algos import make_kl_controller
+        from megarl.data import PromptLoader, load_split
+        from megarl.rewards import build_reward_fn
+        from megarl.workers.model_source import load_tokenizer, resolve_hf_path
+
+        cfg = self.cfg
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(__import__("dataclasses").asdict(cfg), indent=1))
+        note(f"run {cfg.name}: output in {self.out}")
+        self.model_dir = resolve_hf_path(cfg.model.hf_path)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_path)
+        self.train_records = load_split(cfg.data, cfg.seed, "train")
+        self.eval_records = load_split(cfg.data, cfg.seed, "eval")
+        self.loader = PromptLoader(self.train_records, cfg.batch.prompts_per_step, cfg.seed, cfg.data.shuffle)
+        self.reward_fn = build_reward_fn(cfg.reward) if cfg.reward.kind != "model" else None
+        kl = cfg.algorithm.kl
+        self.kl_ctl = make_kl_controller("adaptive" if kl.adaptive else "fixed", kl_coef=kl.coef,
+                                         target_kl=kl.target, horizon=kl.horizon)
+        note(f"data: {len(self.train_records)} train / {len(self.eval_records)} eval prompts")
+
+        backend = cfg.cluster.backend
+        placement_groups: dict[str, Any] = {}
+        if backend == "ray":
+            from megarl.placement import create_placement_groups, init_ray, plan_pools
+
+            init_ray(cfg)
+            pools = plan_pools(cfg)
+            placement_groups = create_placement_groups(pools)
+        t0 = time.time()
+        self.servers = self._start_servers()
+        from megarl.workers import WorkerGroup
+
+        roles = [("actor", True, False), ("ref", False, False), ("critic", True, True)]
+        for role, trainable, value_head in roles:
+            if not getattr(cfg, role).enabled:
+                continue
+            pg, share = None, 1.0
+            if backend == "ray":
+                from megarl.placement import plan_pools, pool_of
+
+                pool = pool_of(plan_pools(cfg), role)
+                pg = placement_groups[pool.name]
+                share = 1.0 / len(pool.roles)
+            group = WorkerGroup(role, cfg, backend=backend, trainable=trainable, value_head=value_head,
+                                placement_group=pg, share=share)
+            info = group.call("setup")
+            note(f"{role}: {cfg_role_layout(getattr(cfg, role))}, {info[0]['params'] / 1e6:.1f}M params on rank 0")
+            self.groups[role] = group
+        self.servers.wait_healthy()
+        note(f"workers and {len(self.servers.urls)} rollout server(s) ready in {time.time() - t0:.1f}s")
+        tb = Path(cfg.logging.tensorboard_dir or self.out / "tensorboard")
+        self.logger = MetricsLogger(tb, cfg.trainer.total_steps, cfg.logging.progress_bar)
+        self._maybe_resume()
+        self._push_weights()
+
+    def _start_servers(self):
+        from megarl.rollout.launch import RolloutServers
+
+        return RolloutServers(self.cfg, self.model_dir, self.out / "logs")
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "none":
+            return
+        path = Path(resume) if resume != "auto" else latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            return
+        if not (path / "trainer_state.json").is_file():
+            raise FileNotFoundError(f"checkpoint.resume: {path} is not a megarl checkpoint (no trainer_state.json)")
+        state = json.loads((path / "trainer_state.json").read_text())
+        for role in ("actor", "critic"):
+            if role in self.groups:
+                self.groups[role].call("load_checkpoint", str(path / role))
+        self.state.step = state["step"]
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctl.value = state["kl_coef"]
+        random.setstate(tuple(_as_tuple(state["python_rng"])))
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        note(f"resumed from {path} at step {self.state.step}")
+
+    # ------------------------------------------------------------------ rollout
+    def generate(self, records: list[Any], n: int, greedy: bool = False, seed_base: int = 0) -> list[Sample]:
+        from megarl.data import encode_prompt
+        from megarl.rollout.manager import RolloutManager
+
+        cfg, r = self.cfg, self.cfg.rollout
+        prompts, kept = [], []
+        for rec in records:
+            ids = encode_prompt(self.tokenizer, rec, chat_template=cfg.data.chat_template,
+                                system_prompt=cfg.data.system_prompt)
+            if len(ids) > r.max_prompt_len:
+                note(f"prompt {rec.index} has {len(ids)} tokens > rollout.max_prompt_len {r.max_prompt_len}: dropped")
+                continue
+            prompts.append(ids)
+            kept.append(rec)
+        stop = sorted(set(r.sampling.stop_token_ids) | {t for t in [self.tokenizer.eos_token_id] if t is not None})
+        sampling = {"max_new_tokens": r.sampling.max_new_tokens, "temperature": 0.0 if greedy else r.sampling.temperature,
+                    "top_p": 1.0 if greedy else r.sampling.top_p, "top_k": -1 if greedy else r.sampling.top_k,
+                    "stop_token_ids": stop}
+        if not hasattr(self, "_manager"):
+            self._manager = RolloutManager(self.servers.urls, max_concurrency=r.max_running_requests,
+                                           timeout_s=r.request_timeout_s)
+        outputs = self._manager.generate(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base)
+        samples = []
+        for g, (rec, ids, outs) in enumerate(zip(kept, prompts, outputs)):
+            for out in outs:
+                response = list(out.output_ids)
+                text = self.tokenizer.decode(response, skip_special_tokens=True)
+                samples.append(Sample(rec, g, ids, response, list(out.logprobs or []), out.finish_reason, text=text))
+        return samples
+
+    def score(self, samples: list[Sample]) -> None:
+        """Rewards (plus DAPO overlong shaping when enabled)."""
+        from megarl.algos import overlong_penalty
+
+        for s in samples:
+            s.reward = float(self.reward_fn(s.text, s.record))
+        o = self.cfg.algorithm.overlong
+        if o.enabled:
+            lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+            penalty = overlong_penalty(lengths, self.cfg.rollout.sampling.max_new_tokens, o.buffer_len, o.penalty_factor)
+            for s, p in zip(samples, penalty.tolist()):
+                s.reward += p
+
+    def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """Rollout + reward for one step; with DAPO dynamic sampling, keep drawing prompts until
+        ``prompts_per_step`` groups with non-identical rewards are collected (or rounds run out)."""
+        cfg = self.cfg
+        n = cfg.rollout.n_per_prompt
+        ds = cfg.algorithm.dynamic_sampling
+        kept: list[Sample] = []
+        rounds, drawn = 0, 0
+        while True:
+            records = self.loader.next_batch()
+            samples = self.generate(records, n, seed_base=(cfg.seed * 1_000_003 + step * 1009 + rounds) & 0x7FFFFFFF)
+            self.score(samples)
+            drawn += len(records)
+            rounds += 1
+            if not ds.enabled:
+                kept = samples
+                break
+            for group in _groups(samples):
+                rewards = {s.reward for s in group}
+                if len(rewards) > 1 and len(kept) // n < cfg.batch.prompts_per_step:
+                    kept.extend(group)
+            if len(kept) // n >= cfg.batch.prompts_per_step or rounds >= ds.max_rounds:
+                break
+        if not kept:
+            raise RuntimeError(f"step {step}: dynamic sampling kept no group in {rounds} rounds (all rewards equal)")
+        # renumber groups contiguously
+        regrouped, mapping = [], {}
+        for s in kept:
+            key = (id(s.record), s.group)
+            mapping.setdefault(key, len(mapping))
+            s.group = mapping[key]
+            regrouped.append(s)
+        return regrouped, {"rollout/rounds": rounds, "rollout/prompts_drawn": drawn,
+                           "rollout/groups_kept": len(mapping)}
+
+    # ------------------------------------------------------------------ one RL step
+    def step(self, step: int) -> dict[str, float]:
+        from megarl.algos import get_advantage_estimator, kl_reward_penalty
+
+        cfg, a = self.cfg, self.cfg.algorithm
+        times: dict[str, float] = {}
+        t = time.time()
+        samples, metrics = self.collect(step)
+        times["rollout"] = time.time() - t
+        rewards = torch.tensor([s.reward for s in samples])
+        resp_lens = [len(s.response_ids) for s in samples]
+        width = max(resp_lens)
+        batch = build_sequence_batch(samples, rollout_logprobs=pad_rows([s.rollout_logprobs for s in samples], width))
+        mask = batch.tensors["response_mask"]
+
+        t = time.time()
+        actor = self.groups["actor"]
+        old = actor.gather("compute_logprobs", len(batch), batch, False)
+        batch.tensors["old_logprobs"] = pad_rows([o[0] for o in old], width)
+        times["old_logprobs"] = time.time() - t
+        diff = (batch.tensors["old_logprobs"] - batch.tensors["rollout_logprobs"]).abs() * mask
+        metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
+        metrics["rollout/logprob_diff_max"] = float(diff.max())
+        if step == 0 and metrics["rollout/logprob_diff_mean"] > cfg.rollout.logprob_diff_bound:
+            raise LogprobMismatch(
+                f"step 0: mean |rollout - trainer| logprob = {metrics['rollout/logprob_diff_mean']:.4g} exceeds "
+                f"rollout.logprob_diff_bound = {cfg.rollout.logprob_diff_bound}: the rollout servers do not hold the "
+                f"trainer's weights (wrong checkpoint, naming or dtype)")
+        kl_tokens = None
+        if "ref" in self.groups:
+            t = time.time()
+            ref = self.groups["ref"].gather("compute_logprobs", len(batch), batch, False)
+            batch.tensors["ref_logprobs"] = pad_rows([o[0] for o in ref], width)
+            times["ref_logprobs"] = time.time() - t
+            if a.kl.mode == "reward":
+                kl_tokens = kl_reward_penalty(batch.tensors["old_logprobs"], batch.tensors["ref_logprobs"], mask,
+                                              self.kl_ctl.value, a.kl.estimator)
+        values = None
+        if "critic" in self.groups:
+            t = time.time()
+            vals = self.groups["critic"].gather("compute_values", len(batch), batch)
+            values = pad_rows([v[0] for v in vals], width)
+            batch.tensors["old_values"] = values
+            times["values"] = time.time() - t
+
+        group_size = None if a.advantage in GROUP_FREE_ESTIMATORS else cfg.rollout.n_per_prompt
+        group_ids = None if group_size is None else torch.tensor([s.group for s in samples])
+        adv = get_advantage_estimator(a.advantage)(
+            rewards, mask, group_ids=group_ids, values=values, gamma=a.gamma, lam=a.lam, kl=kl_tokens,
+            norm_std=a.norm_adv_by_std)
+        batch.tensors["advantages"] = adv.advantages
+        if values is not None:
+            batch.tensors["returns"] = adv.returns
+
+        t = time.time()
+        algo = {"policy_loss": a.policy_loss, "entropy_coef": a.entropy_coef, "value_clip": a.value_clip,
+                "kl_loss_coef": self.kl_ctl.value if a.kl.mode == "loss" else 0.0, "kl_estimator": a.kl.estimator,
+                "agg_mode": a.loss_agg,
+                "policy_loss_cfg": {"clip_low": a.clip_low, "clip_high": a.clip_high, "dual_clip_c": a.dual_clip_c,
+                                    "agg_mode": a.loss_agg, "tis_cap": a.tis_cap,
+                                    "norm_len": float(cfg.rollout.sampling.max_new_tokens)}}
+        for epoch in range(a.ppo_epochs):
+            mbs = minibatches(len(batch), cfg.batch.global_batch_size, cfg.seed + step * 101 + epoch)
+            dens = denominators(mask, mbs)
+            metrics.update(_prefixed(actor.reduce_metrics(actor.call("train", batch, mbs, dens, algo)), "actor/"))
+            if "critic" in self.groups:
+                critic = self.groups["critic"]
+                metrics.update(_prefixed(critic.reduce_metrics(critic.call("train", batch, mbs, dens, algo)), "critic/"))
+        times["train"] = time.time() - t
+        if a.kl.mode != "none" and "ref_logprobs" in batch.tensors:
+            kl_now = float(((batch.tensors["old_logprobs"] - batch.tensors["ref_logprobs"]) * mask).sum() / mask.sum())
+            metrics["kl/actor_ref_k1"] = kl_now
+            self.kl_ctl.update(kl_now, len(batch))
+            metrics["kl/coef"] = self.kl_ctl.value
+
+        t = time.time()
+        sync = self._push_weights(version=f"step{step + 1}")
+        times["sync"] = time.time() - t
+        metrics.update(sync)
+
+        tokens = float(mask.sum())
+        metrics.update({
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/max": float(rewards.max()), "reward/min": float(rewards.min()),
+            "response/length_mean": sum(resp_lens) / len(resp_lens), "response/length_max": max(resp_lens),
+            "response/clipped_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "advantage/mean": float((adv.advantages * mask).sum() / mask.sum().clamp(min=1)),
+            "batch/samples": len(samples), "batch/response_tokens": tokens,
+        })
+        for phase, seconds in times.items():
+            metrics[f"time/{phase}_s"] = seconds
+        metrics["time/step_s"] = sum(times.values())
+        for phase in ("rollout", "old_logprobs", "train"):
+            metrics[f"throughput/{phase}_tokens_per_s"] = tokens / max(times[phase], 1e-9)
+        return metrics
+
+    def _push_weights(self, version: str = "init") -> dict[str, float]:
+        stats = self.groups["actor"].call("call", sync_weights, self.servers.urls, self.cfg.sync,
+                                          self.cfg.cluster.device, version)
+        total_bytes = sum(s.get("bytes", 0) for s in stats)
+        seconds = max((s.get("seconds", 0.0) for s in stats), default=0.0)
+        return {"sync/bytes": float(total_bytes), "sync/seconds": float(seconds),
+                "sync/bytes_per_s": float(total_bytes / seconds) if seconds else 0.0}
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_records:
+            return {}
+        samples = self.generate(self.eval_records, 1, greedy=True)
+        self.score(samples)
+        rewards = [s.reward for s in samples]
+        return {"eval/reward_mean": sum(rewards) / len(rewards),
+                "eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+                "eval/response_length": sum(len(s.response_ids) for s in samples) / len(samples)}
+
+    # ------------------------------------------------------------------ checkpoints & export
+    def save_checkpoint(self) -> Path:
+        step = self.state.step
+        final = self.ckpt_dir / f"step_{step:06d}"
+        tmp = self.ckpt_dir / f".tmp_step_{step:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for role in ("actor", "critic"):
+            if role in self.groups:
+                self.groups[role].call("save_checkpoint", str(tmp / role))
+        state = {"step": step, "loader": self.loader.state_dict(), "kl_coef": self.kl_ctl.value,
+                 "python_rng": random.getstate(), "torch_rng": torch.get_rng_state().tolist()}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # atomic: a checkpoint is either whole or absent
+        for old in sorted(self.ckpt_dir.glob("step_*"))[: -self.cfg.checkpoint.keep_last or None]:
+            shutil.rmtree(old, ignore_errors=True)
+        note(f"checkpoint {final}")
+        return final
+
+    def export_hf(self) -> Path:
+        out = self.out / "hf_export"
+        tmp = self.out / ".tmp_hf_export"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        weight_map: dict[str, str] = {}
+        for part in self.groups["actor"].call("call", export_hf_shard, str(tmp)):
+            weight_map.update(part)
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        shutil.copy(self.model_dir / "config.json", tmp / "config.json")
+        for f in self.model_dir.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab", "merges")):
+                shutil.copy(f, tmp / f.name)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        note(f"exported HF model to {out}")
+        return out
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        results: dict[str, Any] = {"steps": []}
+        try:
+            self.setup()
+            if cfg.trainer.eval_before_after and self.state.step == 0:
+                results["eval_before"] = self.evaluate()
+                self.logger.log(0, results["eval_before"], console=False)
+                note(f"eval before: {results['eval_before']}")
+            while self.state.step < cfg.trainer.total_steps:
+                metrics = self.step(self.state.step)
+                self.state.step += 1
+                results["steps"].append(metrics)
+                self.logger.log(self.state.step, metrics, console=self.state.step % cfg.logging.log_interval == 0)
+                if cfg.trainer.eval_interval and self.state.step % cfg.trainer.eval_interval == 0:
+                    self.logger.log(self.state.step, self.evaluate())
+                if cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
+                    self.save_checkpoint()
+            if cfg.trainer.eval_before_after:
+                results["eval_after"] = self.evaluate()
+                self.logger.log(self.state.step, results["eval_after"], console=False)
+                note(f"eval after: {results['eval_after']}")
+            if not cfg.checkpoint.interval or self.state.step % cfg.checkpoint.interval:
+                self.save_checkpoint()
+            if cfg.checkpoint.export_hf:
+                results["export"] = str(self.export_hf())
+            return results
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        for group in self.groups.values():
+            group.shutdown()
+        self.groups = {}
+        if self.servers is not None:
+            self.servers.stop()
+        if hasattr(self, "_manager"):
+            self._manager.close()
+        if self.cfg.cluster.backend == "ray" and not self.cfg.cluster.ray_address:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+
+
+def cfg_role_layout(role: Any) -> str:
+    p = role.parallel
+    return f"{role.gpus} rank(s) tp{p.tp} pp{p.pp}" + (f" ep{p.ep}" if p.ep > 1 else "")
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
+    found = sorted(ckpt_dir.glob("step_*")) if ckpt_dir.is_dir() else []
+    return found[-1] if found else None
+
+
+def _groups(samples: list[Sample]) -> list[list[Sample]]:
+    by: dict[tuple[int, int], list[Sample]] = {}
+    for s in samples:
+        by.setdefault((id(s.record), s.group), []).append(s)
+    return list(by.values())
+
+
+def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    return {(k if k.startswith(prefix) else prefix + k): v for k, v in metrics.items()}
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, list) else x
+
+
+def train_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megarl train", description="run RL training from a recipe")
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.recipe, args.overrides)
+    validate_config(cfg, check_paths=True)
+    results = Trainer(cfg).run()
+    summary = {k: v for k, v in results.items() if k != "steps"}
+    summary["final_step"] = results["steps"][-1] if results["steps"] else {}
+    print(json.dumps(summary, default=float))
+    return 0
