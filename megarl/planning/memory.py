@@ -427,14 +427,16 @@ def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[in
     for ph in phases:
         if ph.pool not in pools or ph.total > pools[ph.pool].total:
             pools[ph.pool] = ph
-    for pool, ph in pools.items():
-        if ph.total > capacity:
-            role = ph.name.split(":", 1)[1] if ":" in ph.name else ph.name.split()[0]
-            biggest = max(ph.parts.items(), key=lambda kv: kv[1])
-            problems.append(
-                f"{role}: phase '{ph.name}' needs {ph.total / GIB:.1f} GiB per "
-                f"{'host' if cpu else 'GPU'}, {unit} has {capacity / GIB:.1f} GiB: short by "
-                f"{(ph.total - capacity) / GIB:.1f} GiB (largest part: {biggest[0]} {biggest[1] / GIB:.1f} GiB)")
+    for ph in phases:   # every phase that does not fit, largest first
+        if ph.total <= capacity:
+            continue
+        role = ph.name.split(":", 1)[1] if ":" in ph.name else ph.name.split()[0]
+        biggest = max(ph.parts.items(), key=lambda kv: kv[1])
+        problems.append(
+            f"{role}: phase '{ph.name}' needs {ph.total / GIB:.1f} GiB per "
+            f"{'host' if cpu else 'GPU'}, {unit} has {capacity / GIB:.1f} GiB: short by "
+            f"{(ph.total - capacity) / GIB:.1f} GiB (largest part: {biggest[0]} {biggest[1] / GIB:.1f} GiB)")
+    problems.sort(key=lambda p: -float(p.split("short by ")[1].split()[0]))
     if not cpu:
         if rollout.kv_available <= 0:
             problems.append(f"rollout: weights {rollout.weights / GIB:.1f} GiB per GPU (tp{rollout.tp}) exceed "
