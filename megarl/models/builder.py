@@ -122,6 +122,7 @@ def build_model(hf_config, *, value_head: bool = False, params_dtype: torch.dtyp
         )
         if family != "deepseek_v3":
             _set_hf_inv_freq(model, cfg)
+        _ensure_tp_attributes(model)
         if value_head and post:
             model.output_layer = ValueHead(cfg.hidden_size, dtype=params_dtype)
         model.hf_config = cfg
@@ -131,6 +132,22 @@ def build_model(hf_config, *, value_head: bool = False, params_dtype: torch.dtyp
         model.vp_stage = vp_stage
         chunks.append(model)
     return chunks
+
+
+def _ensure_tp_attributes(model):
+    """megatron only sets ``tensor_model_parallel/partition_dim`` on weights inside its init
+    routines; with ``perform_initialization=False`` (conversion) set them from the layer type."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding,
+                                                      set_tensor_model_parallel_attributes)
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(w, torch.nn.Parameter) or hasattr(w, "tensor_model_parallel"):
+            continue
+        if isinstance(m, (VocabParallelEmbedding, ColumnParallelLinear)):
+            set_tensor_model_parallel_attributes(w, True, 0, 1)
+        elif isinstance(m, RowParallelLinear):
+            set_tensor_model_parallel_attributes(w, True, 1, 1)
 
 
 def _set_hf_inv_freq(model, cfg):

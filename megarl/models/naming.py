@@ -290,7 +290,7 @@ class SafetensorsSource:
 
 
 def load_hf_weights(chunks, source: Union[str, os.PathLike, Callable[[str], torch.Tensor], SafetensorsSource],
-                    *, strict: bool = True) -> List[str]:
+                    *, strict: bool = True, progress: bool = False) -> List[str]:
     """Load this rank's shards of the HF weights into megatron ``chunks``.
 
     ``source`` is an HF folder (safetensors, streamed file by file; only the tensors this rank
@@ -364,8 +364,13 @@ def load_hf_weights(chunks, source: Union[str, os.PathLike, Callable[[str], torc
                 raise
             feed(n, t)
     else:
-        for n, t in src.read(needed):
-            feed(n, t)
+        files = src.by_file(needed)
+        for i, (fn, ns) in enumerate(files.items()):
+            if progress:
+                print(f"[megarl.convert] reading {fn} ({i + 1}/{len(files)}): {len(ns)} tensors",
+                      flush=True)
+            for n, t in src.read(ns):
+                feed(n, t)
     unfilled = [plan[i][1].global_name for i in pending]
     if unfilled and strict:
         raise KeyError(f"megatron parameters not filled from HF: {unfilled}")

@@ -1,0 +1,62 @@
+"""``megarl convert`` command: ``convert_main(argv) -> int``.
+
+    megarl convert hf-to-megatron --hf DIR --out DIR [--tp 2 --pp 1 --ep 1 --etp 1 --vpp N --dtype bf16]
+    megarl convert megatron-to-hf --ckpt DIR --out DIR [--hf-config DIR --tp 1 --pp 1 --ep 1]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megarl convert", description="HF <-> megatron checkpoints")
+    sub = p.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-megatron", help="HF safetensors folder -> megatron torch_dist")
+    a.add_argument("--hf", required=True, help="HF folder (config.json + *.safetensors)")
+    a.add_argument("--out", required=True, help="output checkpoint directory")
+    b = sub.add_parser("megatron-to-hf", help="megatron torch_dist -> HF safetensors folder")
+    b.add_argument("--ckpt", required=True, help="megarl megatron checkpoint directory")
+    b.add_argument("--out", required=True, help="output HF folder")
+    b.add_argument("--hf-config", default=None,
+                   help="folder with config.json/tokenizer files (default: the checkpoint's hf/)")
+    b.add_argument("--max-shard-gb", type=float, default=4.0)
+    for s in (a, b):
+        s.add_argument("--tp", type=int, default=1, help="tensor parallel ranks used to convert")
+        s.add_argument("--pp", type=int, default=1, help="pipeline stages used to convert")
+        s.add_argument("--ep", type=int, default=1, help="expert parallel ranks used to convert")
+        s.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
+        s.add_argument("--quiet", action="store_true")
+    a.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks")
+    a.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16", "float32",
+                                                     "bfloat16", "float16"],
+                   help="params dtype (default: dtype of the HF tensors)")
+    return p
+
+
+def convert_main(argv: Optional[List[str]] = None) -> int:
+    import os
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from .convert import convert_hf_to_megatron, convert_megatron_to_hf
+    from .manifest import CheckpointVerificationError
+    try:
+        if args.direction == "hf-to-megatron":
+            convert_hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
+                                   etp=args.etp, vpp=args.vpp, dtype=args.dtype, verbose=not args.quiet)
+        else:
+            convert_megatron_to_hf(args.ckpt, args.out, args.hf_config, tp=args.tp, pp=args.pp,
+                                   ep=args.ep, etp=args.etp, max_shard_gb=args.max_shard_gb,
+                                   verbose=not args.quiet)
+    except (CheckpointVerificationError, KeyError, FileNotFoundError, ValueError) as e:
+        print(f"megarl convert: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # SpawnError carries the failing rank's traceback
+        print(f"megarl convert: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(convert_main())
