@@ -232,13 +232,25 @@ def _forward_logits(chunks, input_ids, position_ids, attention_mask):
             return post(output_tensor)
         return out, collect
 
-    batch = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
-    data = [iter([batch]) for _ in chunks]
+    # interleaved (vpp) schedules need >= pp micro-batches: split the batch when it divides,
+    # else run the whole batch pp times and keep the first result.
+    m = mpu.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
+    if m > 1 and b % m == 0:
+        mbs, reps = b // m, None
+        batches = [{"input_ids": input_ids[i * mbs:(i + 1) * mbs],
+                    "position_ids": position_ids[i * mbs:(i + 1) * mbs],
+                    "attention_mask": None if attention_mask is None else
+                    attention_mask[i * mbs:(i + 1) * mbs]} for i in range(m)]
+    else:
+        mbs, reps = b, m
+        batches = [{"input_ids": input_ids, "position_ids": position_ids,
+                    "attention_mask": attention_mask}] * m
+    data = [iter(list(batches)) for _ in chunks]
     fb = get_forward_backward_func()
     with torch.no_grad():
         res = fb(forward_step_func=step, data_iterator=data if len(chunks) > 1 else data[0],
-                 model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=1,
-                 seq_length=s, micro_batch_size=b, forward_only=True, collect_non_loss_data=True)
+                 model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=m,
+                 seq_length=s, micro_batch_size=mbs, forward_only=True, collect_non_loss_data=True)
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
-        return res[0]
+        return res[0] if (reps or len(res) == 1) else torch.cat(res, 0)
     return None
