@@ -224,11 +224,11 @@ def load_megatron(chunks, ckpt_dir, *, verify: bool = True, verbose: bool = Fals
     ssd = sharded_state_dict(chunks)
     try:
         state = dist_checkpointing.load(ssd, str(ckpt_dir), strict=StrictHandling.RAISE_ALL)
-    except Exception as e:  # name the missing megatron keys
-        msg = str(e)
-        missing = _missing_keys_from(msg, ssd)
-        if missing:
-            raise mf.CheckpointVerificationError(missing=missing, where=str(ckpt_dir)) from e
+    except Exception as e:  # name the missing / unexpected megatron keys
+        missing, extra = _keys_from_error(str(e), ssd)
+        if missing or extra:
+            raise mf.CheckpointVerificationError(missing=missing, extra=extra,
+                                                 where=str(ckpt_dir)) from e
         raise
     for i, c in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{i}"
@@ -241,8 +241,14 @@ def load_megatron(chunks, ckpt_dir, *, verify: bool = True, verbose: bool = Fals
     return read_meta(ckpt_dir).get("extra_state", {})
 
 
-def _missing_keys_from(msg: str, ssd) -> list:
+def _keys_from_error(msg: str, ssd):
+    """megatron's strict-load error lists key sets; split them into keys the model needs but the
+    checkpoint lacks (missing) and keys the checkpoint has but the model does not (extra)."""
+    import re
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
-    keys = sorted({v.key for v in nested_values(ssd) if isinstance(v, ShardedBase)})
-    return [k for k in keys if k in msg]
+    model_keys = {v.key for v in nested_values(ssd) if isinstance(v, ShardedBase)}
+    named = set(re.findall(r"'([A-Za-z0-9_./]+)'", msg))
+    missing = sorted(k for k in named if k in model_keys)
+    extra = sorted(k for k in named if k not in model_keys and "." in k)
+    return missing, extra
