@@ -65,15 +65,34 @@ def _worker(fn, rank, world_size, port, args, q, backend, timeout_s, init):
             pass
 
 
+PRELOAD = ("megatron.core.models.gpt.gpt_model", "megatron.core.pipeline_parallel",
+           "megatron.core.dist_checkpointing", "transformers")
+
+
+def _preload(mods):
+    import importlib
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m in mods:
+            try:
+                importlib.import_module(m)
+            except Exception:
+                pass
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args, backend: Optional[str] = None,
           timeout_s: float = 300.0, method: Optional[str] = None, init: bool = True,
-          collective_timeout_s: Optional[float] = None) -> List[Any]:
+          collective_timeout_s: Optional[float] = None, preload=PRELOAD) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; see module doc.
 
+    With ``fork``, ``preload`` modules (megatron, transformers) are imported in the parent first.
     ``timeout_s`` bounds the whole run; ``collective_timeout_s`` (default ``min(timeout_s, 120)``)
     is the process-group timeout handed to ``init_distributed``.
     """
     method = method or ("fork" if sys.platform.startswith("linux") else "spawn")
+    if method == "fork" and preload:
+        _preload(preload)  # import once in the parent instead of N times in the children
     ctx = mp.get_context(method)
     port = free_port()
     q = ctx.Queue()
