@@ -33,39 +33,56 @@ class RolloutServers:
             self.urls = list(r.server_urls)
             return
         self.urls = []
-        context = r.max_prompt_len + r.sampling.max_new_tokens
         log_dir.mkdir(parents=True, exist_ok=True)
+        self._cfg = cfg
+        self._model_dir = model_dir
         for i in range(r.num_servers):
-            port = _free_port()
-            if r.engine == "embedded":
-                cmd = [sys.executable, "-m", "megarl.rollout.server", str(model_dir), "--port", str(port),
-                       "--max-running-requests", str(r.max_running_requests), "--context-length", str(context),
-                       "--random-seed", str(cfg.seed + i), "--skip-tokenizer-init",
-                       "--device", "cpu" if cfg.cluster.device == "cpu" else "cuda",
-                       "--dtype", "float32" if cfg.cluster.device == "cpu" else "bfloat16"]
-                threads = "1" if cfg.cluster.device == "cpu" else os.environ.get("OMP_NUM_THREADS", "4")
-                if cfg.cluster.device == "cpu":
-                    cmd += ["--num-threads", "2"]
-            else:
-                cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
-                       "--port", str(port), "--tp-size", str(r.tp), "--mem-fraction-static", str(r.mem_fraction),
-                       "--max-running-requests", str(r.max_running_requests), "--context-length", str(context),
-                       "--disable-radix-cache", "--skip-tokenizer-init", "--random-seed", str(cfg.seed + i),
-                       "--enable-memory-saver" if cfg.placement.mode == "colocated" else "--disable-custom-all-reduce"]
-                threads = os.environ.get("OMP_NUM_THREADS", "4")
-            env = dict(os.environ, OMP_NUM_THREADS=threads, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
             log_path = log_dir / f"rollout_server_{i}.log"
             self.logs.append(log_path)
-            self.procs.append(subprocess.Popen(cmd, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-                                               start_new_session=True))
-            self.urls.append(f"http://127.0.0.1:{port}")
+            self.procs.append(None)  # type: ignore[arg-type]
+            self.urls.append("")
+            self._start(i)
+
+    def _command(self, i: int, port: int) -> tuple[list[str], str]:
+        cfg, r, model_dir = self._cfg, self._cfg.rollout, self._model_dir
+        context = r.max_prompt_len + r.sampling.max_new_tokens
+        if r.engine == "embedded":
+            cmd = [sys.executable, "-m", "megarl.rollout.server", str(model_dir), "--port", str(port),
+                   "--max-running-requests", str(r.max_running_requests), "--context-length", str(context),
+                   "--random-seed", str(cfg.seed + i), "--skip-tokenizer-init",
+                   "--device", "cpu" if cfg.cluster.device == "cpu" else "cuda",
+                   "--dtype", "float32" if cfg.cluster.device == "cpu" else "bfloat16"]
+            if cfg.cluster.device == "cpu":
+                return cmd + ["--num-threads", "2"], "1"
+            return cmd, os.environ.get("OMP_NUM_THREADS", "4")
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
+               "--port", str(port), "--tp-size", str(r.tp), "--mem-fraction-static", str(r.mem_fraction),
+               "--max-running-requests", str(r.max_running_requests), "--context-length", str(context),
+               "--disable-radix-cache", "--skip-tokenizer-init", "--random-seed", str(cfg.seed + i)]
+        if cfg.placement.mode == "colocated":
+            cmd.append("--enable-memory-saver")
+        return cmd, os.environ.get("OMP_NUM_THREADS", "4")
+
+    def _start(self, i: int) -> None:
+        port = _free_port()
+        cmd, threads = self._command(i, port)
+        env = dict(os.environ, OMP_NUM_THREADS=threads, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        self.procs[i] = subprocess.Popen(cmd, env=env, stdout=self.logs[i].open("w"), stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.urls[i] = f"http://127.0.0.1:{port}"
 
     def wait_healthy(self, timeout_s: float = 300.0) -> None:
         deadline = time.time() + timeout_s
-        for i, url in enumerate(self.urls):
+        restarts = 0
+        for i in range(len(self.urls)):
             while True:
+                url = self.urls[i]
                 if self.procs and self.procs[i].poll() is not None:
                     tail = self.logs[i].read_text()[-2000:] if self.logs[i].exists() else ""
+                    if "address already in use" in tail and restarts < 3:
+                        restarts += 1  # the free port was taken before the server bound it
+                        self._start(i)
+                        continue
                     raise RuntimeError(f"rollout server {i} exited with code {self.procs[i].returncode}; "
                                        f"log {self.logs[i]}:\n{tail}")
                 try:

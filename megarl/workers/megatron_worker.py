@@ -68,8 +68,12 @@ class MegatronWorker:
         else:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         init_distributed()
-        init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, ep=p.ep, etp=p.etp, cp=p.cp,
-                            seed=self.cfg.seed)
+        from megatron.core import parallel_state as mpu
+
+        # Backend 'local' hosts several one-rank roles in one process: they share one layout.
+        if not (mpu.model_parallel_is_initialized() and torch.distributed.get_world_size() == 1):
+            init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, ep=p.ep, etp=p.etp, cp=p.cp,
+                                seed=self.cfg.seed)
         self._seed(self.cfg.seed)
         from megarl.models import build_model, load_hf_weights
 
@@ -111,8 +115,11 @@ class MegatronWorker:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o = self.role_cfg.optim
+        # megatron's DistributedOptimizer type-checks for torch.cuda tensors; on CPU (tests, CI)
+        # the plain optimizer is used: same math, optimizer states not sharded over dp.
+        use_dist_opt = o.distributed_optimizer and self.cfg.cluster.device == "cuda"
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=o.distributed_optimizer)
+                                                   use_distributed_optimizer=use_dist_opt)
         self.chunks = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c) for c in self.chunks]
         config = self.chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads
@@ -120,7 +127,7 @@ class MegatronWorker:
         bf16 = self.cfg.model.dtype == "bfloat16"
         opt_cfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                                   adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                                  clip_grad=o.clip_grad, use_distributed_optimizer=o.distributed_optimizer,
+                                  clip_grad=o.clip_grad, use_distributed_optimizer=use_dist_opt,
                                   bf16=bf16, params_dtype=DTYPES[self.cfg.model.dtype])
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
         total = max(1, self.cfg.trainer.total_steps * self._optimizer_steps_per_rl_step())

@@ -15,14 +15,15 @@ import torch
 from megarl.models.builder import unwrap
 
 
-def _sharded_state(worker: Any) -> dict[str, Any]:
+def _sharded_state(worker: Any, is_loading: bool = False) -> dict[str, Any]:
     chunks = [unwrap(c) for c in worker.chunks]
     if len(chunks) == 1:
         state = {"model": chunks[0].sharded_state_dict()}
     else:
         state = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
     if worker.optimizer is not None:
-        state["optimizer"] = worker.optimizer.sharded_state_dict(state)
+        # is_loading creates the Adam moments of a fresh optimizer so there is something to load into
+        state["optimizer"] = worker.optimizer.sharded_state_dict(state, is_loading=is_loading)
     return state
 
 
@@ -50,7 +51,7 @@ def load_train_state(worker: Any, path: str | Path) -> None:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    loaded = dist_checkpointing.load(_sharded_state(worker), str(path))
+    loaded = dist_checkpointing.load(_sharded_state(worker, is_loading=True), str(path))
     chunks = [unwrap(c) for c in worker.chunks]
     if len(chunks) == 1:
         chunks[0].load_state_dict(loaded["model"])
@@ -64,6 +65,7 @@ def load_train_state(worker: Any, path: str | Path) -> None:
     worker.steps = extra["steps"]
     if worker.scheduler is not None and extra["scheduler"] is not None:
         worker.scheduler.load_state_dict(extra["scheduler"])
+        worker.scheduler.num_steps = extra["scheduler"]["num_steps"]  # load_state_dict steps again
     random.setstate(extra["rng"]["python"])
     torch.set_rng_state(extra["rng"]["torch"])
     if "cuda" in extra["rng"] and torch.cuda.is_available():

@@ -1,0 +1,27 @@
+"""Shared set-up for end-to-end trainer tests: a tiny chat model and the default recipe shrunk."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megarl.config import load_config
+from megarl.testing_models import make_tiny_chat_model
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml"
+ARCH_FROM_CONFIG_JSON = [f"model.arch.{k}=0" for k in ("num_layers", "hidden_size", "ffn_hidden_size",
+                                                        "num_attention_heads", "num_kv_heads", "vocab_size")] + [
+    "model.arch.tie_word_embeddings=false"]
+
+
+def tiny_model(tmp_root: Path) -> Path:
+    return make_tiny_chat_model(tmp_root / "tinychat")
+
+
+def tiny_run_config(model: Path, out: Path, *overrides: str):
+    base = [f"model.hf_path={model}", f"output_dir={out}", "trainer.total_steps=3", "data.num_train=64",
+            "data.num_eval=8", "rollout.sampling.max_new_tokens=12", "batch.prompts_per_step=4",
+            "batch.global_batch_size=8", "checkpoint.resume=none", "checkpoint.interval=0",
+            "reward.kind=function", "data.source=reasoning_gym",
+            "reward.function=tests.helpers.rewards:distinct_token_reward", "cluster.backend=local",
+            "actor.optim.lr=1e-3"]
+    return load_config(DEFAULT, base + ARCH_FROM_CONFIG_JSON + list(overrides))
