@@ -196,4 +196,6 @@ def test_sbatch_trains_cpu_recipe_two_steps(cluster, tmp_path):
     assert "cluster.ray_address=auto" in log
     produced = sorted(p.name for p in out.iterdir() if p.name != "ray_cluster.json")
     assert produced, f"no run outputs in {out}"
+    assert "step 2/2" in log, log[-3000:]
+    assert (out / "checkpoints").is_dir() or (out / "hf_export").is_dir(), produced
     assert _wait_gone(ray_tmp) == []
