@@ -129,7 +129,8 @@ class Trainer:
         self.logger: Optional[MetricsLogger] = None
 
     # ------------------------------------------------------------------ set-up
-    def setup(self) -> None:
+    def setup_data(self) -> None:
+        """Tokenizer, prompt splits, loader and reward function (no workers, no servers)."""
         from megarl.algos import make_kl_controller
         from megarl.data import PromptLoader, load_split
         from megarl.rewards import build_reward_fn
@@ -152,6 +153,9 @@ class Trainer:
                                          target_kl=kl.target, horizon=kl.horizon)
         note(f"data: {len(self.train_records)} train / {len(self.eval_records)} eval prompts")
 
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.setup_data()
         backend = cfg.cluster.backend
         placement_groups: dict[str, Any] = {}
         if backend == "ray":

@@ -39,7 +39,11 @@ def save_train_state(worker: Any, path: str | Path) -> None:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(_sharded_state(worker), str(path))
+    from megarl.checkpoint.megatron_io import _InProcessWrites, _save_strategy
+
+    # in-process writer (megatron's forked writer processes hung intermittently from forked ranks)
+    with _InProcessWrites():
+        dist_checkpointing.save(_sharded_state(worker), str(path), sharded_strategy=_save_strategy())
     extra = {"steps": worker.steps, "rng": _rng_state(),
              "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else None}
     torch.save(extra, path / f"extra_rank{worker.spec.rank}.pt")
