@@ -43,6 +43,7 @@ if ((with_ray)); then
   export MEGARL_RAY_TMPDIR=${MEGARL_RAY_TMPDIR:-/tmp/ray_local_$$}
   port=$(megarl_free_port)
   export RAY_ADDRESS="$(megarl_node_ip):$port"
+  megarl_ray_auth
   bash launch/ray_bootstrap.sh head "$port" &
   ray_pid=$!
   trap 'kill -TERM $ray_pid 2>/dev/null; wait $ray_pid 2>/dev/null || true' EXIT

@@ -118,6 +118,26 @@ megarl_free_port() {
 
 MEGARL_RAY_STEPS=()
 
+# Ray >= 2.5x authenticates GCS clients with a token once ~/.ray/auth_token exists (any local
+# `ray.init()` creates it), and a head, its workers and the driver that disagree about the mode
+# fail with "InvalidAuthToken". Pin the mode for every process of the job: token auth with a
+# fresh per-job token, passed to all srun steps and the driver through the environment (srun
+# exports it), so nobody else on the network can submit work to this job's Ray cluster.
+# MEGARL_RAY_AUTH=disabled opts out; a RAY_AUTH_TOKEN already set is kept.
+megarl_ray_auth() {
+  if [[ "${MEGARL_RAY_AUTH:-token}" == disabled ]]; then
+    export RAY_AUTH_MODE=disabled
+    unset RAY_AUTH_TOKEN
+    return
+  fi
+  export RAY_AUTH_MODE=token
+  if [[ -z "${RAY_AUTH_TOKEN:-}" ]]; then
+    RAY_AUTH_TOKEN=$("${PYTHON:-python3}" -c 'import secrets; print(secrets.token_hex(32))')
+    export RAY_AUTH_TOKEN
+  fi
+  unset RAY_AUTH_TOKEN_PATH
+}
+
 # megarl_ray_up INFO_JSON [NODE_POOL_FN]
 #   INFO_JSON receives one JSON line once every node joined (address, nodes, CPUs, GPUs, resources).
 #   NODE_POOL_FN, if given, is called with the node index and prints that node's pool name
@@ -135,6 +155,7 @@ megarl_ray_up() {
   export MEGARL_RAY_DASHBOARD_PORT=${MEGARL_RAY_DASHBOARD_PORT:-$(megarl_free_port)}
   export MEGARL_RAY_TMPDIR=${MEGARL_RAY_TMPDIR:-/tmp/ray_${SLURM_JOB_ID}}
   export RAY_ADDRESS="$MEGARL_HEAD_IP:$MEGARL_RAY_PORT"
+  megarl_ray_auth
   megarl_log "Ray head on $head ($RAY_ADDRESS), $((nnodes - 1)) worker node(s): ${MEGARL_NODES[*]}"
   trap megarl_ray_down EXIT
   local i node role target pool
@@ -208,6 +229,26 @@ megarl_ray_down() {
       kill -KILL "$pid" 2>/dev/null || true
     done
     MEGARL_RAY_STEPS=()
+
+# Ray >= 2.5x authenticates GCS clients with a token once ~/.ray/auth_token exists (any local
+# `ray.init()` creates it), and a head, its workers and the driver that disagree about the mode
+# fail with "InvalidAuthToken". Pin the mode for every process of the job: token auth with a
+# fresh per-job token, passed to all srun steps and the driver through the environment (srun
+# exports it), so nobody else on the network can submit work to this job's Ray cluster.
+# MEGARL_RAY_AUTH=disabled opts out; a RAY_AUTH_TOKEN already set is kept.
+megarl_ray_auth() {
+  if [[ "${MEGARL_RAY_AUTH:-token}" == disabled ]]; then
+    export RAY_AUTH_MODE=disabled
+    unset RAY_AUTH_TOKEN
+    return
+  fi
+  export RAY_AUTH_MODE=token
+  if [[ -z "${RAY_AUTH_TOKEN:-}" ]]; then
+    RAY_AUTH_TOKEN=$("${PYTHON:-python3}" -c 'import secrets; print(secrets.token_hex(32))')
+    export RAY_AUTH_TOKEN
+  fi
+  unset RAY_AUTH_TOKEN_PATH
+}
     megarl_log "Ray stopped"
   fi
   exit "$rc"
