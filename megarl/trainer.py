@@ -84,6 +84,28 @@ def export_hf_shard(worker: Any, out_dir: str) -> dict[str, str]:
     return {name: file_name for name in tensors}
 
 
+def export_hf_folder(group: Any, model_dir: Path, out: Path, config_updates: Optional[dict] = None) -> Path:
+    """Write a role's weights as an HF folder (sharded safetensors written by the ranks that own
+    them, index, config.json, tokenizer files); replaced atomically."""
+    tmp = out.with_name("." + out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    for part in group.call("call", export_hf_shard, str(tmp)):
+        weight_map.update(part)
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(config_updates or {})
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    for f in model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab", "merges", "chat_template")):
+            shutil.copy(f, tmp / f.name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    note(f"exported HF model to {out}")
+    return out
+
+
 def build_sequence_batch(samples: list[Sample], **tensors: torch.Tensor):
     from megarl.workers import SequenceBatch
 
@@ -168,7 +190,7 @@ class Trainer:
         self.servers = self._start_servers()
         from megarl.workers import WorkerGroup
 
-        roles = [("actor", True, False), ("ref", False, False), ("critic", True, True)]
+        roles = [("actor", True, False), ("ref", False, False), ("critic", True, True), ("reward_model", False, True)]
         for role, trainable, value_head in roles:
             if not getattr(cfg, role).enabled:
                 continue
@@ -251,8 +273,17 @@ class Trainer:
         """Rewards (plus DAPO overlong shaping when enabled)."""
         from megarl.algos import overlong_penalty
 
-        for s in samples:
-            s.reward = float(self.reward_fn(s.text, s.record))
+        if self.reward_fn is None:  # reward.kind = model: the reward-model role scores whole sequences
+            eos = self.tokenizer.eos_token_id
+            trimmed = [Sample(s.record, s.group, s.prompt_ids,
+                              s.response_ids[:-1] if len(s.response_ids) > 1 and s.response_ids[-1] == eos else s.response_ids,
+                              [], s.finish_reason) for s in samples]
+            scores = self.groups["reward_model"].gather("compute_scores", len(samples), build_sequence_batch(trimmed))
+            for s, (score,) in zip(samples, scores):
+                s.reward = float(score)
+        else:
+            for s in samples:
+                s.reward = float(self.reward_fn(s.text, s.record))
         o = self.cfg.algorithm.overlong
         if o.enabled:
             lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
@@ -432,22 +463,7 @@ class Trainer:
         return final
 
     def export_hf(self) -> Path:
-        out = self.out / "hf_export"
-        tmp = self.out / ".tmp_hf_export"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        weight_map: dict[str, str] = {}
-        for part in self.groups["actor"].call("call", export_hf_shard, str(tmp)):
-            weight_map.update(part)
-        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-        shutil.copy(self.model_dir / "config.json", tmp / "config.json")
-        for f in self.model_dir.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab", "merges")):
-                shutil.copy(f, tmp / f.name)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-        note(f"exported HF model to {out}")
-        return out
+        return export_hf_folder(self.groups["actor"], self.model_dir, self.out / "hf_export")
 
     # ------------------------------------------------------------------ run
     def run(self) -> dict[str, Any]:
@@ -529,7 +545,12 @@ def train_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
     validate_config(cfg, check_paths=True)
-    results = Trainer(cfg).run()
+    if cfg.trainer.mode == "reward_model":
+        from megarl.reward_model_trainer import RewardModelTrainer
+
+        results = RewardModelTrainer(cfg).run()
+    else:
+        results = Trainer(cfg).run()
     summary = {k: v for k, v in results.items() if k != "steps"}
     summary["final_step"] = results["steps"][-1] if results["steps"] else {}
     print(json.dumps(summary, default=float))

@@ -203,6 +203,8 @@ class DataConfig:
     eval_path: Optional[str] = opt(None, "held-out file (jsonl/parquet)")
     prompt_key: str = opt("prompt", "field holding the prompt (string or chat messages)")
     answer_key: str = opt("answer", "field holding the reference answer")
+    chosen_key: str = opt("chosen", "preference data: field of the preferred response")
+    rejected_key: str = opt("rejected", "preference data: field of the dispreferred response")
     task: str = opt("basic_arithmetic", "reasoning-gym task name")
     task_args: dict[str, Any] = opt({}, "keyword arguments of the reasoning-gym task")
     num_train: int = opt(2048, "generated train prompts (reasoning_gym)")
@@ -245,7 +247,8 @@ class LoggingConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = opt(100, "RL steps")
+    mode: Literal["rl", "reward_model"] = opt("rl", "rl: policy optimisation; reward_model: Bradley-Terry on preference pairs")
+    total_steps: int = opt(100, "RL steps (reward_model mode: optimizer steps)")
     eval_interval: int = opt(0, "held-out evaluation every N steps (0 = before and after only)")
     eval_before_after: bool = opt(True, "evaluate before the first and after the last step")
 

@@ -202,6 +202,12 @@ def _check_pools(cfg: RunConfig, problems: list[str]) -> None:
 
 def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:
     a, r = cfg.algorithm, cfg.rollout
+    if cfg.trainer.mode == "reward_model":
+        if not cfg.reward_model.enabled:
+            problems.append("reward_model.enabled: trainer.mode = 'reward_model' trains the reward_model role")
+        if cfg.data.source == "reasoning_gym":
+            problems.append("data.source: trainer.mode = 'reward_model' needs preference pairs (jsonl or parquet)")
+        return
     if a.advantage in GROUP_ESTIMATORS and r.n_per_prompt < 2:
         problems.append(f"rollout.n_per_prompt: {r.n_per_prompt}; advantage {a.advantage!r} compares samples "
                         f"of a group and needs n_per_prompt >= 2")

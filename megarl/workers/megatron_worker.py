@@ -226,6 +226,16 @@ class MegatronWorker:
     def compute_values(self, batch: SequenceBatch) -> Optional[dict]:
         return self._forward_only(batch, lambda out, mb: self._token_outputs(out, mb, False))
 
+    @torch.no_grad()
+    def compute_scores(self, batch: SequenceBatch) -> Optional[dict]:
+        """Reward-model score of each whole sequence: the scalar head at its last token."""
+        return self._forward_only(batch, lambda out, mb: (self._last_token_values(out, mb),))
+
+    def _last_token_values(self, output: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
+        values = output[..., 0] if output.dim() == 3 else output
+        last = torch.tensor([len(s) - 1 for s in mb.sequences], device=values.device)
+        return values[torch.arange(len(mb), device=values.device), last].float()
+
     def _forward_only(self, batch: SequenceBatch, fn: Callable) -> Optional[dict]:
         for chunk in self.chunks:
             chunk.eval()
@@ -278,6 +288,48 @@ class MegatronWorker:
         out.update({k: sum(v) / len(v) for k, v in means.items()})
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         # The group adds "*_sum" metrics over data-parallel output ranks and averages the rest.
+        return out if self._is_output_rank() else {}
+
+    def train_reward_model(self, pairs: SequenceBatch, minibatches: list[list[int]]) -> dict[str, float]:
+        """Bradley-Terry (Ouyang et al. 2022, InstructGPT eq. 1): ``-log sigmoid(r_chosen - r_rejected)``,
+        averaged over the pairs of each mini-batch. ``pairs`` holds pair ``i`` as sequences
+        ``2i`` (chosen) and ``2i + 1`` (rejected); mini-batches, data-parallel shares and
+        micro-batches are cut along pairs so a pair is always scored in one forward."""
+        from megatron.core import parallel_state as mpu
+
+        for chunk in self.chunks:
+            chunk.train()
+        dp = mpu.get_data_parallel_world_size()
+        totals: dict[str, float] = {}
+        grad_norms = []
+        for mb_pairs in minibatches:
+            share = [mb_pairs[i] for i in self._dp_share(len(mb_pairs))]
+            micro = split_fixed(len(share), max(1, self.role_cfg.micro_batch_size // 2))
+            scale = len(micro) * dp
+            num_pairs = float(len(mb_pairs))
+
+            def per_output(out, mb, _n=num_pairs, _scale=scale):
+                scores = self._last_token_values(out, mb)
+                margin = scores[0::2] - scores[1::2]
+                loss = -torch.nn.functional.logsigmoid(margin).sum() / _n
+                metrics = {"loss_sum": loss.detach(), "accuracy_sum": (margin > 0).float().sum() / _n,
+                           "margin_sum": margin.detach().sum() / _n}
+                return loss * _scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
+
+            micro_batches = [pairs.select([j for p in (share[i] for i in m) for j in (2 * p, 2 * p + 1)])
+                             for m in micro]
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            outputs = self._run_schedule(micro_batches, per_output, forward_only=False)
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            self.steps += 1
+            grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
+            for metrics in outputs:
+                for k, v in metrics.items():
+                    totals[k] = totals.get(k, 0.0) + float(v) / len(minibatches)
+        out = dict(totals, grad_norm=sum(grad_norms) / len(grad_norms), lr=self.optimizer.param_groups[0]["lr"])
         return out if self._is_output_rank() else {}
 
     def _actor_loss(self, output: torch.Tensor, mb: SequenceBatch, denom: dict[str, float], algo: dict[str, Any]):

@@ -1,0 +1,125 @@
+"""Reward-model training (``trainer.mode: reward_model``): Bradley-Terry on preference pairs.
+
+The reward model is the policy's trunk with a scalar head (the same megatron model a critic uses),
+scored at the last token of ``prompt + response + EOS``. The trained model is exported as an HF
+``*ForSequenceClassification`` folder (``score.weight``), which ``reward_model.model_path`` of a
+PPO recipe then loads.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.config import RunConfig
+from megarl.metrics_log import MetricsLogger, note
+
+
+class RewardModelTrainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.group = None
+        self.logger = None
+
+    def setup(self) -> None:
+        from megarl.data import load_preferences
+        from megarl.workers import WorkerGroup
+        from megarl.workers.model_source import load_tokenizer, resolve_hf_path
+
+        cfg, d = self.cfg, self.cfg.data
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.model_dir = resolve_hf_path(cfg.reward_model.model_path or cfg.model.hf_path)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or str(self.model_dir))
+        self.train_pairs = load_preferences(d.path, d.prompt_key, d.chosen_key, d.rejected_key)
+        self.eval_pairs = load_preferences(d.eval_path, d.prompt_key, d.chosen_key, d.rejected_key) if d.eval_path else []
+        note(f"reward model: {len(self.train_pairs)} train / {len(self.eval_pairs)} held-out pairs")
+        if cfg.cluster.backend == "ray":
+            from megarl.placement import create_placement_groups, init_ray, plan_pools, pool_of
+
+            init_ray(cfg)
+            pools = plan_pools(cfg)
+            pg = create_placement_groups(pools)[pool_of(pools, "reward_model").name]
+        else:
+            pg = None
+        self.group = WorkerGroup("reward_model", cfg, backend=cfg.cluster.backend, trainable=True, value_head=True,
+                                 placement_group=pg)
+        self.group.call("setup")
+        self.logger = MetricsLogger(Path(cfg.logging.tensorboard_dir or self.out / "tensorboard"),
+                                    cfg.trainer.total_steps, cfg.logging.progress_bar)
+
+    def encode(self, pairs: list[Any]):
+        """Pair i -> sequences 2i (chosen) and 2i+1 (rejected), each ``prompt + response``: scored at
+        the response's last token, as HF's sequence classifiers pool (last non-pad token)."""
+        from megarl.data import encode_prompt
+        from megarl.workers import SequenceBatch
+
+        seqs, plens = [], []
+        for pair in pairs:
+            prompt = encode_prompt(self.tokenizer, pair.prompt, chat_template=self.cfg.data.chat_template,
+                                   system_prompt=self.cfg.data.system_prompt)
+            for response in (pair.chosen, pair.rejected):
+                ids = self.tokenizer(response, add_special_tokens=False)["input_ids"]
+                seqs.append(prompt + ids)
+                plens.append(len(prompt))
+        return SequenceBatch(seqs, plens)
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_pairs:
+            return {}
+        batch = self.encode(self.eval_pairs)
+        scores = torch.tensor([float(s[0]) for s in self.group.gather("compute_scores", len(batch), batch)])
+        margin = scores[0::2] - scores[1::2]
+        return {"eval/pair_accuracy": float((margin > 0).float().mean()), "eval/margin_mean": float(margin.mean())}
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        results: dict[str, Any] = {"steps": []}
+        try:
+            self.setup()
+            results["eval_before"] = self.evaluate()
+            note(f"eval before: {results['eval_before']}")
+            order: list[int] = []
+            epoch = 0
+            per_step = min(cfg.batch.global_batch_size, len(self.train_pairs))
+            for step in range(cfg.trainer.total_steps):
+                if len(order) < per_step:
+                    perm = torch.randperm(len(self.train_pairs), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+                    order += perm.tolist()
+                    epoch += 1
+                chosen, order = order[:per_step], order[per_step:]
+                t = time.time()
+                batch = self.encode([self.train_pairs[i] for i in chosen])
+                metrics = self.group.reduce_metrics(self.group.call("train_reward_model", batch, [list(range(len(chosen)))]))
+                metrics = {f"rm/{k}": v for k, v in metrics.items()}
+                metrics["time/step_s"] = time.time() - t
+                results["steps"].append(metrics)
+                self.logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_interval == 0)
+            results["eval_after"] = self.evaluate()
+            self.logger.log(cfg.trainer.total_steps, results["eval_after"], console=False)
+            note(f"eval after: {results['eval_after']}")
+            from megarl.trainer import export_hf_folder
+
+            cls = json.loads((self.model_dir / "config.json").read_text())["architectures"][0]
+            cls = cls.replace("ForCausalLM", "ForSequenceClassification")
+            results["export"] = str(export_hf_folder(
+                self.group, self.model_dir, self.out / "hf_export",
+                {"architectures": [cls], "num_labels": 1, "pad_token_id": self.tokenizer.pad_token_id
+                 if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id}))
+            return results
+        finally:
+            if self.logger is not None:
+                self.logger.close()
+            if self.group is not None:
+                self.group.shutdown()
+            if cfg.cluster.backend == "ray" and not cfg.cluster.ray_address:
+                import ray
+
+                if ray.is_initialized():
+                    ray.shutdown()
