@@ -96,6 +96,17 @@ class Request:
         return {"output_ids": list(self.output_ids), "meta_info": meta}
 
 
+_CUDA_GENS: Dict[Any, torch.Generator] = {}
+
+
+def _cuda_generator(device, default_gen: torch.Generator) -> torch.Generator:
+    key = (str(device), id(default_gen))
+    g = _CUDA_GENS.get(key)
+    if g is None:
+        g = _CUDA_GENS[key] = torch.Generator(device=device).manual_seed(default_gen.initial_seed())
+    return g
+
+
 def sample(logits: torch.Tensor, reqs: List[Request], default_gen: torch.Generator):
     """logits fp32 [B, V] -> (tokens [B], logprobs [B]) with per-row params."""
     B = logits.shape[0]
@@ -108,8 +119,19 @@ def sample(logits: torch.Tensor, reqs: List[Request], default_gen: torch.Generat
     if greedy:
         gi = torch.tensor(greedy, device=logits.device)
         tokens[gi] = logits[gi].argmax(dim=-1)
+    done = set(greedy)
+    if logits.is_cuda:
+        # GPU fast path: plain temperature sampling (no top-k/p/min-p, no per-request seed) for all
+        # such rows in one multinomial on the device, from a CUDA generator seeded off default_gen
+        plain = [i for i, r in enumerate(reqs) if not r.sampling.greedy and r.generator is None
+                 and (r.sampling.top_k <= 0 or r.sampling.top_k >= logits.shape[1])
+                 and r.sampling.top_p >= 1.0 and r.sampling.min_p <= 0.0]
+        if plain:
+            pi = torch.tensor(plain, device=logits.device)
+            tokens[pi] = torch.multinomial(logp[pi].exp(), 1, generator=_cuda_generator(logits.device, default_gen))[:, 0]
+            done.update(plain)
     for i, r in enumerate(reqs):
-        if r.sampling.greedy:
+        if i in done:
             continue
         s = r.sampling
         p = logp[i].exp()

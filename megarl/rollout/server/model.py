@@ -137,6 +137,12 @@ class DecoderModel:
         self.v_cache: List[torch.Tensor] = []
         self.max_slots = 0
         self.max_len = 0
+        # CUDA graphs for decode (CUDA only): one graph per (batch bucket, kv-length bucket),
+        # captured lazily; dropped whenever the cache or the parameter tensors are replaced.
+        self.use_cuda_graphs = self.device.type == "cuda" and os.environ.get("MEGARL_CUDA_GRAPHS", "1") != "0"
+        self._graphs: Dict[Tuple[int, int], tuple] = {}
+        self._graph_pool = None
+        self._graph_io = None
 
     # ---------------------------------------------------------------- parameters
     def _shapes(self) -> Dict[str, Tuple[int, ...]]:
@@ -247,12 +253,16 @@ class DecoderModel:
     # ---------------------------------------------------------------- KV cache
     def alloc_cache(self, max_slots: int, max_len: int):
         s = self.spec
-        shp = (max_slots, s.num_kv_heads, max_len, s.head_dim)
+        self._graphs, self._graph_io = {}, None
+        # with CUDA graphs one extra scratch slot takes the padding rows of a bucketed batch
+        extra = 1 if self.use_cuda_graphs else 0
+        shp = (max_slots + extra, s.num_kv_heads, max_len, s.head_dim)
         self.k_cache = [torch.zeros(shp, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
         self.v_cache = [torch.zeros(shp, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
         self.max_slots, self.max_len = max_slots, max_len
 
     def free_cache(self):
+        self._graphs, self._graph_io = {}, None
         self.k_cache, self.v_cache = [], []
 
     def cache_bytes(self) -> int:
@@ -292,7 +302,7 @@ class DecoderModel:
             out.index_add_(0, tok, ye * w[tok, slot, None])
         return out.reshape(shp)
 
-    def _layer(self, i: int, x, cos, sin, slots, pos, attn_mask, prefill_lens=None):
+    def _layer(self, i: int, x, cos, sin, slots, pos, attn_mask, prefill_lens=None, Lm: Optional[int] = None):
         s = self.spec
         P = self.params
         p = f"model.layers.{i}.self_attn."
@@ -318,9 +328,20 @@ class DecoderModel:
             # decode (T == 1): write at pos, attend over the slot's prefix
             kc[slots, :, pos] = k[:, :, 0]
             vc[slots, :, pos] = v[:, :, 0]
-            Lm = int(pos.max().item()) + 1
+            if Lm is None:
+                Lm = int(pos.max().item()) + 1
             kk = kc[slots, :, :Lm]
             vv = vc[slots, :, :Lm]
+        if prefill_lens is None and s.num_kv_heads != s.num_heads:
+            # decode (T == 1), GQA: fold each kv head's query group into the query-length axis
+            # instead of repeating K/V (q head j uses kv head j // rep, as repeat_interleave does)
+            rep = s.num_heads // s.num_kv_heads
+            qg = q.reshape(B, s.num_kv_heads, rep, s.head_dim)
+            a = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=1.0 / math.sqrt(s.head_dim))
+            a = a.reshape(B, s.num_heads * s.head_dim)[:, None]
+            x = x + F.linear(a, P[p + "o_proj.weight"], P.get(p + "o_proj.bias"))
+            h = _rms(x, P[f"model.layers.{i}.post_attention_layernorm.weight"], s.rms_norm_eps)
+            return x + self._mlp(i, h)
         if s.num_kv_heads != s.num_heads:
             rep = s.num_heads // s.num_kv_heads
             kk = kk.repeat_interleave(rep, dim=1)
@@ -360,17 +381,61 @@ class DecoderModel:
     def decode(self, tokens: List[int], slots: List[int], positions: List[int]) -> torch.Tensor:
         """One step for B running requests: token b sits at positions[b] of slot slots[b].
         Returns fp32 logits [B, V]."""
-        B = len(tokens)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+        if self.use_cuda_graphs and not self.spec.moe_layers:
+            return self._decode_graphed(tokens, slots, positions)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         sl = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return self._decode_body(ids, pos, sl, int(max(positions)) + 1)
+
+    def _decode_body(self, ids, pos, sl, Lm: int) -> torch.Tensor:
         cos, sin = self._rope(pos[:, None])
-        Lm = int(max(positions)) + 1
         mask = (torch.arange(Lm, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
-        x = F.embedding(ids, self.params["model.embed_tokens.weight"])
+        x = F.embedding(ids[:, None], self.params["model.embed_tokens.weight"])
         for i in range(self.spec.num_layers):
-            x = self._layer(i, x, cos, sin, sl, pos, mask)
+            x = self._layer(i, x, cos, sin, sl, pos, mask, Lm=Lm)
         return self._head(x[:, 0])
+
+    _B_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+    _L_BUCKET = 256
+
+    def _decode_graphed(self, tokens, slots, positions) -> torch.Tensor:
+        B = len(tokens)
+        Bb = next((b for b in self._B_BUCKETS if b >= B), ((B + 63) // 64) * 64)
+        Lm = int(max(positions)) + 1
+        Lb = min(((Lm + self._L_BUCKET - 1) // self._L_BUCKET) * self._L_BUCKET, self.max_len)
+        if self._graph_io is None or self._graph_io.shape[1] < Bb:
+            nmax = max(Bb, self.max_slots)
+            self._graph_io = torch.zeros(3, ((nmax + 63) // 64) * 64, dtype=torch.long, device=self.device)
+            self._graphs = {}
+        io = self._graph_io
+        host = torch.empty(3, Bb, dtype=torch.long)
+        host[0, :B] = torch.tensor(tokens, dtype=torch.long)
+        host[1, :B] = torch.tensor(positions, dtype=torch.long)
+        host[2, :B] = torch.tensor(slots, dtype=torch.long)
+        host[0, B:] = 0
+        host[1, B:] = 0
+        host[2, B:] = self.max_slots  # scratch slot
+        io[:, :Bb].copy_(host)
+        ids, pos, sl = io[0, :Bb], io[1, :Bb], io[2, :Bb]
+        key = (Bb, Lb)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: same inputs, so the KV writes are idempotent
+                    self._decode_body(ids, pos, sl, Lb)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                out = self._decode_body(ids, pos, sl, Lb)
+            entry = self._graphs[key] = (graph, out)
+        graph, out = entry
+        graph.replay()
+        return out[:B].clone()
 
     @torch.inference_mode()
     def forward_full(self, ids: List[int]) -> torch.Tensor:
