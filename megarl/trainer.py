@@ -335,6 +335,7 @@ class Trainer:
         t = time.time()
         samples, metrics = self.collect(step)
         times["rollout"] = time.time() - t
+        self._rollout_memory("release")
         rewards = torch.tensor([s.reward for s in samples])
         resp_lens = [len(s.response_ids) for s in samples]
         width = max(resp_lens)
@@ -402,6 +403,7 @@ class Trainer:
             metrics["kl/coef"] = self.kl_ctl.value
 
         t = time.time()
+        self._rollout_memory("resume")
         sync = self._push_weights(version=f"step{step + 1}")
         times["sync"] = time.time() - t
         metrics.update(sync)
@@ -421,6 +423,14 @@ class Trainer:
         for phase in ("rollout", "old_logprobs", "train"):
             metrics[f"throughput/{phase}_tokens_per_s"] = tokens / max(times[phase], 1e-9)
         return metrics
+
+    def _rollout_memory(self, action: str) -> None:
+        """Colocated on GPU: rollout servers give their KV cache and weights back to the trainer
+        while it trains (SGLang's release/resume_memory_occupation), and take them back before the
+        weight push. Disaggregated or CPU runs keep the servers as they are."""
+        if self.cfg.placement.mode != "colocated" or self.cfg.cluster.device != "cuda" or not hasattr(self, "_manager"):
+            return
+        self._manager.call_all(f"{action}_memory_occupation")
 
     def _push_weights(self, version: str = "init") -> dict[str, float]:
         stats = self.groups["actor"].call("call", sync_weights, self.servers.urls, self.cfg.sync,
