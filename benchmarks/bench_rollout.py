@@ -1,7 +1,13 @@
 """Embedded engine decode tokens/s vs HF `generate` on the same model and batch (one JSON line).
 
     python benchmarks/bench_rollout.py [--batch 8] [--new 64] [--model DIR | --smollm2]
-Default model: a random llama (hidden 256, 4 layers, vocab 4096), fp32 on CPU.
+    python benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --parity
+Default model: a random llama (hidden 256, 4 layers, vocab 4096), fp32 on CPU.  ``--shape`` builds a
+random-init HF model of that shape (bf16 on GPU) in a temp dir.  On GPU each line also reports the
+memory-bandwidth bound: (weight bytes + mean KV bytes read per step) / measured copy bandwidth.
+``--parity``: sample with the engine (temperature 1), then score the same tokens with HF
+transformers and with megarl's megatron model (build_model + load_hf_weights, bf16): mean/max
+|logprob diff| of each pair, one more JSON line.
 """
 import argparse
 import json
@@ -17,13 +23,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", default="8", help="one size, or a comma list (GPU mode)")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--model", default=None)
     ap.add_argument("--smollm2", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shape", default=None, help="random-init HF model shape, e.g. qwen2.5-0.5b")
+    ap.add_argument("--parity", action="store_true")
+    ap.add_argument("--no-hf", action="store_true")
     a = ap.parse_args()
+    if a.device != "cpu" or "," in str(a.batch) or a.shape:
+        return main_gpu(a)
+    a.batch = int(a.batch)
     torch.set_num_threads(a.threads)
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -69,6 +82,163 @@ def main():
            "embedded_tokens_per_s": a.batch * ne / te, "hf_generate_tokens_per_s": a.batch * nh / th,
            "ratio_embedded_over_hf": (a.batch * ne / te) / (a.batch * nh / th)}
     print(json.dumps(res))
+
+
+def _random_hf_dir(shape: str, dtype) -> str:
+    from transformers import AutoModelForCausalLM
+    from bench_train import hf_config  # same shapes as the train benchmark
+    cfg = hf_config(shape)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    d = tempfile.mkdtemp(prefix="bench_rollout_")
+    m.save_pretrained(d)
+    return d
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(dev, nbytes=2 << 30) -> float:
+    """bytes read + written per second of a large device-to-device copy"""
+    if dev.type != "cuda":
+        nbytes = 64 << 20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(dev)
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    _sync(dev)
+    return 2 * nbytes * 10 / (time.perf_counter() - t)
+
+
+def main_gpu(a):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.rollout.server.engine import Engine, Request, Sampling
+    from megarl.rollout.server.model import DecoderModel
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dev.type == "cpu":
+        torch.set_num_threads(a.threads)
+    d = a.model or _random_hf_dir(a.shape or "tiny", dtype)
+    name = a.shape or os.path.basename(d.rstrip("/"))
+    hf = None if a.no_hf else AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(dev).eval()
+    model = DecoderModel(AutoConfig.from_pretrained(d), device=a.device, dtype=dtype)
+    model.load_hf_dir(d)
+    bw = copy_bandwidth(dev)
+    wbytes = sum(t.numel() * t.element_size() for t in model.params.values())
+    s = model.spec
+    batches = [int(b) for b in str(a.batch).split(",")]
+    g = torch.Generator().manual_seed(0)
+    V = s.vocab_size
+    for B in batches:
+        prompts = torch.randint(0, V, (B, a.prompt), generator=g)
+        eng = Engine(model, max_running=B, max_len=a.prompt + a.new + 1)
+        eng.start()
+
+        def run_engine():
+            _sync(dev)
+            t = time.perf_counter()
+            futs = [eng.submit(Request(p.tolist(), Sampling(max_new_tokens=a.new, temperature=0.0, ignore_eos=True)))
+                    for p in prompts]
+            outs = [f.result() for f in futs]
+            return time.perf_counter() - t, sum(len(o["output_ids"]) for o in outs)
+
+        def run_eager():
+            model.use_cuda_graphs = False
+            try:
+                return run_engine()
+            finally:
+                model.use_cuda_graphs = dev.type == "cuda"
+
+        run_engine()
+        te, ne = min(run_engine() for _ in range(2))
+        run_eager()
+        tx, nx = min(run_eager() for _ in range(2))
+        eng.stop()
+        res = {"bench": "rollout_decode", "model": name + " (random init)", "dtype": str(dtype).replace("torch.", ""),
+               "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+               "batch": B, "prompt_len": a.prompt, "new_tokens": a.new,
+               "embedded_tokens_per_s": ne / te, "embedded_eager_tokens_per_s": nx / tx}
+        if hf is not None:
+            pi = prompts.to(dev)
+
+            def run_hf():
+                _sync(dev)
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    out = hf.generate(pi, attention_mask=torch.ones_like(pi), max_new_tokens=a.new,
+                                      min_new_tokens=a.new, do_sample=False, pad_token_id=0)
+                _sync(dev)
+                return time.perf_counter() - t, (out.shape[1] - a.prompt) * B
+            run_hf()
+            th, nh = min(run_hf() for _ in range(2))
+            res.update(hf_generate_tokens_per_s=nh / th, ratio_embedded_over_hf=(ne / te) / (nh / th))
+        # bandwidth bound of one decode step: every weight once + the KV of the mean context
+        ctx = a.prompt + a.new / 2
+        kv = B * s.num_layers * 2 * s.num_kv_heads * s.head_dim * ctx * torch.finfo(dtype).bits // 8
+        step_bytes = wbytes + kv
+        bound = B * bw / step_bytes
+        res.update(weight_bytes=wbytes, kv_bytes_per_step=int(kv), copy_bw_bytes_per_s=bw,
+                   bw_bound_tokens_per_s=bound, fraction_of_bw_bound=(ne / te) / bound)
+        print(json.dumps(res), flush=True)
+    if a.parity:
+        parity(a, d, dev, dtype, model, hf, name)
+
+
+def parity(a, d, dev, dtype, model, hf, name):
+    """engine-sampled tokens -> logprobs from engine / HF / megatron, mean |diff|."""
+    from megarl.rollout.server.engine import Engine, Request, Sampling
+    B, P, N = 8, 64, 128
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.spec.vocab_size, (B, P), generator=g)
+    eng = Engine(model, max_running=B, max_len=P + N + 1)
+    eng.start()
+    futs = [eng.submit(Request(p.tolist(), Sampling(max_new_tokens=N, temperature=1.0, ignore_eos=True),
+                               return_logprob=True)) for p in prompts]
+    outs = [f.result() for f in futs]
+    eng.stop()
+    seqs = torch.stack([torch.cat([p, torch.tensor(o["output_ids"])]) for p, o in zip(prompts, outs)]).to(dev)
+    eng_lp = torch.tensor([[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outs], dtype=torch.float32)
+    tgt = seqs[:, P:]
+
+    def score(logits):
+        return torch.log_softmax(logits[:, P - 1:-1].float(), -1).gather(-1, tgt[..., None])[..., 0].cpu()
+    res = {"bench": "logprob_parity", "model": name + " (random init)", "dtype": str(dtype).replace("torch.", ""),
+           "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "sequences": B,
+           "prompt_len": P, "response_len": N, "mean_abs_engine_logprob": eng_lp.abs().mean().item()}
+    if hf is not None:
+        with torch.inference_mode():
+            hf_lp = score(hf(seqs).logits)
+        res.update(hf_vs_engine_mean=(hf_lp - eng_lp).abs().mean().item(),
+                   hf_vs_engine_max=(hf_lp - eng_lp).abs().max().item())
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(k, v)
+    from megarl.parallel import free_port, init_distributed, init_model_parallel
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    init_distributed()
+    init_model_parallel(tp=1, pp=1)
+    from megarl.models import build_model, forward_logits, load_hf_weights
+    chunks = [c.to(dev) for c in build_model(d, params_dtype=dtype)]
+    load_hf_weights(chunks, d)
+    with torch.no_grad():
+        mg_lp = score(forward_logits(chunks, seqs))
+    res.update(megatron_vs_engine_mean=(mg_lp - eng_lp).abs().mean().item(),
+               megatron_vs_engine_max=(mg_lp - eng_lp).abs().max().item())
+    if hf is not None:
+        res.update(megatron_vs_hf_mean=(mg_lp - hf_lp).abs().mean().item(),
+                   megatron_vs_hf_max=(mg_lp - hf_lp).abs().max().item())
+    print(json.dumps(res), flush=True)
 
 
 if __name__ == "__main__":

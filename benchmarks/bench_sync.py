@@ -2,6 +2,14 @@
 copy of the same bytes, in one run (one JSON line).
 
     python benchmarks/bench_sync.py [--mb 64] [--bucket-mb 16] [--transport distributed|tensor|disk]
+    python benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512
+
+GPU mode: the server is a real embedded server process on the same GPU (``--load-format dummy``,
+config.json only), the trainer-side tensors are the same HF-named set on the GPU (bf16, random);
+baseline = one device-to-device copy of the same number of bytes (bytes/s counts bytes moved
+once); peak extra memory = max_memory_allocated above the resident tensors during a push, against
+2 buckets.  ``distributed`` needs NCCL between two processes: on one GPU NCCL refuses two ranks on
+the same device, so that line reports the error.
 """
 import argparse
 import json
@@ -21,7 +29,11 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--bucket-mb", type=float, default=16)
     ap.add_argument("--transport", default="distributed")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shape", default=None)
     a = ap.parse_args()
+    if a.device != "cpu":
+        return main_gpu(a)
     torch.set_num_threads(1)
     from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
     from megarl.sync.push import WeightPusher
@@ -45,6 +57,61 @@ def main():
                       "bucket_mb": a.bucket_mb, "seconds": st.seconds, "sync_bytes_per_s": st.bytes_per_s,
                       "copy_bytes_per_s": nbytes / tc, "ratio_sync_over_copy": st.bytes_per_s / (nbytes / tc),
                       "peak_extra_bytes": st.peak_extra_bytes, "device": "cpu", "backend": "gloo"}))
+
+
+def main_gpu(a):
+    from megarl.rollout.server.model import DecoderModel
+    from megarl.rollout.testing import ServerProcess
+    from megarl.sync.push import WeightPusher
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_train import hf_config
+    dev = torch.device(a.device)
+    cfg = hf_config(a.shape or "qwen2.5-0.5b")
+    d = tempfile.mkdtemp(prefix="bench_sync_")
+    cfg.save_pretrained(d)
+    src = DecoderModel(cfg, device=a.device, dtype=torch.bfloat16)
+    named = []
+    for n, t in src.params.items():
+        t.normal_(0.0, 0.02)
+        named.append((n, t))
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    res = {"bench": "weight_sync", "shape": a.shape, "transport": a.transport, "device": torch.cuda.get_device_name(0),
+           "bucket_mb": a.bucket_mb, "bytes": nbytes}
+    torch.cuda.synchronize()
+    log = os.environ.get("BENCH_SYNC_SERVER_LOG")
+    with ServerProcess(d, threads=2, extra=["--device", a.device, "--dtype", "bfloat16", "--load-format", "dummy",
+                                             "--skip-tokenizer-init", "--max-running-requests", "4",
+                                             "--context-length", "256"], log_path=log) as s:
+        try:
+            p = WeightPusher([s.url], transport=a.transport, bucket_mb=a.bucket_mb, timeout_s=120)
+            p.push(named)  # warm-up (group setup, first allocations)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            runs = [p.push(named) for _ in range(3)]
+            torch.cuda.synchronize()
+            peak_extra = torch.cuda.max_memory_allocated() - base
+            p.close()
+            st = min(runs, key=lambda r: r.seconds)
+            res.update(seconds=st.seconds, buckets=st.buckets, sync_bytes_per_s=st.bytes_per_s,
+                       peak_extra_bytes_measured=peak_extra, peak_extra_bytes_pusher=st.peak_extra_bytes,
+                       peak_extra_over_2_buckets=peak_extra / (2 * a.bucket_mb * (1 << 20)))
+        except Exception as e:
+            res.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(flat)
+    for _ in range(3):
+        dst.copy_(flat)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(flat)
+    torch.cuda.synchronize()
+    copy_bps = nbytes * 10 / (time.perf_counter() - t)
+    res["copy_bytes_per_s"] = copy_bps
+    if "sync_bytes_per_s" in res:
+        res["ratio_sync_over_copy"] = res["sync_bytes_per_s"] / copy_bps
+    print(json.dumps(res), flush=True)
 
 
 if __name__ == "__main__":

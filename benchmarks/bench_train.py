@@ -34,6 +34,9 @@ SHAPES = {
     # Qwen/Qwen2.5-3B
     "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    # Qwen/Qwen2.5-7B (weight-sync size set)
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True),
 }
@@ -85,6 +88,7 @@ def main():
     ap.add_argument("--loss", default="actor", choices=["actor", "lm"])
     ap.add_argument("--recompute", default=None, choices=[None, "selective", "full"])
     ap.add_argument("--profile", default=None, help="write top kernels of one step to this file")
+    ap.add_argument("--bf16-grads", action="store_true", help="DDP grad buffer in bf16 (grad_reduce_in_fp32=False)")
     ap.add_argument("--peak", type=float, default=None, help="skip the matmul measurement, use this FLOP/s")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -124,7 +128,7 @@ def main():
     model = chunks[0].to(device)
     model.config.variable_seq_lengths = True
     nparams = sum(p.numel() for p in model.parameters())
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=not a.bf16_grads, overlap_grad_reduce=False,
                                             use_distributed_optimizer=cuda)
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
     model.config.finalize_model_grads_func = finalize_model_grads
@@ -183,7 +187,7 @@ def main():
     tokens = a.mbs * a.num_mb * seq
     flops = model_flops_per_token(cfg, seq) * tokens
     res = {"bench": "train_step", "shape": shape, "params": nparams, "dtype": str(dtype).replace("torch.", ""),
-           "seq": seq, "mbs": a.mbs, "num_mb": a.num_mb, "loss": a.loss, "recompute": a.recompute,
+           "seq": seq, "mbs": a.mbs, "num_mb": a.num_mb, "loss": a.loss, "recompute": a.recompute, "bf16_grads": a.bf16_grads,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "step_s_median": st, "step_s_all": [round(x, 4) for x in times], "tokens_per_s": tokens / st,
            "model_tflops_per_s": flops / st / 1e12, "matmul_peak_tflops": peak / 1e12,

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads on CPU (0 = torch default)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: no weight files needed (config.json only), random weights (as sglang's)")
     return p
 
 
@@ -52,7 +54,12 @@ def _load(state, args):
             dt = "bfloat16" if dev.startswith("cuda") else "float32"
         cfg = AutoConfig.from_pretrained(args.model)
         model = DecoderModel(cfg, device=dev, dtype=getattr(torch, dt))
-        model.load_hf_dir(args.model)
+        if args.load_format == "dummy":
+            g = torch.Generator(device=model.device).manual_seed(args.random_seed)
+            for t in model.params.values():
+                t.normal_(0.0, 0.02, generator=g) if t.dim() > 1 else t.fill_(1.0)
+        else:
+            model.load_hf_dir(args.model)
         if not args.skip_tokenizer_init:
             try:
                 from transformers import AutoTokenizer

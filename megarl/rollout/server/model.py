@@ -253,7 +253,7 @@ class DecoderModel:
     # ---------------------------------------------------------------- KV cache
     def alloc_cache(self, max_slots: int, max_len: int):
         s = self.spec
-        self._graphs, self._graph_io = {}, None
+        self._graphs, self._graph_io, self._graph_pool = {}, None, None
         # with CUDA graphs one extra scratch slot takes the padding rows of a bucketed batch
         extra = 1 if self.use_cuda_graphs else 0
         shp = (max_slots + extra, s.num_kv_heads, max_len, s.head_dim)
@@ -262,7 +262,7 @@ class DecoderModel:
         self.max_slots, self.max_len = max_slots, max_len
 
     def free_cache(self):
-        self._graphs, self._graph_io = {}, None
+        self._graphs, self._graph_io, self._graph_pool = {}, None, None
         self.k_cache, self.v_cache = [], []
 
     def cache_bytes(self) -> int:
@@ -407,7 +407,7 @@ class DecoderModel:
         if self._graph_io is None or self._graph_io.shape[1] < Bb:
             nmax = max(Bb, self.max_slots)
             self._graph_io = torch.zeros(3, ((nmax + 63) // 64) * 64, dtype=torch.long, device=self.device)
-            self._graphs = {}
+            self._graphs, self._graph_pool = {}, None
         io = self._graph_io
         host = torch.empty(3, Bb, dtype=torch.long)
         host[0, :B] = torch.tensor(tokens, dtype=torch.long)

@@ -1,0 +1,20 @@
+#!/bin/bash
+# All GPU benchmarks of benchmarks/RESULTS.md in one device call (logs under $OUT).
+# Usage (device machine, repo root; .whl carried): bash benchmarks/run_gpu.sh [section ...]
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core-*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OUT=${OUT:-/tmp/out}
+mkdir -p $OUT; J=$OUT/results.jsonl
+run() { local t=$1; shift; echo "+ $*" | tee -a $OUT/log; timeout $t "$@" 2>>$OUT/stderr.log | tee -a $J; echo "rc=$?" >> $OUT/log; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee -a $OUT/log
+python3 -c 'import sys,torch;print(sys.version, torch.__version__)' | tee -a $OUT/log
+for s in ${@:-train rollout sync train2}; do case $s in
+train) run 110 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --profile $OUT/prof_05b.txt
+       run 110 python3 benchmarks/bench_train.py --shape qwen2.5-1.5b --seq 4096 --mbs 1 --num-mb 4 --steps 4 ;;
+rollout) run 170 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 --parity ;;
+sync) BENCH_SYNC_SERVER_LOG=$OUT/server_05b.log run 60 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512
+      BENCH_SYNC_SERVER_LOG=$OUT/server_7b.log run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024
+      run 40 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport distributed --bucket-mb 512 ;;
+train2) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --loss lm --steps 4
+        run 100 python3 benchmarks/bench_train.py --shape qwen2.5-3b --seq 4096 --mbs 1 --num-mb 2 --steps 3 ;;
+esac; done
+grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20
