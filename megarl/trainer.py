@@ -187,7 +187,7 @@ class Trainer:
             pools = plan_pools(cfg)
             placement_groups = create_placement_groups(pools)
         t0 = time.time()
-        self.servers = self._start_servers()
+        self.servers = self._start_servers(placement_groups)
         from megarl.workers import WorkerGroup
 
         roles = [("actor", True, False), ("ref", False, False), ("critic", True, True), ("reward_model", False, True)]
@@ -200,7 +200,7 @@ class Trainer:
 
                 pool = pool_of(plan_pools(cfg), role)
                 pg = placement_groups[pool.name]
-                share = 1.0 / len(pool.roles)
+                share = 0.9 / len(pool.roles)  # the rest of a shared bundle is for a rollout server
             group = WorkerGroup(role, cfg, backend=backend, trainable=trainable, value_head=value_head,
                                 placement_group=pg, share=share)
             info = group.call("setup")
@@ -213,10 +213,12 @@ class Trainer:
         self._maybe_resume()
         self._push_weights()
 
-    def _start_servers(self):
+    def _start_servers(self, placement_groups: dict[str, Any]):
+        """Servers go to the rollout pool (disaggregated) or the shared one (colocated) under Ray."""
         from megarl.rollout.launch import RolloutServers
 
-        return RolloutServers(self.cfg, self.model_dir, self.out / "logs")
+        pg = placement_groups.get("rollout") or placement_groups.get("shared")
+        return RolloutServers(self.cfg, self.model_dir, self.out / "logs", placement=(pg, 0) if pg else None)
 
     def _maybe_resume(self) -> None:
         resume = self.cfg.checkpoint.resume

@@ -109,9 +109,10 @@ def test_cpu_recipe_fits_and_json(capsys):
 
 
 def test_refuses_recipe_that_cannot_fit_naming_role_and_shortfall():
-    """Qwen3-235B on H100s without offload: the actor's training phase does not fit."""
+    """Qwen3-235B colocated on 64 H100s without offload: the actor's training phase does not fit."""
     recipe = str(ROOT / "recipes/qwen3-235b-a22b-dapo.yaml")
-    over = ["cluster.gpu_type=H100-80GB", "actor.optim.offload=false"]
+    over = ["cluster.gpu_type=H100-80GB", "actor.optim.offload=false", "placement.mode=colocated", "actor.gpus=64",
+            "rollout.gpus=64", "rollout.num_servers=8", "rollout.mem_fraction=0.6", "sync.transport=ipc"]
     proc = subprocess.run([sys.executable, "-m", "megarl", "plan", recipe, *over, "--json"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1, proc.stderr
@@ -141,3 +142,11 @@ def test_too_few_nodes_is_refused():
 def test_unknown_gpu_is_a_config_error(capsys):
     assert plan_main([CPU_RECIPE, "cluster.gpu_type=Z100-1GB"]) == 2
     assert "H100-80GB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_recipe_fits_its_gpus(recipe):
+    out = subprocess.run([sys.executable, "-m", "megarl", "plan", str(recipe), "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

@@ -293,6 +293,10 @@ def _check_paths(cfg: RunConfig, problems: list[str]) -> None:
                               ("model.megatron_checkpoint", cfg.model.megatron_checkpoint)):
         if value and not Path(value).expanduser().exists():
             problems.append(f"{field_name}: {value!r} does not exist")
+    for name in ("actor", "critic"):
+        if getattr(cfg, name).enabled and getattr(cfg, name).optim.offload:
+            problems.append(f"{name}.optim.offload: parameter/optimizer offload is modelled by `megarl plan` "
+                            f"but not implemented by the trainer in this version")
     hf = cfg.model.hf_path
     if not hf.startswith("builtin:") and hf_config_path(hf) is None:
         problems.append(f"model.hf_path: no config.json in {hf!r}")
