@@ -120,3 +120,22 @@ def test_step0_fails_loudly_when_rollout_weights_differ(model, tmp_path, monkeyp
                               "trainer.eval_before_after=false")
         with pytest.raises(LogprobMismatch, match="rollout.logprob_diff_bound"):
             Trainer(cfg).run()
+
+
+def test_megarl_eval_cli_scores_a_model(model, tmp_path, capsys):
+    """`megarl eval` serves a model greedily on the held-out split and reports reward and accuracy."""
+    import json
+
+    from megarl.cli import main
+    from tests.helpers.runs import ARCH_FROM_CONFIG_JSON, DEFAULT
+
+    args = ["eval", str(DEFAULT), f"model.hf_path={model}", f"output_dir={tmp_path / 'ev'}", "data.num_eval=6",
+            "data.num_train=16", "rollout.sampling.max_new_tokens=5", "reward.kind=function",
+            "reward.function=tests.helpers.rewards:distinct_token_reward", *ARCH_FROM_CONFIG_JSON, "--model", str(model)]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["eval/response_length"] == 5.0  # greedy, a random model never stops early
+    assert result["eval/reward_mean"] > 0 and result["eval/accuracy"] == 0.0
+    with pytest.raises(SystemExit):  # argparse error naming --model
+        main(["eval", str(DEFAULT), *ARCH_FROM_CONFIG_JSON, f"model.hf_path={model}", "--model", str(tmp_path)])
+    assert "no config.json" in capsys.readouterr().err
