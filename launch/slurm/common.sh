@@ -229,26 +229,6 @@ megarl_ray_down() {
       kill -KILL "$pid" 2>/dev/null || true
     done
     MEGARL_RAY_STEPS=()
-
-# Ray >= 2.5x authenticates GCS clients with a token once ~/.ray/auth_token exists (any local
-# `ray.init()` creates it), and a head, its workers and the driver that disagree about the mode
-# fail with "InvalidAuthToken". Pin the mode for every process of the job: token auth with a
-# fresh per-job token, passed to all srun steps and the driver through the environment (srun
-# exports it), so nobody else on the network can submit work to this job's Ray cluster.
-# MEGARL_RAY_AUTH=disabled opts out; a RAY_AUTH_TOKEN already set is kept.
-megarl_ray_auth() {
-  if [[ "${MEGARL_RAY_AUTH:-token}" == disabled ]]; then
-    export RAY_AUTH_MODE=disabled
-    unset RAY_AUTH_TOKEN
-    return
-  fi
-  export RAY_AUTH_MODE=token
-  if [[ -z "${RAY_AUTH_TOKEN:-}" ]]; then
-    RAY_AUTH_TOKEN=$("${PYTHON:-python3}" -c 'import secrets; print(secrets.token_hex(32))')
-    export RAY_AUTH_TOKEN
-  fi
-  unset RAY_AUTH_TOKEN_PATH
-}
     megarl_log "Ray stopped"
   fi
   exit "$rc"

@@ -49,10 +49,14 @@ def make_tiny_hf_model(path: str, family: str = "llama", seed: int = 0, std: flo
 
 
 class ServerProcess:
-    """`python -m megarl.rollout.server MODEL --port P` as a child process."""
+    """`python -m megarl.rollout.server MODEL --port P` as a child process (a ``ServerHost``)."""
 
     def __init__(self, model: str, port: Optional[int] = None, extra: Optional[List[str]] = None,
                  threads: int = 1, env: Optional[dict] = None, log_path: Optional[str] = None):
+        import tempfile
+
+        from megarl.rollout.launch import ServerHost
+
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         e = dict(os.environ)
@@ -61,14 +65,15 @@ class ServerProcess:
         e.update(env or {})
         cmd = [sys.executable, "-m", "megarl.rollout.server", model, "--port", str(self.port),
                "--num-threads", str(threads)] + list(extra or [])
-        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env=e, stdout=self._log, stderr=subprocess.STDOUT)
+        self.host = ServerHost()
+        self.host.start(cmd, e, log_path or tempfile.mktemp(prefix="megarl_server_", suffix=".log"))
+        self.proc = self.host.proc
 
     def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
         t_end = time.time() + timeout
         while time.time() < t_end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            if self.host.poll() is not None:
+                raise RuntimeError(f"server exited with {self.host.poll()}: {self.host.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
                     if r.status == 200:
@@ -79,15 +84,7 @@ class ServerProcess:
         raise TimeoutError(f"server {self.url} not healthy after {timeout}s")
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if self._log not in (None, subprocess.DEVNULL):
-            self._log.close()
+        self.host.stop()
 
     def __enter__(self):
         return self.wait_ready()
