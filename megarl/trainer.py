@@ -478,9 +478,21 @@ class Trainer:
         return export_hf_folder(self.groups["actor"], self.model_dir, self.out / "hf_export")
 
     # ------------------------------------------------------------------ run
+    def _on_time_limit(self, signum: int, frame: Any) -> None:
+        """SIGUSR1 (SLURM's ``--signal=B:USR1@300`` before the time limit): finish the current
+        step, write a checkpoint and stop, so the requeued job resumes where this one ended."""
+        note("SIGUSR1: checkpoint after this step, then stop")
+        self._stop_requested = True
+
     def run(self) -> dict[str, Any]:
+        import signal
+        import threading
+
         cfg = self.cfg
         results: dict[str, Any] = {"steps": []}
+        self._stop_requested = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, self._on_time_limit)
         try:
             self.setup()
             if cfg.trainer.eval_before_after and self.state.step == 0:
@@ -496,6 +508,11 @@ class Trainer:
                     self.logger.log(self.state.step, self.evaluate())
                 if cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
                     self.save_checkpoint()
+                if self._stop_requested:
+                    if not cfg.checkpoint.interval or self.state.step % cfg.checkpoint.interval:
+                        self.save_checkpoint()
+                    results["stopped_early"] = self.state.step
+                    return results
             if cfg.trainer.eval_before_after:
                 results["eval_after"] = self.evaluate()
                 self.logger.log(self.state.step, results["eval_after"], console=False)

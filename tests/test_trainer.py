@@ -139,3 +139,26 @@ def test_megarl_eval_cli_scores_a_model(model, tmp_path, capsys):
     with pytest.raises(SystemExit):  # argparse error naming --model
         main(["eval", str(DEFAULT), *ARCH_FROM_CONFIG_JSON, f"model.hf_path={model}", "--model", str(tmp_path)])
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_sigusr1_checkpoints_after_the_current_step_and_stops(model, tmp_path, monkeypatch):
+    """SLURM's time-limit warning: the run stops early with a checkpoint that resume picks up."""
+    import os
+    import signal
+
+    import megarl.trainer as trainer_module
+
+    real_step = trainer_module.Trainer.step
+
+    def step_then_signal(self, step):
+        metrics = real_step(self, step)
+        if step == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return metrics
+
+    monkeypatch.setattr(trainer_module.Trainer, "step", step_then_signal)
+    cfg = tiny_run_config(model, tmp_path / "usr1", "trainer.total_steps=5", "checkpoint.interval=0",
+                          "trainer.eval_before_after=false", "checkpoint.export_hf=false")
+    results = Trainer(cfg).run()
+    assert results["stopped_early"] == 1 and len(results["steps"]) == 1
+    assert [p.name for p in (tmp_path / "usr1" / "checkpoints").glob("step_*")] == ["step_000001"]

@@ -261,9 +261,10 @@ megarl_run() {
   MEGARL_DRIVER=$!
   trap 'megarl_log "SIGTERM: stopping driver"; kill -TERM $MEGARL_DRIVER 2>/dev/null' TERM
   trap 'kill -INT $MEGARL_DRIVER 2>/dev/null' INT
-  # SIGUSR1 (sent by `#SBATCH --signal=B:USR1@300` before the time limit) is only passed on when
-  # the driver handles it (MEGARL_FORWARD_USR1=1): Python's default action for USR1 is to exit.
-  trap 'megarl_log "SIGUSR1: time limit near"; [[ "${MEGARL_FORWARD_USR1:-0}" == 1 ]] && kill -USR1 $MEGARL_DRIVER 2>/dev/null' USR1
+  # SIGUSR1 (sent by `#SBATCH --signal=B:USR1@300` before the time limit) goes on to the driver:
+  # `megarl train` checkpoints after the current step and exits 0. MEGARL_FORWARD_USR1=0 keeps it
+  # (for MEGARL_CMD commands that do not handle USR1: Python's default action for it is to exit).
+  trap 'megarl_log "SIGUSR1: time limit near"; [[ "${MEGARL_FORWARD_USR1:-1}" == 1 ]] && kill -USR1 $MEGARL_DRIVER 2>/dev/null' USR1
   local rc
   while true; do
     wait "$MEGARL_DRIVER" && rc=0 || rc=$?
