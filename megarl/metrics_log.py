@@ -10,6 +10,8 @@ CONSOLE_KEYS = [("reward/mean", "reward", "{:.3f}"), ("response/length_mean", "l
                 ("actor/pg_loss", "pg", "{:+.4f}"), ("actor/clip_frac", "clip", "{:.3f}"),
                 ("actor/entropy", "ent", "{:.3f}"), ("actor/kl_loss", "kl", "{:.4f}"),
                 ("actor/grad_norm", "gn", "{:.3f}"), ("rollout/logprob_diff_mean", "lpdiff", "{:.1e}"),
+                ("time/rollout_s", "roll_s", "{:.1f}"), ("time/old_logprobs_s", "lp_s", "{:.1f}"),
+                ("time/train_s", "train_s", "{:.1f}"), ("time/sync_s", "sync_s", "{:.1f}"),
                 ("time/step_s", "step_s", "{:.1f}")]
 
 

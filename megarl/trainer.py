@@ -53,15 +53,17 @@ class TrainerState:
 # building blocks
 # ---------------------------------------------------------------------------------------------
 
-def sync_weights(worker: Any, urls: list[str], sync_cfg: Any, device: str, version: str) -> dict[str, float]:
+def sync_weights(worker: Any, urls: list[str], sync_cfg: Any, device: str, version: str,
+                 colocated: bool = True) -> dict[str, float]:
     """Runs on every actor rank: stream HF-named weights bucket by bucket to all servers."""
     from megarl.sync.push import WeightPusher, is_sender_rank, push_megatron, sender_group_name
 
     if not hasattr(worker, "_pusher"):
         pusher = None
         if is_sender_rank():
-            transport = {"auto": "distributed", "nccl": "distributed", "gloo": "distributed",
-                         "ipc": "tensor", "disk": "disk"}[sync_cfg.transport]
+            transport = {"nccl": "distributed", "gloo": "distributed", "ipc": "tensor", "disk": "disk",
+                         # colocated on GPU: CUDA IPC handles (NCCL refuses two ranks on one GPU)
+                         "auto": "tensor" if device == "cuda" and colocated else "distributed"}[sync_cfg.transport]
             pusher = WeightPusher(urls, transport=transport, bucket_mb=sync_cfg.bucket_mb,
                                   backend="nccl" if device == "cuda" else "gloo",
                                   group_name=sender_group_name(), send_checksums=sync_cfg.verify_checksum,
@@ -436,7 +438,7 @@ class Trainer:
 
     def _push_weights(self, version: str = "init") -> dict[str, float]:
         stats = self.groups["actor"].call("call", sync_weights, self.servers.urls, self.cfg.sync,
-                                          self.cfg.cluster.device, version)
+                                          self.cfg.cluster.device, version, self.cfg.placement.mode == "colocated")
         total_bytes = sum(s.get("bytes", 0) for s in stats)
         seconds = max((s.get("seconds", 0.0) for s in stats), default=0.0)
         return {"sync/bytes": float(total_bytes), "sync/seconds": float(seconds),

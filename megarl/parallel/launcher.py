@@ -81,6 +81,20 @@ def _preload(mods):
                 pass
 
 
+def _default_method() -> str:
+    """``fork`` (fast: megatron imported once) while this process is still single-threaded and has
+    no process group; ``forkserver`` once it holds threads (Ray's gRPC, an asyncio loop, gloo):
+    forking those segfaulted children inside ``initialize_model_parallel``."""
+    import threading
+
+    import torch.distributed as dist
+
+    if not sys.platform.startswith("linux"):
+        return "spawn"
+    busy = threading.active_count() > 1 or (dist.is_available() and dist.is_initialized()) or "ray" in sys.modules
+    return "forkserver" if busy else "fork"
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args, backend: Optional[str] = None,
           timeout_s: float = 300.0, method: Optional[str] = None, init: bool = True,
           collective_timeout_s: Optional[float] = None, preload=PRELOAD) -> List[Any]:
@@ -90,7 +104,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: Optional[str]
     ``timeout_s`` bounds the whole run; ``collective_timeout_s`` (default ``min(timeout_s, 120)``)
     is the process-group timeout handed to ``init_distributed``.
     """
-    method = method or ("fork" if sys.platform.startswith("linux") else "spawn")
+    method = method or _default_method()
     if method == "fork" and preload:
         _preload(preload)  # import once in the parent instead of N times in the children
     ctx = mp.get_context(method)

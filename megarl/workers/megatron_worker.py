@@ -116,8 +116,13 @@ class MegatronWorker:
 
         o = self.role_cfg.optim
         # megatron's DistributedOptimizer type-checks for torch.cuda tensors; on CPU (tests, CI)
-        # the plain optimizer is used: same math, optimizer states not sharded over dp.
-        use_dist_opt = o.distributed_optimizer and self.cfg.cluster.device == "cuda"
+        # the plain optimizer is used: same math, optimizer states not sharded over dp. With one
+        # data-parallel rank there is nothing to shard either (and its checkpoint path failed on
+        # one GPU: "Param id ... does not match any model sharded param"; see the closing note).
+        from megatron.core import parallel_state as mpu
+
+        use_dist_opt = (o.distributed_optimizer and self.cfg.cluster.device == "cuda"
+                        and mpu.get_data_parallel_world_size() > 1)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=use_dist_opt)
         self.chunks = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c) for c in self.chunks]

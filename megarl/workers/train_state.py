@@ -1,5 +1,6 @@
-"""Save and restore a trained role exactly: model, optimizer (incl. distributed-optimizer
-shards), LR schedule, step count and every rank's RNG state, in megatron's torch_dist format.
+"""Save and restore a trained role exactly: model (megatron torch_dist, reshardable), optimizer
+(distributed-optimizer shards in torch_dist, otherwise one file per rank), LR schedule, step
+count and every rank's RNG state.
 
 The caller (the trainer) writes into a temporary folder and renames it into place once every role
 has finished, so a crash mid-save never leaves a half checkpoint that ``resume`` would pick up.
@@ -15,13 +16,24 @@ import torch
 from megarl.models.builder import unwrap
 
 
+def _sharded_optimizer(worker: Any) -> bool:
+    """Only the distributed optimizer needs megatron's sharded optimizer format (its states are
+    split over data-parallel ranks). Other optimizers save their plain state dict per rank: the
+    sharded mapping of the bf16 (Float16) optimizer failed on GPU ("Param id N does not match any
+    model sharded param", the norm weights) and a per-rank file resumes the same layout exactly."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    optimizers = getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
+    return any(isinstance(o, DistributedOptimizer) for o in optimizers)
+
+
 def _sharded_state(worker: Any, is_loading: bool = False) -> dict[str, Any]:
     chunks = [unwrap(c) for c in worker.chunks]
     if len(chunks) == 1:
         state = {"model": chunks[0].sharded_state_dict()}
     else:
         state = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-    if worker.optimizer is not None:
+    if worker.optimizer is not None and _sharded_optimizer(worker):
         # is_loading creates the Adam moments of a fresh optimizer so there is something to load into
         state["optimizer"] = worker.optimizer.sharded_state_dict(state, is_loading=is_loading)
     return state
@@ -44,6 +56,8 @@ def save_train_state(worker: Any, path: str | Path) -> None:
     # in-process writer (megatron's forked writer processes hung intermittently from forked ranks)
     with _InProcessWrites():
         dist_checkpointing.save(_sharded_state(worker), str(path), sharded_strategy=_save_strategy())
+    if worker.optimizer is not None and not _sharded_optimizer(worker):
+        torch.save(worker.optimizer.state_dict(), path / f"optimizer_rank{worker.spec.rank}.pt")
     extra = {"steps": worker.steps, "rng": _rng_state(),
              "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else None}
     torch.save(extra, path / f"extra_rank{worker.spec.rank}.pt")
@@ -62,9 +76,16 @@ def load_train_state(worker: Any, path: str | Path) -> None:
     else:
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded[f"model{i}"])
-    if worker.optimizer is not None:
+    if worker.optimizer is not None and _sharded_optimizer(worker):
         worker.optimizer.load_state_dict(loaded["optimizer"])
-        # DDP keeps its own main-grad buffers; the params are what was loaded.
+    elif worker.optimizer is not None:
+        optim_file = path / f"optimizer_rank{worker.spec.rank}.pt"
+        if not optim_file.is_file():
+            raise FileNotFoundError(f"{optim_file}: optimizer state of rank {worker.spec.rank} missing "
+                                    f"(resume needs the same number of ranks and layout)")
+        worker.optimizer.load_state_dict(torch.load(optim_file, weights_only=False))
+        # the fp16/bf16 optimizer keeps fp32 master copies; loading them above restores the
+        # model params too (copied back on the next step); the model tensors were loaded already
     extra = torch.load(path / f"extra_rank{worker.spec.rank}.pt", weights_only=False)
     worker.steps = extra["steps"]
     if worker.scheduler is not None and extra["scheduler"] is not None:

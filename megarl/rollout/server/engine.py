@@ -78,7 +78,6 @@ class Request:
     finish_reason: Optional[dict] = None
     slot: int = -1
     pending: int = -1          # last sampled token, not yet written to the KV cache
-    generator: Optional[torch.Generator] = None
     t_start: float = field(default_factory=time.time)
 
     def result(self, weight_version: str) -> dict:
@@ -96,58 +95,73 @@ class Request:
         return {"output_ids": list(self.output_ids), "meta_info": meta}
 
 
-_CUDA_GENS: Dict[Any, torch.Generator] = {}
+_MASK32 = 0xFFFFFFFF
 
 
-def _cuda_generator(device, default_gen: torch.Generator) -> torch.Generator:
-    key = (str(device), id(default_gen))
-    g = _CUDA_GENS.get(key)
-    if g is None:
-        g = _CUDA_GENS[key] = torch.Generator(device=device).manual_seed(default_gen.initial_seed())
-    return g
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (xorshift-multiply, as in Wang/Mueller hashes) on int64 tensors whose
+    values stay below 2^58, so the arithmetic is exact and identical on CPU and CUDA."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def seeded_gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise ``[B, V]`` that depends only on (request seed, decode step, token id): a
+    seeded request samples the same tokens whether it is batched with others or alone, on any
+    device, and without a per-request generator (the rows are sampled in one batched op)."""
+    key = _hash32((_hash32(seeds & _MASK32) ^ ((steps * 0x27D4EB2D) & _MASK32)) & _MASK32)
+    vocab_ids = _hash32(torch.arange(vocab, device=seeds.device, dtype=torch.int64))
+    bits = _hash32(key[:, None] ^ vocab_ids[None, :])
+    u = (bits.to(torch.float64) + 0.5) / 4294967296.0
+    return -torch.log(-torch.log(u)).to(torch.float32)
+
+
+def _filtered_logp(logp: torch.Tensor, s: "Sampling") -> torch.Tensor:
+    """Row ``logp`` with the tokens that top-k / top-p / min-p exclude set to -inf."""
+    p = logp.exp()
+    keep = torch.ones_like(p, dtype=torch.bool)
+    if 0 < s.top_k < p.numel():
+        keep &= p >= torch.topk(p, s.top_k).values[-1]
+    if s.top_p < 1.0:
+        sp, si = torch.sort(p, descending=True)
+        cum = torch.cumsum(sp, 0)
+        drop_sorted = (cum - sp) > s.top_p * cum[-1]
+        keep &= ~torch.zeros_like(keep).scatter_(0, si, drop_sorted)
+    if s.min_p > 0.0:
+        keep &= p >= s.min_p * p.max()
+    return torch.where(keep, logp, torch.full_like(logp, float("-inf")))
 
 
 def sample(logits: torch.Tensor, reqs: List[Request], default_gen: torch.Generator):
-    """logits fp32 [B, V] -> (tokens [B], logprobs [B]) with per-row params."""
-    B = logits.shape[0]
+    """logits fp32 [B, V] -> (tokens [B], logprobs [B]) with per-row params.
+
+    Every non-greedy row is sampled by Gumbel-max on its (filtered) temperature-scaled log-probs,
+    with noise from ``seeded_gumbel`` keyed by the request's seed and its number of generated
+    tokens (requests without ``sampling_seed`` get one from the server's generator on admission),
+    all rows in one batched op. Logprobs are those of the unfiltered temperature-scaled
+    distribution, SGLang's convention."""
+    B, V = logits.shape
     temps = torch.tensor([r.sampling.temperature if not r.sampling.greedy else 1.0 for r in reqs],
                          dtype=torch.float32, device=logits.device)
-    scaled = logits / temps[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    tokens = torch.empty(B, dtype=torch.long, device=logits.device)
-    greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy]
-    if greedy:
-        gi = torch.tensor(greedy, device=logits.device)
-        tokens[gi] = logits[gi].argmax(dim=-1)
-    done = set(greedy)
-    if logits.is_cuda:
-        # GPU fast path: plain temperature sampling (no top-k/p/min-p, no per-request seed) for all
-        # such rows in one multinomial on the device, from a CUDA generator seeded off default_gen
-        plain = [i for i, r in enumerate(reqs) if not r.sampling.greedy and r.generator is None
-                 and (r.sampling.top_k <= 0 or r.sampling.top_k >= logits.shape[1])
-                 and r.sampling.top_p >= 1.0 and r.sampling.min_p <= 0.0]
-        if plain:
-            pi = torch.tensor(plain, device=logits.device)
-            tokens[pi] = torch.multinomial(logp[pi].exp(), 1, generator=_cuda_generator(logits.device, default_gen))[:, 0]
-            done.update(plain)
-    for i, r in enumerate(reqs):
-        if i in done:
-            continue
-        s = r.sampling
-        p = logp[i].exp()
-        if s.top_k > 0 and s.top_k < p.numel():
-            kth = torch.topk(p, s.top_k).values[-1]
-            p = torch.where(p < kth, torch.zeros_like(p), p)
-        if s.top_p < 1.0:
-            sp, si = torch.sort(p, descending=True)
-            cum = torch.cumsum(sp, 0)
-            drop = (cum - sp) > s.top_p * cum[-1]
-            sp[drop] = 0.0
-            p = torch.zeros_like(p).scatter_(0, si, sp)
-        if s.min_p > 0.0:
-            p = torch.where(p < s.min_p * p.max(), torch.zeros_like(p), p)
-        g = r.generator or default_gen
-        tokens[i] = torch.multinomial(p.cpu() / p.sum().cpu(), 1, generator=g).to(logits.device)[0]
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    tokens = logits.argmax(dim=-1)
+    stochastic = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
+    if stochastic:
+        for r in (reqs[i] for i in stochastic):
+            if r.sampling.sampling_seed is None:
+                r.sampling.sampling_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=default_gen))
+        index = torch.tensor(stochastic, device=logits.device)
+        rows = logp.index_select(0, index)
+        filtered = [j for j, i in enumerate(stochastic) if reqs[i].sampling.top_k > 0 or reqs[i].sampling.top_p < 1.0
+                    or reqs[i].sampling.min_p > 0.0]
+        if filtered:
+            rows = rows.clone()
+            for j in filtered:
+                rows[j] = _filtered_logp(rows[j], reqs[stochastic[j]].sampling)
+        seeds = torch.tensor([reqs[i].sampling.sampling_seed for i in stochastic], dtype=torch.int64, device=logits.device)
+        steps = torch.tensor([len(reqs[i].output_ids) for i in stochastic], dtype=torch.int64, device=logits.device)
+        tokens[index] = (rows + seeded_gumbel(seeds, steps, V)).argmax(dim=-1)
     lps = logp.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), lps.tolist()
 
@@ -192,8 +206,6 @@ class Engine:
             raise ValueError(f"prompt of {n} tokens does not fit max_len {self.max_len}")
         if "kv_cache" in self.released or "weights" in self.released:
             raise RuntimeError(f"memory released ({sorted(self.released)}); call /resume_memory_occupation")
-        if req.sampling.sampling_seed is not None:
-            req.generator = torch.Generator().manual_seed(req.sampling.sampling_seed)
         self.waiting.put(req)
         self._wake.set()
         return req.done
