@@ -12,16 +12,7 @@ from megarl.algos import (
     token_level_rewards,
 )
 
-D = torch.float64
-NAN = float("nan")
-
-
-def t(x):
-    return torch.tensor(x, dtype=D)
-
-
-def close(a, b, atol=1e-6):
-    torch.testing.assert_close(a, t(b) if not isinstance(b, torch.Tensor) else b, atol=atol, rtol=0)
+from tests.helpers.tensors import D, NAN, close, t
 
 
 # one mask reused below: lengths 3, 2, 1, 3 (right padded to 3)

@@ -13,17 +13,7 @@ from megarl.algos import (
     value_loss,
 )
 
-D = torch.float64
-NAN = float("nan")
-LN = math.log
-
-
-def t(x):
-    return torch.tensor(x, dtype=D)
-
-
-def close(a, b, atol=1e-6):
-    torch.testing.assert_close(a, b if isinstance(b, torch.Tensor) else t(b), atol=atol, rtol=0)
+from tests.helpers.tensors import D, NAN, t, close, LN
 
 
 # ------------------------------------------------------------------------------- aggregation

@@ -1,6 +1,5 @@
 """Embedded rollout server vs HF transformers: greedy tokens, logprobs, batching (real processes)."""
 import asyncio
-import os
 import time
 
 import pytest

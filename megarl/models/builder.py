@@ -187,9 +187,6 @@ def forward_logits(chunks, input_ids: torch.Tensor, position_ids: Optional[torch
     Every rank of the model-parallel group must call it with the same ``input_ids``.
     ``attention_mask``: bool, True = masked, broadcastable to [b, 1, s, s] (None = causal).
     """
-    from megatron.core import parallel_state as mpu
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     chunks = [unwrap(c) for c in (chunks if isinstance(chunks, (list, tuple)) else [chunks])]
     modes = [c.training for c in chunks]

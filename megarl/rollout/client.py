@@ -67,6 +67,15 @@ def sampling_params(max_new_tokens: int = 128, temperature: float = 1.0, top_p: 
     return d
 
 
+def _weights_payload(payload: Dict[str, Any], load_format: Optional[str], weight_version: Optional[str],
+                     checksums: Optional[List[str]]) -> Dict[str, Any]:
+    """A weight-update request: sglang's optional fields only when set, plus megarl's checksums."""
+    for key, value in (("load_format", load_format), ("weight_version", weight_version), (CHECKSUM_FIELD, checksums)):
+        if value is not None:
+            payload[key] = value
+    return payload
+
+
 @dataclass
 class GenerateOutput:
     output_ids: List[int]
@@ -200,26 +209,15 @@ class SGLangClient:
                                               load_format: Optional[str] = None, flush_cache: bool = True,
                                               weight_version: Optional[str] = None,
                                               checksums: Optional[List[str]] = None) -> Dict[str, Any]:
-        p: Dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                             "flush_cache": flush_cache}
-        if load_format is not None:
-            p["load_format"] = load_format
-        if weight_version is not None:
-            p["weight_version"] = weight_version
-        if checksums is not None:
-            p[CHECKSUM_FIELD] = checksums
+        p = _weights_payload({"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                              "flush_cache": flush_cache}, load_format, weight_version, checksums)
         return await self._call("update_weights_from_distributed", p, retry=False)
 
     async def update_weights_from_tensor(self, serialized_named_tensors: List[str], load_format: Optional[str] = None,
                                          flush_cache: bool = True, weight_version: Optional[str] = None,
                                          checksums: Optional[List[str]] = None) -> Dict[str, Any]:
-        p: Dict[str, Any] = {"serialized_named_tensors": serialized_named_tensors, "flush_cache": flush_cache}
-        if load_format is not None:
-            p["load_format"] = load_format
-        if weight_version is not None:
-            p["weight_version"] = weight_version
-        if checksums is not None:
-            p[CHECKSUM_FIELD] = checksums
+        p = _weights_payload({"serialized_named_tensors": serialized_named_tensors, "flush_cache": flush_cache},
+                             load_format, weight_version, checksums)
         return await self._call("update_weights_from_tensor", p, retry=False)
 
     async def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,

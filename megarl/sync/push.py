@@ -42,7 +42,7 @@ import torch.distributed as dist
 from megarl.rollout.client import LoopThread, RequestFailed, SGLangClient
 from megarl.rollout.protocol import FLATTENED_BUCKET
 
-from .bucket import Bucket, checksum, dtype_name, iter_buckets
+from .bucket import Bucket, checksum, iter_buckets
 from .groups import destroy_group, init_custom_process_group, tcp
 
 TRANSPORTS = ("distributed", "tensor", "disk")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional

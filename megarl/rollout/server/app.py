@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import time
 import uuid
 from typing import Any, Dict, List, Optional
 

@@ -15,7 +15,6 @@ filtering -- the same convention as sglang's default `output_token_logprobs`.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import queue
 import threading

@@ -12,12 +12,11 @@ Attention runs through `scaled_dot_product_attention` with an explicit mask, in 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -444,7 +443,7 @@ class DecoderModel:
         saved = (self.k_cache, self.v_cache, self.max_slots, self.max_len)
         try:
             self.alloc_cache(1, len(ids))
-            B, T = 1, len(ids)
+            T = len(ids)
             t = torch.tensor(ids, dtype=torch.long, device=self.device)[None]
             pos = torch.arange(T, device=self.device)[None]
             cos, sin = self._rope(pos)
