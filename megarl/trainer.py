@@ -330,6 +330,17 @@ class Trainer:
         return regrouped, {"rollout/rounds": rounds, "rollout/prompts_drawn": drawn,
                            "rollout/groups_kept": len(mapping)}
 
+    def greedy_baseline(self, samples: list[Sample]) -> torch.Tensor:
+        """ReMax's baseline: the reward of one greedy response per prompt, for each sample."""
+        firsts: dict[int, Sample] = {}
+        for s in samples:
+            firsts.setdefault(s.group, s)
+        groups = sorted(firsts)
+        greedy = self.generate([firsts[g].record for g in groups], 1, greedy=True)
+        self.score(greedy)
+        reward_of = {g: r.reward for g, r in zip(groups, greedy)}
+        return torch.tensor([reward_of[s.group] for s in samples])
+
     # ------------------------------------------------------------------ one RL step
     def step(self, step: int) -> dict[str, float]:
         from megarl.algos import get_advantage_estimator, kl_reward_penalty
@@ -378,9 +389,12 @@ class Trainer:
 
         group_size = None if a.advantage in GROUP_FREE_ESTIMATORS else cfg.rollout.n_per_prompt
         group_ids = None if group_size is None else torch.tensor([s.group for s in samples])
+        baseline = self.greedy_baseline(samples) if a.advantage == "remax" else None
+        if baseline is not None:
+            metrics["remax/baseline_reward_mean"] = float(baseline.mean())
         adv = get_advantage_estimator(a.advantage)(
             rewards, mask, group_ids=group_ids, values=values, gamma=a.gamma, lam=a.lam, kl=kl_tokens,
-            norm_std=a.norm_adv_by_std)
+            norm_std=a.norm_adv_by_std, baseline_rewards=baseline)
         batch.tensors["advantages"] = adv.advantages
         if values is not None:
             batch.tensors["returns"] = adv.returns

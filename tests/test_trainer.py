@@ -162,3 +162,12 @@ def test_sigusr1_checkpoints_after_the_current_step_and_stops(model, tmp_path, m
     results = Trainer(cfg).run()
     assert results["stopped_early"] == 1 and len(results["steps"]) == 1
     assert [p.name for p in (tmp_path / "usr1" / "checkpoints").glob("step_*")] == ["step_000001"]
+
+
+def test_remax_uses_the_greedy_response_as_baseline(model, tmp_path):
+    cfg = tiny_run_config(model, tmp_path / "remax", "algorithm.advantage=remax", "trainer.total_steps=1",
+                          "trainer.eval_before_after=false", "checkpoint.export_hf=false")
+    step = Trainer(cfg).run()["steps"][0]
+    # advantages are reward minus the greedy reward of the same prompt (one token-level return)
+    assert step["remax/baseline_reward_mean"] > 0
+    assert abs(step["advantage/mean"]) > 0 and math.isfinite(step["actor/pg_loss"])
