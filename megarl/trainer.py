@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from megarl.checkpoint.atomic import replace_dir
 from megarl.config import RunConfig, load_config, validate_config
 from megarl.metrics_log import MetricsLogger, note
 
@@ -102,8 +103,7 @@ def export_hf_folder(group: Any, model_dir: Path, out: Path, config_updates: Opt
     for f in model_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab", "merges", "chat_template")):
             shutil.copy(f, tmp / f.name)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    replace_dir(tmp, out)
     note(f"exported HF model to {out}")
     return out
 
@@ -482,9 +482,7 @@ class Trainer:
         state = {"step": step, "loader": self.loader.state_dict(), "kl_coef": self.kl_ctl.value,
                  "python_rng": random.getstate(), "torch_rng": torch.get_rng_state().tolist()}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # atomic: a checkpoint is either whole or absent
+        replace_dir(tmp, final)  # a checkpoint is either whole or absent
         for old in sorted(self.ckpt_dir.glob("step_*"))[: -self.cfg.checkpoint.keep_last or None]:
             shutil.rmtree(old, ignore_errors=True)
         note(f"checkpoint {final}")

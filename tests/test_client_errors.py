@@ -7,6 +7,7 @@ from aiohttp import web
 
 from megarl.rollout.client import RequestFailed, ServerDown, SGLangClient, sampling_params
 from megarl.rollout.testing import free_port
+from tests.helpers.http import serve
 
 
 def test_server_down_is_a_clear_error():
@@ -22,18 +23,6 @@ def test_server_down_is_a_clear_error():
     assert f"127.0.0.1:{port}" in msg and "unreachable after 3 attempt" in msg
 
 
-def _serve(handler):
-    async def start():
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, site._server.sockets[0].getsockname()[1]
-    return start
-
-
 def test_retries_5xx_then_succeeds_and_4xx_not_retried():
     calls = {"n": 0, "w": 0}
 
@@ -47,7 +36,7 @@ def test_retries_5xx_then_succeeds_and_4xx_not_retried():
         return web.json_response({"success": False, "message": "bad"}, status=500)
 
     async def main():
-        runner, port = await _serve(handler)()
+        runner, port = await serve(handler)
         async with SGLangClient(f"http://127.0.0.1:{port}", retries=3, backoff_s=0.01) as c:
             out = await c.generate([1], sampling_params(max_new_tokens=1))
             with pytest.raises(RequestFailed) as e:
@@ -65,7 +54,7 @@ def test_timeout_raises_server_down():
         return web.json_response({})
 
     async def main():
-        runner, port = await _serve(handler)()
+        runner, port = await serve(handler)
         async with SGLangClient(f"http://127.0.0.1:{port}", timeout_s=0.3, retries=1, backoff_s=0.01) as c:
             t = time.time()
             with pytest.raises(ServerDown):
@@ -87,7 +76,7 @@ def test_bounded_concurrency():
         return web.json_response({"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"}}})
 
     async def main():
-        runner, port = await _serve(handler)()
+        runner, port = await serve(handler)
         async with SGLangClient(f"http://127.0.0.1:{port}", max_concurrency=3) as c:
             await asyncio.gather(*[c.generate([1]) for _ in range(12)])
         await runner.cleanup()

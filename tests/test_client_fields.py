@@ -15,6 +15,7 @@ from aiohttp import web
 
 from megarl.rollout import protocol
 from megarl.rollout.client import GenerateOutput, SGLangClient, sampling_params
+from tests.helpers.http import serve
 
 # Pinned from sglang 0.5.23 (io_struct.py / sampling_params.py): the full field sets of the
 # classes megarl talks to, so a client field that sglang does not have is caught even without
@@ -137,13 +138,7 @@ def test_client_sends_only_sglang_fields():
                 "/resume_memory_occupation": "ResumeMemoryOccupationReqInput"}
 
     async def main():
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, port = await serve(handler)
         async with SGLangClient(f"http://127.0.0.1:{port}") as c:
             outs = await c.generate([1, 2], sampling_params(max_new_tokens=2, temperature=0.5, top_p=0.9, top_k=5,
                                                             stop_token_ids=[4], n=2, sampling_seed=1))

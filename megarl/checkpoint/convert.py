@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from . import manifest as mf
+from .atomic import replace_dir
 from .megatron_io import (copy_hf_side_files, load_megatron, read_meta, save_megatron,
                           verify_model)
 
@@ -210,9 +211,7 @@ def convert_megatron_to_hf(ckpt_dir, out_dir, hf_config_dir=None, *, tp: int = 1
         if not (tmp / "config.json").exists():
             from megarl.models import load_hf_config
             load_hf_config(dict(read_meta(ckpt_dir)["hf_config"])).save_pretrained(str(tmp))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

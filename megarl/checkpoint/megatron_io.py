@@ -13,7 +13,6 @@ Saves are atomic: everything is written to ``DIR.tmp-XXXX`` and renamed to ``DIR
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import time
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import manifest as mf
+from .atomic import replace_dir
 
 META_NAME = "megarl.json"
 
@@ -174,13 +174,7 @@ def save_megatron(chunks, ckpt_dir, extra_state: Optional[dict] = None, *,
             copy_hf_side_files(hf_files_from, hf_dst)
         else:
             c.hf_config.save_pretrained(str(hf_dst))
-        old = None
-        if ckpt_dir.exists():
-            old = ckpt_dir.parent / f".{ckpt_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(ckpt_dir, old)
-        os.replace(tmp, ckpt_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, ckpt_dir)
         if verbose:
             print(f"[megarl.checkpoint] saved {len(manifest)} tensors to {ckpt_dir} "
                   f"in {time.time() - t0:.1f}s", flush=True)

@@ -15,6 +15,8 @@ import pathlib
 import shutil
 import tempfile
 
+from megarl.checkpoint.atomic import replace_dir
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -69,9 +71,7 @@ def smollm2_hf_dir(cache_dir=None) -> pathlib.Path:
             model.config.architectures = ["LlamaForCausalLM"]
             model.save_pretrained(str(tmp), safe_serialization=True)
             tok.save_pretrained(str(tmp))
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
+            replace_dir(tmp, out)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

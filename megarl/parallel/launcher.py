@@ -33,9 +33,10 @@ class SpawnError(RuntimeError):
         super().__init__(f"rank {rank} failed:\n{remote_traceback}")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (``""``: on every interface, for peers on other nodes)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

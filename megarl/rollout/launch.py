@@ -15,11 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megarl.parallel.launcher import free_port
 
 
 class ServerHost:
@@ -151,7 +147,7 @@ class RolloutServers:
         return cmd, os.environ.get("OMP_NUM_THREADS", "4")
 
     def _start(self, i: int) -> None:
-        host, port = self._do(i, "address") if self._ray else ("127.0.0.1", _free_port())
+        host, port = self._do(i, "address") if self._ray else ("127.0.0.1", free_port())
         cmd, threads = self._command(i, host, port)
         env = dict(os.environ, OMP_NUM_THREADS=threads, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         if self._gpus and self._gpus[i]:

@@ -2,20 +2,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 import urllib.request
 from typing import List, Optional
 
+from megarl.parallel.launcher import free_port  # noqa: F401  (re-exported for tests)
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_tiny_hf_model(path: str, family: str = "llama", seed: int = 0, std: float = 0.15, **overrides):

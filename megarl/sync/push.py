@@ -72,12 +72,6 @@ class PushStats:
                 "bucket_bytes": self.bucket_bytes}
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
 
 class _Tracked:
     """Wraps the (name, tensor) stream to account bytes held by the pusher (pending + buffer)."""
@@ -136,7 +130,9 @@ class WeightPusher:
         if self.transport != "distributed" or self.pg is not None:
             return
         backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        port = self.master_port or _free_port()
+        from megarl.parallel.launcher import free_port
+
+        port = self.master_port or free_port("")
         world = 1 + sum(self.server_tp)
         offsets, off = [], 1
         for tp in self.server_tp:

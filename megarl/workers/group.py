@@ -13,13 +13,8 @@ from typing import Any, Optional
 
 import torch
 
+from megarl.parallel.launcher import free_port
 from megarl.workers.megatron_worker import MegatronWorker, WorkerSpec
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _RayRank(MegatronWorker):
@@ -30,7 +25,7 @@ class _RayRank(MegatronWorker):
 
     @staticmethod
     def node_address() -> tuple[str, int]:
-        return socket.gethostbyname(socket.gethostname()), _free_port()
+        return socket.gethostbyname(socket.gethostname()), free_port()
 
 
 class WorkerGroup:
@@ -43,7 +38,7 @@ class WorkerGroup:
         if backend == "local":
             if self.world_size != 1:
                 raise ValueError(f"{role}.gpus = {self.world_size}: backend 'local' runs one rank; use cluster.backend=ray")
-            self.workers = [MegatronWorker(WorkerSpec(rank=0, master_addr="127.0.0.1", master_port=_free_port(), **spec_args))]
+            self.workers = [MegatronWorker(WorkerSpec(rank=0, master_addr="127.0.0.1", master_port=free_port(), **spec_args))]
         else:
             import ray
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
