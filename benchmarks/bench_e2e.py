@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--resume-check", action="store_true", help="afterwards resume from the final checkpoint for one step")
     args = ap.parse_args()
 
     from megarl.config import load_config
@@ -93,7 +94,8 @@ def main() -> None:
                                        "num_kv_heads", "vocab_size")] + ["model.arch.tie_word_embeddings=false"]
     cfg = load_config(ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml", overrides)
     t0 = time.time()
-    results = Trainer(cfg).run()
+    trainer = Trainer(cfg)
+    results = trainer.run()
     steps = results["steps"][1:] or results["steps"]  # step 1 includes CUDA-graph capture and warm-up
     mean = lambda k: sum(s[k] for s in steps) / len(steps)  # noqa: E731
     phases = {k[len("time/"):-2]: round(mean(k), 3) for k in steps[0] if k.startswith("time/")}
@@ -108,6 +110,18 @@ def main() -> None:
            "sync_s": round(mean("sync/seconds"), 3), "sync_GBps": round(mean("sync/bytes_per_s") / 1e9, 2),
            "reward_curve": [round(s["reward/mean"], 3) for s in results["steps"]],
            "wall_s": round(time.time() - t0, 1)}
+    # the end-of-run checkpoint (model + optimizer state); --resume-check loads it in a new trainer
+    # and runs one more step from it
+    from megarl.trainer import latest_checkpoint
+    ckpt = latest_checkpoint(trainer.ckpt_dir)
+    out["checkpoint"] = None if ckpt is None else {"path": str(ckpt), "bytes": sum(
+        f.stat().st_size for f in ckpt.rglob("*") if f.is_file())}
+    if args.resume_check:
+        more = load_config(ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml",
+                           overrides + ["checkpoint.resume=auto", f"trainer.total_steps={args.steps + 1}"])
+        resumed = Trainer(more).run()["steps"]
+        out["resume_check"] = {"steps_run_after_resume": len(resumed),  # 1 = it went on from step `steps`
+                               "reward": [round(s["reward/mean"], 3) for s in resumed]}
     print(json.dumps(out))
 
 

@@ -90,7 +90,11 @@ def main():
     ap.add_argument("--profile", default=None, help="write top kernels of one step to this file")
     ap.add_argument("--bf16-grads", action="store_true", help="DDP grad buffer in bf16 (grad_reduce_in_fp32=False)")
     ap.add_argument("--peak", type=float, default=None, help="skip the matmul measurement, use this FLOP/s")
+    ap.add_argument("--no-fusions", action="store_true",
+                    help="MEGARL_FUSIONS=0: eager RMSNorm/RoPE/SwiGLU/logprob chunks (megarl/models/fusions.py)")
     a = ap.parse_args()
+    if a.no_fusions:
+        os.environ["MEGARL_FUSIONS"] = "0"
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     shape = a.shape or ("qwen2.5-0.5b" if cuda else "tiny")
@@ -188,6 +192,7 @@ def main():
     flops = model_flops_per_token(cfg, seq) * tokens
     res = {"bench": "train_step", "shape": shape, "params": nparams, "dtype": str(dtype).replace("torch.", ""),
            "seq": seq, "mbs": a.mbs, "num_mb": a.num_mb, "loss": a.loss, "recompute": a.recompute, "bf16_grads": a.bf16_grads,
+           "fusions": not a.no_fusions,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "step_s_median": st, "step_s_all": [round(x, 4) for x in times], "tokens_per_s": tokens / st,
            "model_tflops_per_s": flops / st / 1e12, "matmul_peak_tflops": peak / 1e12,

@@ -149,3 +149,36 @@ def test_critic_value_head(tmp_path):
     ids = sample_ids()
     res = spawn(_critic, 2, str(tmp_path), ids)
     assert res[0] == ((2, 12), True, False, True)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_compiled_fusions_keep_hf_parity(family, tmp_path):
+    """The CUDA fusion path (compiled RMSNorm incl. Qwen3's q/k norms, compiled RoPE, megatron's
+    compiled SwiGLU) forced on and compiled by inductor's CPU backend: same weight names, logits
+    equal HF's (fp32)."""
+    from megarl.models.naming import SafetensorsSource
+    model = make_tiny_hf(family, tmp_path)
+    ids = sample_ids()
+    src = SafetensorsSource(tmp_path)
+    ref_state = dict(src.read(src.names()))
+    _check(spawn(_fused_parity, 1, str(tmp_path), ids, hf_logits(model, ids), ref_state), set(ref_state))
+
+
+def _fused_parity(rank, world, hf_dir, ids, ref, ref_state):
+    # set here, in the rank: a forkserver started by an earlier test would not see the parent's env
+    os.environ["MEGARL_FUSIONS"] = "force"
+    from megarl.models import build_model
+    from megarl.models.fusions import CompiledRMSNorm
+    from megarl.parallel import destroy_model_parallel, init_model_parallel
+    from megatron.core.models.common.embeddings import rope_utils
+
+    out = _parity(rank, world, hf_dir, ids, ref, [dict(tp=1)], ref_state, None)
+    init_model_parallel(tp=1)
+    model = build_model(hf_dir)[0]
+    destroy_model_parallel()
+    norms = [m for m in model.modules() if isinstance(m, CompiledRMSNorm)]
+    layer0 = model.decoder.layers[0]
+    assert norms and isinstance(layer0.input_layernorm, CompiledRMSNorm)
+    assert model.config.bias_activation_fusion
+    assert getattr(rope_utils._apply_rotary_pos_emb_bshd, "_megarl_compiled", False)
+    return out

@@ -2,6 +2,7 @@
 against a full-vocabulary reference (TP2 on 2 gloo ranks), mini-batching, pools."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megarl.config import load_config
@@ -80,3 +81,35 @@ def test_vocab_parallel_logprobs_entropy_and_grads_match_full_softmax():
         assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
     assert torch.allclose(grad[..., :vocab], full.grad, atol=1e-5)
     assert grad[..., vocab:].abs().max() == 0  # padding rows get no gradient
+
+
+@pytest.mark.parametrize("dtype,atol,with_entropy,fusions", [
+    (torch.float32, 1e-5, True, "0"), (torch.float32, 1e-5, False, "0"), (torch.bfloat16, 2e-2, True, "0"),
+    (torch.bfloat16, 2e-2, True, "force")])
+def test_fused_logprobs_match_log_softmax_across_row_chunks(monkeypatch, dtype, atol, with_entropy, fusions):
+    """The chunked fused function equals log_softmax/entropy and their autograd gradients, also when
+    the rows are split into several uneven chunks, and returns the gradient in the logits' dtype;
+    ``force`` runs the torch.compile'd chunk kernels (CUDA's path) through inductor's CPU backend."""
+    import megarl.workers.vocab_parallel as vp
+
+    monkeypatch.setenv("MEGARL_FUSIONS", fusions)
+
+    monkeypatch.setattr(vp, "_CHUNK_ELEMENTS", 3 * 50)  # 3 rows of 50 columns per chunk: 7 rows -> 3 chunks
+    torch.manual_seed(1)
+    logits = (torch.randn(7, 50) * 4).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, 50, (7,))
+    w_lp, w_ent = torch.randn(7), torch.randn(7)
+    lp, ent = vp.logprobs_and_entropy(logits, targets, 50, with_entropy=with_entropy)
+    loss = (w_lp * lp).sum() + ((w_ent * ent).sum() if with_entropy else 0)
+    loss.backward()
+    ref_in = logits.detach().float().requires_grad_(True)
+    logp = torch.log_softmax(ref_in, -1)
+    ref_lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    ((w_lp * ref_lp).sum() + ((w_ent * ref_ent).sum() if with_entropy else 0)).backward()
+    assert lp.dtype == torch.float32 and logits.grad.dtype == dtype
+    assert torch.allclose(lp, ref_lp, atol=1e-5)
+    assert (ent is None) != with_entropy
+    if with_entropy:
+        assert torch.allclose(ent, ref_ent, atol=1e-5)
+    assert torch.allclose(logits.grad.float(), ref_in.grad, atol=atol)

@@ -39,6 +39,7 @@ def layer_block_spec(config, vp_stage: Optional[int] = None, attention_backend: 
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                           normalization="RMSNorm", vp_stage=vp_stage)
     from .attention import SDPAttention
+    from .fusions import fusions_enabled, install_rope_fusion, use_compiled_norms
 
     if getattr(config, "multi_latent_attention", False):
         _fix_mla_without_te()
@@ -46,6 +47,9 @@ def layer_block_spec(config, vp_stage: Optional[int] = None, attention_backend: 
                                       normalization="RMSNorm", vp_stage=vp_stage)
     for layer_spec in spec.layer_specs:
         layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if fusions_enabled():
+        use_compiled_norms(spec)
+        install_rope_fusion()
     return spec
 
 

@@ -9,6 +9,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .fusions import fusions_enabled
+
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
 _MODEL_TYPE_TO_FAMILY = {
@@ -91,8 +93,10 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
                                recompute: Optional[str] = None, **overrides):
     """Build the megatron ``TransformerConfig`` (``MLATransformerConfig`` for DeepSeek-V3).
 
-    Dropout is taken from the HF config (0 for all supported families), fusions that need CUDA
-    kernels are off, ``use_cpu_initialization`` defaults to "no CUDA". ``overrides`` are set on
+    Dropout is taken from the HF config (0 for all supported families); of the fusions only
+    megatron's compiled SwiGLU (``bias_activation_fusion``) is on, and only where
+    :func:`megarl.models.fusions.fusions_enabled` (CUDA); the others need TE/apex kernels.
+    ``use_cpu_initialization`` defaults to "no CUDA". ``overrides`` are set on
     the config dataclass verbatim (e.g. ``moe_token_dispatcher_type="allgather"``).
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -114,7 +118,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         hidden_dropout=float(getattr(cfg, "hidden_dropout", 0.0) or 0.0),
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         init_method_std=float(getattr(cfg, "initializer_range", 0.02)),
-        bias_activation_fusion=False,
+        bias_activation_fusion=fusions_enabled() and _activation(cfg) in (F.silu, F.gelu),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
