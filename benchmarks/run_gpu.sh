@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | 
 python3 -c 'import sys,torch;print(sys.version, torch.__version__)' | tee -a $OUT/log
 for s in ${@:-train rollout sync train2}; do case $s in
 train) run 150 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --profile $OUT/prof_05b.txt
-       run 110 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --no-fusions --steps 4
+       run 110 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --no-fusions --steps 4 --profile $OUT/prof_05b_nofuse.txt
        run 150 python3 benchmarks/bench_train.py --shape qwen2.5-1.5b --seq 4096 --mbs 1 --num-mb 4 --steps 4 ;;
 train3b) run 200 python3 benchmarks/bench_train.py --shape qwen2.5-3b --seq 4096 --mbs 1 --num-mb 4 --steps 3 --profile $OUT/prof_3b.txt ;;
 e2e) run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 16 --n 8 --new-tokens 128 --resume-check ;;

@@ -37,7 +37,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     # the order of HF's Qwen2/Llama RMSNorm (and torch's): normalise in fp32, round, then scale
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * y
+    return (weight * y).to(x.dtype)
 
 
 _compiled: dict = {}
@@ -60,8 +60,9 @@ class CompiledRMSNorm(torch.nn.Module):
         if getattr(config, "layernorm_zero_centered_gamma", False):
             raise ValueError("CompiledRMSNorm does not implement zero-centered gamma")
         self.eps = float(eps)
-        # like torch.nn.RMSNorm (what WrappedTorchNorm builds): default dtype/device, cast later with the model
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        # in params_dtype like megatron's own layers (HF's norms scale in the model dtype too);
+        # default device like torch.nn.RMSNorm, which WrappedTorchNorm builds
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # megatron all-reduces the grads of params marked so across the TP group under sequence parallel
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
