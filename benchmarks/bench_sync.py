@@ -1,8 +1,14 @@
 """Weight-sync bytes/s (bucketed broadcast into a real embedded server process) vs a plain tensor
 copy of the same bytes, in one run (one JSON line).
 
-    python benchmarks/bench_sync.py [--mb 64] [--bucket-mb 16] [--transport distributed|tensor|disk]
-    python benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512
+    python benchmarks/bench_sync.py [--bucket-mb 16] [--transport distributed|tensor|disk] [--no-checksum|--checksum]
+    python benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512 [--no-checksum]
+
+Checksums: the pusher's default (on for distributed/disk, off for tensor) unless --checksum /
+--no-checksum.  Timing breakdown: the best of 3 timed pushes reports this thread's pack_s /
+checksum_s / send_s and the server's own receive/verify/handoff/apply seconds (`server_*`, summed
+over buckets); "synced" repeats one push with a device sync after each phase (exact per-phase GPU
+time; CUDA copies are asynchronous otherwise, so their time lands in the next phase that waits).
 
 GPU mode: the server is a real embedded server process on the same GPU (``--load-format dummy``,
 config.json only), the trainer-side tensors are the same HF-named set on the GPU (bf16, random);
@@ -31,6 +37,9 @@ def main():
     ap.add_argument("--transport", default="distributed")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shape", default=None)
+    ck = ap.add_mutually_exclusive_group()
+    ck.add_argument("--checksum", dest="checksum", action="store_true", default=None)
+    ck.add_argument("--no-checksum", dest="checksum", action="store_false")
     a = ap.parse_args()
     if a.device != "cpu":
         return main_gpu(a)
@@ -44,7 +53,7 @@ def main():
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     with ServerProcess(d + "/m", threads=1) as s:
         p = WeightPusher([s.url], transport=a.transport, bucket_mb=a.bucket_mb, disk_dir=d + "/disk",
-                         hf_config_dir=d + "/m")
+                         hf_config_dir=d + "/m", send_checksums=a.checksum)
         p.push(named)  # warm-up (group setup, first allocations)
         runs = [p.push(named) for _ in range(3)]
         p.close()
@@ -56,7 +65,15 @@ def main():
     print(json.dumps({"bench": "weight_sync", "transport": a.transport, "bytes": st.bytes, "buckets": st.buckets,
                       "bucket_mb": a.bucket_mb, "seconds": st.seconds, "sync_bytes_per_s": st.bytes_per_s,
                       "copy_bytes_per_s": nbytes / tc, "ratio_sync_over_copy": st.bytes_per_s / (nbytes / tc),
-                      "peak_extra_bytes": st.peak_extra_bytes, "device": "cpu", "backend": "gloo"}))
+                      "peak_extra_bytes": st.peak_extra_bytes, "checksums": p.send_checksums,
+                      "phases": _phases(st), "device": "cpu", "backend": "gloo"}))
+
+
+def _phases(st) -> dict:
+    keys = ("pack_s", "checksum_s", "send_s")
+    out = {k: round(getattr(st, k), 6) for k in keys}
+    out.update({f"server_{k}": round(v, 6) for k, v in st.server_s.items()})
+    return out
 
 
 def main_gpu(a):
@@ -83,7 +100,8 @@ def main_gpu(a):
                                              "--skip-tokenizer-init", "--max-running-requests", "4",
                                              "--context-length", "256"], log_path=log) as s:
         try:
-            p = WeightPusher([s.url], transport=a.transport, bucket_mb=a.bucket_mb, timeout_s=120)
+            p = WeightPusher([s.url], transport=a.transport, bucket_mb=a.bucket_mb, timeout_s=120,
+                             send_checksums=a.checksum)
             p.push(named)  # warm-up (group setup, first allocations)
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -91,9 +109,13 @@ def main_gpu(a):
             runs = [p.push(named) for _ in range(3)]
             torch.cuda.synchronize()
             peak_extra = torch.cuda.max_memory_allocated() - base
+            p.sync_timing = True
+            synced = p.push(named)
             p.close()
             st = min(runs, key=lambda r: r.seconds)
             res.update(seconds=st.seconds, buckets=st.buckets, sync_bytes_per_s=st.bytes_per_s,
+                       checksums=p.send_checksums, phases=_phases(st),
+                       synced={"seconds": synced.seconds, **_phases(synced)},
                        peak_extra_bytes_measured=peak_extra, peak_extra_bytes_pusher=st.peak_extra_bytes,
                        peak_extra_over_2_buckets=peak_extra / (2 * a.bucket_mb * (1 << 20)))
         except Exception as e:

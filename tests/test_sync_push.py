@@ -110,6 +110,47 @@ def test_refused_updates_keep_old_weights(models, servers):
     assert _matches(b, _gen(url))
 
 
+def _num_updates(url):
+    async def go():
+        async with SGLangClient(url) as c:
+            return (await c.get_model_info())["megarl_num_weight_updates"]
+    return asyncio.run(go())
+
+
+def test_tensor_transport_pipeline_refusal_and_timings(models, servers):
+    d, a, b = models
+    url = servers[1].url
+    p = WeightPusher([url], transport="tensor", bucket_mb=0.03)
+    assert p.send_checksums is False                     # default for the tensor transport
+    st = p.push(list(b.state_dict().items()), weight_version="b")
+    assert p._flat_format is True and st.buckets > 3 and _matches(b, _gen(url))
+    assert {"receive_s", "verify_s", "handoff_s", "apply_s"} <= set(st.server_s)
+    assert all(set(r["megarl_timings"]) >= {"receive_s", "apply_s"} for r in st.responses)
+    assert st.pack_s > 0 and st.send_s > 0 and st.checksum_s == 0
+    assert st.peak_extra_bytes <= 2 * p.bucket_bytes + max(t.numel() * 4 for t in b.state_dict().values())
+    # sglang's list-of-(name, tensor) format, with checksums, into the same server
+    q = WeightPusher([url], transport="tensor", bucket_mb=0.03, send_checksums=True)
+    q._flat_format = False
+    st = q.push(list(a.state_dict().items()), weight_version="a")
+    assert st.checksum_s > 0 and _matches(a, _gen(url))
+    # a NaN tensor in the 2nd bucket: refused naming it; the 1st bucket was applied and the 3rd
+    # (already packed by the double buffer) was never sent
+    named = list(b.state_dict().items())
+    second = list(iter_buckets(named, p.bucket_bytes, reuse=False, with_checksum=False))[1]
+    victim = next(n for n in second.meta.names if n != "lm_head.weight")
+    bad = [(k, torch.full_like(v, float("nan")) if k == victim else v) for k, v in named]
+    n0 = _num_updates(url)
+    for pusher in (p, q):
+        with pytest.raises(SyncError, match=f"bucket 1 refused.*non-finite values in {victim}"):
+            pusher.push(bad)
+    assert _num_updates(url) == n0 + 2
+    p.push(list(a.state_dict().items()), weight_version="a")
+    p.close()
+    q.close()
+    o = _gen(url)
+    assert _matches(a, o) and o.weight_version == "a"
+
+
 def test_bucket_layout_and_checksum():
     g = torch.Generator().manual_seed(0)
     named = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g)),

@@ -13,19 +13,25 @@ Checksum ("megarl-sum64-v1", device-side, deterministic, no host copy):
   s2 = sum(words * (i + 1))  (wrapping; i = word index, makes reordering visible)
   s3 = sum(tail[j] << (8*j))
   checksum = f"{L:x}-{s1 & M:016x}-{s2 & M:016x}-{s3:x}"   (M = 2**64 - 1)
-Any single corrupted byte changes s1 (or s3), so a flipped bit is always detected.  Computed in
-chunks of 1 MiB, so it needs ~2 MiB of scratch memory.
+Any single corrupted byte changes s1 (or s3), so a flipped bit is always detected.
+Computed in a handful of kernels and ONE host sync: the words are viewed as an [R, C] matrix
+(C = `_COLS`, a power of two) plus r < C leftover words; with rowsum/colsum of the matrix,
+  s1 = sum(rowsum) + sum(leftover)
+  s2 = C * sum_r r * rowsum_r + sum_c (c + 1) * colsum_c + sum_j leftover_j * (R*C + j + 1)
+which is the same value mod 2**64 (every step is wrapping int64 arithmetic, on CPU and CUDA).
+Scratch memory: R + 2*C words (~1.5 MiB for C = 2**16), never proportional to L.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 CHECKSUM_ALGO = "megarl-sum64-v1"
 _M = (1 << 64) - 1
-_CHUNK_WORDS = 1 << 17  # 1 MiB of int64 words
+_COLS = 1 << 16  # columns of the word matrix (read at call time; tests shrink it)
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -39,29 +45,52 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dt
 
 
-def checksum(flat: torch.Tensor) -> str:
-    """Checksum of a flat tensor's bytes (any dtype; contiguous).  See module doc."""
+def _as_bytes(flat: torch.Tensor) -> torch.Tensor:
     if not flat.is_contiguous():
         raise ValueError("checksum needs a contiguous tensor")
-    b = flat.reshape(-1).view(torch.uint8) if flat.dtype != torch.uint8 else flat.reshape(-1)
+    return flat.reshape(-1).view(torch.uint8) if flat.dtype != torch.uint8 else flat.reshape(-1)
+
+
+def checksum_parts(flat: torch.Tensor) -> torch.Tensor:
+    """Device tensor [s1, s2, s3] (int64, wrapping) of a contiguous tensor's bytes; no host sync."""
+    b = _as_bytes(flat)
+    dev = b.device
     L = b.numel()
     nw = L // 8
-    s1 = 0
-    s2 = 0
+    i64 = torch.int64
+    s1 = torch.zeros((), dtype=i64, device=dev)
+    s2 = torch.zeros((), dtype=i64, device=dev)
     if nw:
-        words = b[: nw * 8].view(torch.int64)
-        acc1 = torch.zeros((), dtype=torch.int64, device=b.device)
-        acc2 = torch.zeros((), dtype=torch.int64, device=b.device)
-        for start in range(0, nw, _CHUNK_WORDS):
-            w = words[start: start + _CHUNK_WORDS]
-            idx = torch.arange(start + 1, start + 1 + w.numel(), dtype=torch.int64, device=b.device)
-            acc1 += w.sum()
-            acc2 += (w * idx).sum()
-        s1, s2 = int(acc1.item()), int(acc2.item())
-    s3 = 0
-    for j, v in enumerate(b[nw * 8:].tolist()):
-        s3 |= int(v) << (8 * j)
-    return f"{L:x}-{s1 & _M:016x}-{s2 & _M:016x}-{s3:x}"
+        words = b[: nw * 8].view(i64)
+        C = _COLS
+        R = nw // C
+        if R:
+            m = words[: R * C].view(R, C)
+            rows = m.sum(1)
+            cols = m.sum(0)
+            s1 = rows.sum()
+            s2 = (rows * torch.arange(R, dtype=i64, device=dev)).sum() * C \
+                + (cols * torch.arange(1, C + 1, dtype=i64, device=dev)).sum()
+        rest = words[R * C:]
+        if rest.numel():
+            s1 = s1 + rest.sum()
+            s2 = s2 + (rest * torch.arange(R * C + 1, nw + 1, dtype=i64, device=dev)).sum()
+    tail = b[nw * 8:]
+    if tail.numel():
+        s3 = (tail.to(i64) << (8 * torch.arange(tail.numel(), dtype=i64, device=dev))).sum()
+    else:
+        s3 = torch.zeros((), dtype=i64, device=dev)
+    return torch.stack([s1, s2, s3])
+
+
+def format_checksum(nbytes: int, parts) -> str:
+    s1, s2, s3 = (int(v) for v in parts)
+    return f"{nbytes:x}-{s1 & _M:016x}-{s2 & _M:016x}-{s3:x}"
+
+
+def checksum(flat: torch.Tensor) -> str:
+    """Checksum of a flat tensor's bytes (any dtype; contiguous).  See module doc."""
+    return format_checksum(_as_bytes(flat).numel(), checksum_parts(flat).tolist())
 
 
 @dataclass
@@ -123,16 +152,38 @@ class BucketMeta:
 class Bucket:
     meta: BucketMeta
     flat: torch.Tensor   # uint8, contiguous
-    checksum: str
+    checksum: Optional[str]          # None when packed with with_checksum=False
+    pack_s: float = 0.0              # wall seconds copying tensors into `flat`
+    checksum_s: float = 0.0          # wall seconds computing the checksum (incl. its host sync)
+    held_bytes: int = 0              # bytes the iterator held when yielding (buffers + tensors)
 
     def named_tensors(self) -> List[Tuple[str, torch.Tensor]]:
         return self.meta.views(self.flat)
 
 
-def pack(named: Sequence[Tuple[str, torch.Tensor]], out: Optional[torch.Tensor] = None) -> Bucket:
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _finish(meta: BucketMeta, flat: torch.Tensor, with_checksum: bool, pack_s: float, timing_sync: bool,
+            held: int) -> Bucket:
+    t = time.perf_counter()
+    if timing_sync:
+        _sync(flat.device)
+        pack_s += time.perf_counter() - t
+        t = time.perf_counter()
+    cs = checksum(flat) if with_checksum else None
+    return Bucket(meta, flat, cs, pack_s=pack_s, checksum_s=time.perf_counter() - t if with_checksum else 0.0,
+                  held_bytes=held)
+
+
+def pack(named: Sequence[Tuple[str, torch.Tensor]], out: Optional[torch.Tensor] = None,
+         with_checksum: bool = True) -> Bucket:
     """Copy same-dtype tensors into one flat uint8 buffer (reusing `out` when big enough)."""
     if not named:
         raise ValueError("empty bucket")
+    t0 = time.perf_counter()
     dt = named[0][1].dtype
     meta = BucketMeta.from_fields([n for n, _ in named], [dtype_name(t.dtype) for _, t in named],
                                   [list(t.shape) for _, t in named])
@@ -143,36 +194,93 @@ def pack(named: Sequence[Tuple[str, torch.Tensor]], out: Optional[torch.Tensor] 
         flat = torch.empty(meta.nbytes, dtype=torch.uint8, device=dev)
     for e, (_, t) in zip(meta.entries, named):
         flat[e.start:e.end].view(dt).view(e.shape).copy_(t)
-    return Bucket(meta, flat, checksum(flat))
+    return _finish(meta, flat, with_checksum, time.perf_counter() - t0, False, meta.nbytes)
 
 
-def iter_buckets(named: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
-                 reuse: bool = True) -> Iterator[Bucket]:
-    """Group a stream of (hf_name, tensor) into buckets of at most `bucket_bytes` (a tensor larger
-    than that gets a bucket of its own), one dtype per bucket, in stream order.
+Alloc = Callable[[int, torch.device], torch.Tensor]
 
-    Memory: holds the tensors of at most one pending bucket plus one flat buffer (reused across
-    buckets when `reuse`; the caller must be done with a yielded bucket before advancing)."""
-    pending: List[Tuple[str, torch.Tensor]] = []
-    size = 0
+
+def _default_alloc(nbytes: int, dev: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+
+def iter_buckets(named: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int, reuse: bool = True,
+                 buffers: Optional[int] = None, with_checksum: bool = True, alloc: Optional[Alloc] = None,
+                 timing_sync: bool = False) -> Iterator[Bucket]:
+    """Group a stream of (hf_name, tensor) into buckets of at most `bucket_bytes`, one dtype (and
+    device) per bucket, in stream order.  Each tensor is copied into the open bucket's flat buffer
+    as soon as it arrives (offsets are back to back, so the layout is known incrementally); a
+    tensor larger than `bucket_bytes` becomes a bucket of its own WITHOUT a copy (its own bytes).
+
+    Buffers: `buffers` flat buffers of `bucket_bytes` each, used in turn (default 1 when `reuse`,
+    else 0 = a fresh exact-size buffer per bucket).  With n buffers, bucket k's buffer is written
+    again when the caller advances past bucket k+n-1: the caller must be done with bucket k by then
+    (n=1: done with a bucket before advancing; n=2: bucket k+1 is packed while bucket k is still
+    in use -- double buffering).  `alloc(nbytes, device)` makes a buffer (e.g. in shared memory).
+
+    Memory: the buffers plus at most one tensor held between buckets (the one that did not fit,
+    or a big tensor sent as its own bucket); `Bucket.held_bytes` reports it at each yield.
+    `timing_sync` synchronizes the device after packing so `Bucket.pack_s` is the real copy time
+    (CUDA copies are asynchronous otherwise)."""
+    nbuf = (1 if reuse else 0) if buffers is None else int(buffers)
+    alloc = alloc or _default_alloc
+    ring: List[Optional[torch.Tensor]] = [None] * max(nbuf, 1)
+    turn = 0
+    cap = int(bucket_bytes)
+    # the open bucket
     buf: Optional[torch.Tensor] = None
+    entries: List[Entry] = []
+    dtype = None
+    device = None
+    off = 0
+    pack_s = 0.0
+    pending: List[Tuple[str, torch.Tensor]] = []  # nbuf == 0: tensors wait until the bucket closes
 
-    def flush():
-        nonlocal pending, size, buf
-        b = pack(pending, out=buf if reuse else None)
-        if reuse and (buf is None or b.flat.numel() > buf.numel()) and b.meta.nbytes <= bucket_bytes:
-            buf = b.flat if buf is None or b.flat.numel() > buf.numel() else buf
-        pending, size = [], 0
-        return b
+    def ring_bytes() -> int:
+        return sum(b.numel() for b in ring if b is not None)
+
+    def close(held: int) -> Bucket:
+        nonlocal buf, entries, off, pack_s, pending
+        meta = BucketMeta(dtype=dtype, entries=entries, nbytes=off)
+        if nbuf == 0:
+            b = pack(pending, with_checksum=False)
+            flat, p_s = b.flat, b.pack_s
+        else:
+            flat, p_s = buf[:off], pack_s
+        out = _finish(meta, flat, with_checksum, p_s, timing_sync,
+                      held + (ring_bytes() if nbuf else off + sum(t.numel() * t.element_size() for _, t in pending)))
+        buf, entries, off, pack_s, pending = None, [], 0, 0.0, []
+        return out
 
     for name, t in named:
         t = t.detach()
         if not t.is_contiguous():
             t = t.contiguous()
         nb = t.numel() * t.element_size()
-        if pending and (size + nb > bucket_bytes or t.dtype != pending[0][1].dtype or t.device != pending[0][1].device):
-            yield flush()
-        pending.append((name, t))
-        size += nb
-    if pending:
-        yield flush()
+        if entries and (off + nb > cap or t.dtype != dtype or t.device != device):
+            yield close(nb)
+        if not entries and nb > cap:
+            # a bucket of its own, zero copy: the tensor's own bytes are the flat bucket
+            meta = BucketMeta(dtype=t.dtype, entries=[Entry(name, tuple(t.shape), 0, nb)], nbytes=nb)
+            yield _finish(meta, t.reshape(-1).view(torch.uint8), with_checksum, 0.0, False,
+                          nb + (ring_bytes() if nbuf else 0))
+            continue
+        if not entries:
+            dtype, device = t.dtype, t.device
+            if nbuf:
+                b = ring[turn]
+                if b is None or b.device != device or b.numel() < cap:
+                    ring[turn] = None
+                    b = ring[turn] = alloc(cap, device)
+                buf = b
+                turn = (turn + 1) % nbuf
+        entries.append(Entry(name, tuple(t.shape), off, off + nb))
+        if nbuf:
+            t0 = time.perf_counter()
+            buf[off:off + nb].view(t.dtype).view(t.shape).copy_(t)
+            pack_s += time.perf_counter() - t0
+        else:
+            pending.append((name, t))
+        off += nb
+    if entries:
+        yield close(0)

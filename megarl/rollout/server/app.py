@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 import uuid
 from typing import Any, Dict, List, Optional
 
@@ -162,11 +163,20 @@ def build_app(state: ServerState) -> web.Application:
         """Receive + verify on the group's thread, then (if `apply`) swap in on the engine thread."""
         eng = engine()
         loop = asyncio.get_running_loop()
+        timings: Dict[str, float] = {}
         try:
             res = await loop.run_in_executor(_executor(group), lambda: fn(*args))
             if apply:
-                pairs, msg = res
-                await asyncio.wrap_future(eng.control(lambda: state.receiver.apply(pairs)))
+                pairs, msg, *extra = res
+                timings.update(extra[0] if extra else {})
+                t_post = time.perf_counter()
+
+                def _apply():
+                    t = time.perf_counter()
+                    state.receiver.apply(pairs)
+                    return t - t_post, time.perf_counter() - t
+                # handoff_s: waiting for the engine thread (immediate when idle, one step when decoding)
+                timings["handoff_s"], timings["apply_s"] = await asyncio.wrap_future(eng.control(_apply))
             else:
                 msg = res
         except WeightRefused as e:
@@ -175,7 +185,10 @@ def build_app(state: ServerState) -> web.Application:
         except Exception as e:
             log.exception("weight op failed")
             return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
-        return web.json_response({"success": True, "message": msg})
+        body = {"success": True, "message": msg}
+        if timings:
+            body["megarl_timings"] = timings   # megarl extension: seconds per phase of this update
+        return web.json_response(body)
 
     @routes.post("/init_weights_update_group")
     async def init_group(request):

@@ -7,7 +7,12 @@ runs on the engine thread between decode steps (`Engine.control`).
 Verification happens before a single parameter is touched:
   * every name must be a weight of the served model (tied `lm_head.weight` is skipped, as sglang
     does), every shape must match, the dtype must be a float dtype (cast to the model dtype);
-  * the bucket checksum (megarl extension field `megarl_checksums`) must match the received bytes.
+  * the bucket checksum (megarl extension field `megarl_checksums`) must match the received bytes;
+  * every value must be finite: ONE min/max reduction over the whole bucket (one host sync), and
+    only when that fails a per-tensor pass to name the offending tensors.
+`from_*` return (pairs, message, timings): receive_s / verify_s wall seconds, for the answer's
+`megarl_timings`; `apply` synchronizes the device, so once the answer is sent the trainer may
+overwrite the memory it shared (CUDA IPC) with the next bucket.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import io
 import logging
 import os
 import pickle
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -57,8 +63,12 @@ class WeightReceiver:
         return f"destroyed {group_name}"
 
     # ------------------------------------------------------------------ verify + swap
-    def _check(self, named: Sequence[Tuple[str, torch.Tensor]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def _check(self, named: Sequence[Tuple[str, torch.Tensor]],
+               flat: Optional[torch.Tensor] = None) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Verify names/shapes/dtypes/finiteness; `flat` = the uint8 bucket all tensors are views of
+        (lets the finiteness check run as one reduction over the whole bucket)."""
         pairs = []
+        checked = []
         errors = []
         for name, t in named:
             if self.model.is_ignored(name):
@@ -73,18 +83,27 @@ class WeightReceiver:
             if not t.dtype.is_floating_point:
                 errors.append(f"non-float dtype {t.dtype} for {name}")
                 continue
-            if not torch.isfinite(t).all():
-                errors.append(f"non-finite values in {name}")
-                continue
             pairs.append((dst, t))
+            checked.append((name, t))
+        if not errors and not _all_finite([t for _, t in named], flat):
+            # something in the bucket is not finite: name it (an ignored tensor, e.g. a tied
+            # lm_head, may hold it: then nothing we apply is affected)
+            errors = [f"non-finite values in {n}" for n, t in checked if t.numel() and not torch.isfinite(t).all()]
         if errors:
             raise WeightRefused("; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
         return pairs
 
     def apply(self, pairs) -> int:
-        """Engine thread: copy verified tensors into the live parameters."""
+        """Engine thread: copy verified tensors into the live parameters (cast on the way), then
+        wait for the copies: the sender may reuse the source memory once we answer."""
+        devs = set()
         for dst, t in pairs:
-            dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+            dst.copy_(t)
+            devs.add(dst.device)
+            devs.add(t.device)
+        for d in devs:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
         self.num_updates += 1
         return len(pairs)
 
@@ -102,6 +121,7 @@ class WeightReceiver:
         if group_name not in self.groups:
             raise KeyError(f"group {group_name!r} not initialised; call /init_weights_update_group first")
         pg = self.groups[group_name]
+        t0 = time.perf_counter()
         meta = BucketMeta.from_fields(names, dtypes, shapes)  # one dtype -> aligned views
         flat = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.model.device)
         if load_format == "flattened_bucket":
@@ -112,14 +132,20 @@ class WeightReceiver:
             for h in handles:
                 h.wait()
         # Always receive first (the trainer is mid-broadcast), then judge.
+        if flat.device.type == "cuda":
+            torch.cuda.synchronize(flat.device)
+        t1 = time.perf_counter()
         self._verify_sum(flat, (checksums or [None])[0])
-        return self._check(meta.views(flat)), f"updated {len(names)} tensors ({meta.nbytes} bytes)"
+        pairs = self._check(meta.views(flat), flat)
+        return pairs, f"updated {len(names)} tensors ({meta.nbytes} bytes)", _timings(t0, t1)
 
     def from_tensor(self, serialized_named_tensors: List[str], load_format: Optional[str] = None,
                     checksums: Optional[List[str]] = None, tp_rank: int = 0) -> str:
+        t0 = time.perf_counter()
         payload = serialized_named_tensors[tp_rank]
         data = base64.b64decode(payload) if isinstance(payload, str) else payload
         obj = _SafeUnpickler(io.BytesIO(data)).load()
+        t1 = time.perf_counter()
         if load_format == "flattened_bucket" or isinstance(obj, dict):
             flat = obj["flattened_tensor"]
             named = [(m["name"] if isinstance(m, dict) else m.name,
@@ -130,21 +156,18 @@ class WeightReceiver:
             self._verify_sum(flat, (checksums or [None])[0])
         else:
             named = [(n, t) for n, t in obj]
+            flat = _covering_bytes([t for _, t in named])
             if checksums:
-                ts = [t for _, t in named]
-                base = ts[0].untyped_storage() if ts else None
-                # a view list of one flat bucket (what megarl sends): checksum the whole storage
-                if base is not None and all(t.untyped_storage().data_ptr() == base.data_ptr() for t in ts):
-                    start = min(t.storage_offset() * t.element_size() for t in ts)
-                    nbytes = sum(t.numel() * t.element_size() for t in ts)
-                    flat = torch.empty(0, dtype=torch.uint8, device=ts[0].device).set_(base, start, (nbytes,))
-                    self._verify_sum(flat, checksums[0])
-                else:
+                # a view list of one flat bucket (what megarl sends): checksum the bytes they cover
+                if flat is None:
                     raise WeightRefused("megarl_checksums given but the tensors are not views of one bucket")
-        return self._check(named), f"updated {len(named)} tensors from tensor handles"
+                self._verify_sum(flat, checksums[0])
+        pairs = self._check(named, flat)
+        return pairs, f"updated {len(named)} tensors from tensor handles", _timings(t0, t1)
 
     def from_disk(self, model_path: str) -> str:
         from safetensors import safe_open
+        t0 = time.perf_counter()
         if not os.path.isdir(model_path):
             raise WeightRefused(f"{model_path} is not a directory")
         files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
@@ -160,15 +183,56 @@ class WeightReceiver:
         for fn in files:
             with safe_open(os.path.join(model_path, fn), framework="pt") as fh:
                 for k in fh.keys():
-                    t = fh.get_tensor(k)
-                    if k in sums:
-                        self._verify_sum(t.contiguous(), sums[k])
-                    named.append((k, t))
+                    named.append((k, fh.get_tensor(k)))
+        t1 = time.perf_counter()
+        for k, t in named:
+            if k in sums:
+                self._verify_sum(t.contiguous(), sums[k])
         pairs = self._check(named)
         missing = set(self.model.hf_names()) - {n for n, _ in named}
         if missing:
             raise WeightRefused(f"{model_path} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
-        return pairs, f"loaded {len(pairs)} tensors from {model_path}"
+        return pairs, f"loaded {len(pairs)} tensors from {model_path}", _timings(t0, t1)
+
+
+def _timings(t0: float, t1: float) -> Dict[str, float]:
+    return {"receive_s": t1 - t0, "verify_s": time.perf_counter() - t1}
+
+
+def _all_finite(tensors: Sequence[torch.Tensor], flat: Optional[torch.Tensor] = None) -> bool:
+    """Whether every float value is finite, with one host sync: one min/max reduction over `flat`
+    viewed as the (single) dtype of `tensors` when given, else one per tensor (no temporaries of
+    the tensors' size; NaN propagates through min/max)."""
+    ts = [t for t in tensors if t.numel() and t.dtype.is_floating_point]
+    if not ts:
+        return True
+    dt = ts[0].dtype
+    try:
+        if (flat is not None and flat.dtype == torch.uint8 and all(t.dtype == dt for t in tensors)
+                and flat.numel() % ts[0].element_size() == 0):
+            mm = [torch.stack(torch.aminmax(flat.view(dt)))]
+        else:
+            mm = [torch.stack(torch.aminmax(t.reshape(-1))).to(ts[0].device) for t in ts]
+        return bool(torch.isfinite(torch.cat(mm)).all())
+    except (RuntimeError, TypeError, NotImplementedError):   # a dtype without aminmax (e.g. float8)
+        return all(bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()) for t in ts)
+
+
+def _covering_bytes(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The uint8 bytes exactly covered by contiguous, back-to-back views of one storage (a megarl
+    bucket sent as a list of (name, view)); None when the tensors are anything else."""
+    if not ts or not all(t.is_contiguous() for t in ts):
+        return None
+    base = ts[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != base.data_ptr() or t.device != ts[0].device for t in ts):
+        return None
+    spans = sorted((t.storage_offset() * t.element_size(), t.numel() * t.element_size()) for t in ts)
+    start, end = spans[0][0], spans[0][0]
+    for s, n in spans:
+        if s != end:
+            return None
+        end = s + n
+    return torch.empty(0, dtype=torch.uint8, device=ts[0].device).set_(base, start, (end - start,))
 
 
 class _SafeUnpickler(pickle.Unpickler):

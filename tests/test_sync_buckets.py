@@ -1,0 +1,119 @@
+"""Bucket checksum (fast form == the megarl-sum64-v1 definition), double-buffered bucketing,
+and the server's one-reduction finiteness check -- no server processes."""
+import numpy as np
+import pytest
+import torch
+
+import megarl.sync.bucket as B
+from megarl.rollout.server.weights import WeightReceiver, WeightRefused, _all_finite, _covering_bytes
+from megarl.sync.bucket import checksum, iter_buckets, pack
+
+
+def _reference(data: bytes) -> str:
+    """megarl-sum64-v1 written out directly: numpy uint64 arithmetic wraps mod 2**64."""
+    L = len(data)
+    nw = L // 8
+    w = np.frombuffer(data[: nw * 8], dtype="<u8")
+    s1 = int(w.sum(dtype=np.uint64))
+    s2 = int((w * np.arange(1, nw + 1, dtype=np.uint64)).sum(dtype=np.uint64))
+    s3 = sum(v << (8 * j) for j, v in enumerate(data[nw * 8:]))
+    return f"{L:x}-{s1:016x}-{s2:016x}-{s3:x}"
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("cols", [8, 64, 1 << 16])
+def test_checksum_equals_definition(monkeypatch, cols):
+    monkeypatch.setattr(B, "_COLS", cols)
+    rng = np.random.default_rng(cols)
+    lengths = {0, 1, 7, 8, 9, 15, 8 * cols - 1, 8 * cols, 8 * cols + 3, 8 * cols * 5, 8 * cols * 5 + 8 * 3 + 5,
+               8 * cols * 3 - 8, 1000003}
+    for L in sorted(lengths):
+        data = rng.integers(0, 256, L, dtype=np.uint8).tobytes()
+        assert checksum(_bytes_tensor(data)) == _reference(data), (cols, L)
+    # extreme words: every product and sum wraps many times
+    data = (b"\xff" * 8 + b"\x00" * 7 + b"\x80") * (3 * cols + 1) + b"\xfe\xff\x01"
+    assert checksum(_bytes_tensor(data)) == _reference(data)
+
+
+def test_checksum_any_dtype_same_bytes():
+    x = torch.randn(123457, generator=torch.Generator().manual_seed(0))
+    assert checksum(x) == checksum(x.view(torch.uint8)) == _reference(x.numpy().tobytes())
+    assert checksum(x.to(torch.bfloat16)) == _reference(x.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+
+
+def test_double_buffered_buckets():
+    g = torch.Generator().manual_seed(0)
+    stream = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate([100, 200, 50, 300, 30, 30, 400, 10])]
+    stream.insert(5, ("big", torch.randn(1000, generator=g)))     # 4000 bytes > cap: its own bucket, no copy
+    cap = 2000
+    got, flats = [], []
+    for b in iter_buckets(stream, cap, buffers=2):
+        assert b.meta.nbytes <= cap or b.meta.names == ["big"]
+        assert b.held_bytes <= 2 * cap + 4000
+        got.extend((n, t.clone()) for n, t in b.named_tensors())
+        flats.append(b.flat)
+        assert b.checksum == checksum(b.flat)
+    assert [n for n, _ in got] == [n for n, _ in stream]
+    assert all(torch.equal(t, u) for (_, t), (_, u) in zip(got, stream))
+    assert len(flats) == 4                                         # t0-t2 | t3 t4 | big | t5-t7
+    big = next(f for f in flats if f.numel() == 4000)
+    assert big.data_ptr() == dict(stream)["big"].data_ptr()       # zero copy
+    ptrs = [f.untyped_storage().data_ptr() for f in flats if f.numel() != 4000]
+    assert len(set(ptrs)) == 2 and ptrs[0] == ptrs[2] != ptrs[1]   # two buffers, used in turn
+    # same layout as packing each bucket from scratch
+    for b in iter_buckets(stream, cap, buffers=2, with_checksum=False):
+        assert b.checksum is None
+        ref = pack(b.named_tensors())
+        assert ref.meta.entries == b.meta.entries and torch.equal(ref.flat, b.flat)
+
+
+class _Model:
+    """Just what WeightReceiver._check needs: two float params, a tied lm_head."""
+
+    def __init__(self):
+        self.params = {"a": torch.zeros(4, 3), "b": torch.zeros(5)}
+
+    def is_ignored(self, name):
+        return name == "lm_head.weight"
+
+    def target(self, name):
+        return self.params.get(name)
+
+
+def test_finite_check_one_reduction_names_the_tensor():
+    rx = WeightReceiver(_Model())
+    b = pack([("a", torch.ones(4, 3)), ("lm_head.weight", torch.ones(6)), ("b", torch.ones(5))])
+    named = b.named_tensors()
+    assert len(rx._check(named, b.flat)) == 2
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        flat = b.flat.clone()
+        named = b.meta.views(flat)
+        named[2][1][3] = bad
+        with pytest.raises(WeightRefused, match=r"non-finite values in b"):
+            rx._check(named, flat)
+        with pytest.raises(WeightRefused, match=r"non-finite values in b"):
+            rx._check(named)                       # per-tensor path says the same
+        assert not _all_finite([t for _, t in named], flat)
+    # a NaN in an ignored tensor (tied lm_head) does not refuse what is applied
+    flat = b.flat.clone()
+    named = b.meta.views(flat)
+    named[1][1][0] = float("nan")
+    assert len(rx._check(named, flat)) == 2
+    for dt in (torch.bfloat16, torch.float16):
+        x = torch.ones(10, dtype=dt)
+        assert _all_finite([x], x.view(torch.uint8))
+        x[7] = float("nan")
+        assert not _all_finite([x], x.view(torch.uint8)) and not _all_finite([x])
+
+
+def test_covering_bytes():
+    b = pack([("a", torch.ones(4, 3)), ("b", torch.ones(5))])
+    named = b.named_tensors()
+    cov = _covering_bytes([t for _, t in named])
+    assert cov is not None and cov.data_ptr() == b.flat.data_ptr() and cov.numel() == b.flat.numel()
+    assert _covering_bytes([named[0][1], named[0][1]]) is None          # overlapping
+    assert _covering_bytes([named[0][1], torch.ones(5)]) is None        # another storage
+    assert _covering_bytes([named[1][1]]).numel() == 20
