@@ -15,8 +15,9 @@ train3b) run 200 python3 benchmarks/bench_train.py --shape qwen2.5-3b --seq 4096
 e2e) run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 16 --n 8 --new-tokens 128 --resume-check ;;
 rollout) run 170 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 --parity ;;
 sync) BENCH_SYNC_SERVER_LOG=$OUT/server_05b.log run 60 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512
+      run 60 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512 --checksum
       BENCH_SYNC_SERVER_LOG=$OUT/server_7b.log run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024
-      run 40 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport distributed --bucket-mb 512 ;;
+      run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --checksum ;;
 train2) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --loss lm --steps 4
         run 100 python3 benchmarks/bench_train.py --shape qwen2.5-3b --seq 4096 --mbs 1 --num-mb 2 --steps 3 ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;

@@ -226,7 +226,9 @@ class RewardConfig:
 class SyncConfig:
     bucket_mb: int = opt(512, "weight-sync bucket size in MiB (peak extra memory ~2 buckets)")
     transport: Literal["auto", "nccl", "gloo", "ipc", "disk"] = opt("auto", "auto: ipc if colocated on GPU, nccl/gloo broadcast otherwise")
-    verify_checksum: bool = opt(True, "server verifies a checksum per bucket")
+    verify_checksum: Optional[bool] = opt(None, "server verifies a checksum per bucket; null = on when bytes are "
+                                                "copied on the way (nccl/gloo/disk), off for ipc (the server "
+                                                "reads the trainer's own buffer)")
 
 
 @dataclass
