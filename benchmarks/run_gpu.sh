@@ -11,6 +11,10 @@ for s in ${@:-train rollout sync train2}; do case $s in
 train) run 150 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --profile $OUT/prof_05b.txt
        run 110 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --no-fusions --steps 4 --profile $OUT/prof_05b_nofuse.txt
        run 150 python3 benchmarks/bench_train.py --shape qwen2.5-1.5b --seq 4096 --mbs 1 --num-mb 4 --steps 4 ;;
+trainmb) run 120 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 4 --num-mb 1 --steps 4 --profile $OUT/prof_05b_mbs4.txt
+       run 120 python3 benchmarks/bench_train.py --shape qwen2.5-1.5b --seq 4096 --mbs 2 --num-mb 2 --steps 4 ;;
+sync7b) run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024
+        run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 2048 ;;
 train3b) run 200 python3 benchmarks/bench_train.py --shape qwen2.5-3b --seq 4096 --mbs 1 --num-mb 4 --steps 3 --profile $OUT/prof_3b.txt ;;
 e2e) run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 16 --n 8 --new-tokens 128 --resume-check ;;
 rollout) run 170 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 --parity ;;

@@ -95,6 +95,7 @@ def test_fused_logprobs_match_log_softmax_across_row_chunks(monkeypatch, dtype, 
     monkeypatch.setenv("MEGARL_FUSIONS", fusions)
 
     monkeypatch.setattr(vp, "_CHUNK_ELEMENTS", 3 * 50)  # 3 rows of 50 columns per chunk: 7 rows -> 3 chunks
+    monkeypatch.setattr(vp, "_COMPILED_CHUNK_ELEMENTS", 3 * 50)
     torch.manual_seed(1)
     logits = (torch.randn(7, 50) * 4).to(dtype).requires_grad_(True)
     targets = torch.randint(0, 50, (7,))

@@ -200,9 +200,11 @@ def _timings(t0: float, t1: float) -> Dict[str, float]:
 
 
 def _all_finite(tensors: Sequence[torch.Tensor], flat: Optional[torch.Tensor] = None) -> bool:
-    """Whether every float value is finite, with one host sync: one min/max reduction over `flat`
-    viewed as the (single) dtype of `tensors` when given, else one per tensor (no temporaries of
-    the tensors' size; NaN propagates through min/max)."""
+    """Whether every float value is finite, with one host sync: one fp32-accumulated sum over `flat`
+    viewed as the (single) dtype of `tensors` when given, else one per tensor. A NaN or an inf
+    anywhere makes the sum non-finite; no temporaries of the tensors' size; a sum reads at full
+    bandwidth where min/max (aminmax) ran at ~1.2 TB/s on an H200. A false alarm would need
+    |sum| > 3e38 from finite weights; the caller's per-tensor pass then finds nothing to refuse."""
     ts = [t for t in tensors if t.numel() and t.dtype.is_floating_point]
     if not ts:
         return True
@@ -210,11 +212,11 @@ def _all_finite(tensors: Sequence[torch.Tensor], flat: Optional[torch.Tensor] = 
     try:
         if (flat is not None and flat.dtype == torch.uint8 and all(t.dtype == dt for t in tensors)
                 and flat.numel() % ts[0].element_size() == 0):
-            mm = [torch.stack(torch.aminmax(flat.view(dt)))]
+            sums = torch.sum(flat.view(dt), dtype=torch.float32).reshape(1)
         else:
-            mm = [torch.stack(torch.aminmax(t.reshape(-1))).to(ts[0].device) for t in ts]
-        return bool(torch.isfinite(torch.cat(mm)).all())
-    except (RuntimeError, TypeError, NotImplementedError):   # a dtype without aminmax (e.g. float8)
+            sums = torch.stack([torch.sum(t, dtype=torch.float32).to(ts[0].device) for t in ts])
+        return bool(torch.isfinite(sums).all())
+    except (RuntimeError, TypeError, NotImplementedError):   # a dtype without a sum kernel (e.g. float8)
         return all(bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()) for t in ts)
 
 
