@@ -202,9 +202,10 @@ def _timings(t0: float, t1: float) -> Dict[str, float]:
 def _all_finite(tensors: Sequence[torch.Tensor], flat: Optional[torch.Tensor] = None) -> bool:
     """Whether every float value is finite, with one host sync: one fp32-accumulated sum over `flat`
     viewed as the (single) dtype of `tensors` when given, else one per tensor. A NaN or an inf
-    anywhere makes the sum non-finite; no temporaries of the tensors' size; a sum reads at full
-    bandwidth where min/max (aminmax) ran at ~1.2 TB/s on an H200. A false alarm would need
-    |sum| > 3e38 from finite weights; the caller's per-tensor pass then finds nothing to refuse."""
+    anywhere makes the sum non-finite; no temporaries of the tensors' size (on an H200 the server's
+    whole verify step, this included, took ~0.8 ms per GB, the same as with min/max). A false alarm
+    would need |sum| > 3e38 from finite weights; the caller's per-tensor pass then finds nothing to
+    refuse."""
     ts = [t for t in tensors if t.numel() and t.dtype.is_floating_point]
     if not ts:
         return True
