@@ -75,6 +75,15 @@ def sync_weights(worker: Any, urls: list[str], sync_cfg: Any, device: str, versi
     return stats.as_dict() if worker._pusher is not None else {}
 
 
+def close_sync(worker: Any) -> None:
+    """Runs on every actor rank before shutdown: leave the update groups and close the HTTP sessions
+    of this rank's pusher (unclosed aiohttp sessions warn at exit)."""
+    pusher = getattr(worker, "_pusher", None)
+    if pusher is not None:
+        pusher.close()
+    worker.__dict__.pop("_pusher", None)
+
+
 def export_hf_shard(worker: Any, out_dir: str) -> dict[str, str]:
     """Each sender rank writes the HF tensors it owns into its own safetensors file."""
     from safetensors.torch import save_file
@@ -542,6 +551,11 @@ class Trainer:
     def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
+        if "actor" in self.groups:
+            try:
+                self.groups["actor"].call("call", close_sync)
+            except Exception as e:  # a failed worker must not keep the others from shutting down
+                note(f"closing weight-sync connections failed: {type(e).__name__}: {e}")
         for group in self.groups.values():
             group.shutdown()
         self.groups = {}
