@@ -213,7 +213,8 @@ def iter_buckets(named: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int, r
     tensor larger than `bucket_bytes` becomes a bucket of its own WITHOUT a copy (its own bytes).
 
     Buffers: `buffers` flat buffers of `bucket_bytes` each, used in turn (default 1 when `reuse`,
-    else 0 = a fresh exact-size buffer per bucket).  With n buffers, bucket k's buffer is written
+    else 0 = an exact-size copy per bucket that the caller may keep, packed through one scratch
+    buffer).  With n buffers, bucket k's buffer is written
     again when the caller advances past bucket k+n-1: the caller must be done with bucket k by then
     (n=1: done with a bucket before advancing; n=2: bucket k+1 is packed while bucket k is still
     in use -- double buffering).  `alloc(nbytes, device)` makes a buffer (e.g. in shared memory).
@@ -224,6 +225,7 @@ def iter_buckets(named: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int, r
     (CUDA copies are asynchronous otherwise)."""
     nbuf = (1 if reuse else 0) if buffers is None else int(buffers)
     alloc = alloc or _default_alloc
+    # nbuf == 0 packs through one scratch buffer and hands out an exact-size copy per bucket
     ring: List[Optional[torch.Tensor]] = [None] * max(nbuf, 1)
     turn = 0
     cap = int(bucket_bytes)
@@ -234,22 +236,21 @@ def iter_buckets(named: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int, r
     device = None
     off = 0
     pack_s = 0.0
-    pending: List[Tuple[str, torch.Tensor]] = []  # nbuf == 0: tensors wait until the bucket closes
 
     def ring_bytes() -> int:
         return sum(b.numel() for b in ring if b is not None)
 
     def close(held: int) -> Bucket:
-        nonlocal buf, entries, off, pack_s, pending
+        nonlocal buf, entries, off, pack_s
         meta = BucketMeta(dtype=dtype, entries=entries, nbytes=off)
-        if nbuf == 0:
-            b = pack(pending, with_checksum=False)
-            flat, p_s = b.flat, b.pack_s
-        else:
-            flat, p_s = buf[:off], pack_s
-        out = _finish(meta, flat, with_checksum, p_s, timing_sync,
-                      held + (ring_bytes() if nbuf else off + sum(t.numel() * t.element_size() for _, t in pending)))
-        buf, entries, off, pack_s, pending = None, [], 0, 0.0, []
+        flat = buf[:off]
+        if not nbuf:  # independent buckets: the caller may keep every one
+            t0 = time.perf_counter()
+            flat = flat.clone()
+            pack_s += time.perf_counter() - t0
+        out = _finish(meta, flat, with_checksum, pack_s, timing_sync,
+                      held + ring_bytes() + (0 if nbuf else off))
+        buf, entries, off, pack_s = None, [], 0, 0.0
         return out
 
     for name, t in named:
@@ -267,20 +268,16 @@ def iter_buckets(named: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int, r
             continue
         if not entries:
             dtype, device = t.dtype, t.device
-            if nbuf:
-                b = ring[turn]
-                if b is None or b.device != device or b.numel() < cap:
-                    ring[turn] = None
-                    b = ring[turn] = alloc(cap, device)
-                buf = b
-                turn = (turn + 1) % nbuf
+            b = ring[turn]
+            if b is None or b.device != device or b.numel() < cap:
+                ring[turn] = None
+                b = ring[turn] = alloc(cap, device)
+            buf = b
+            turn = (turn + 1) % len(ring)
         entries.append(Entry(name, tuple(t.shape), off, off + nb))
-        if nbuf:
-            t0 = time.perf_counter()
-            buf[off:off + nb].view(t.dtype).view(t.shape).copy_(t)
-            pack_s += time.perf_counter() - t0
-        else:
-            pending.append((name, t))
+        t0 = time.perf_counter()
+        buf[off:off + nb].view(t.dtype).view(t.shape).copy_(t)
+        pack_s += time.perf_counter() - t0
         off += nb
     if entries:
         yield close(0)
