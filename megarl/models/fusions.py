@@ -43,7 +43,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 _compiled: dict = {}
 
 
-def _compiled_fn(name: str, fn: Callable) -> Callable:
+def compiled(name: str, fn: Callable) -> Callable:
+    """``torch.compile(fn, dynamic=True)``, built once per process under ``name`` (dynamic: token
+    counts change every micro-batch, and one recompile per new shape would cost seconds each)."""
     if name not in _compiled:
         _compiled[name] = torch.compile(fn, dynamic=True)
     return _compiled[name]
@@ -67,7 +69,7 @@ class CompiledRMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _compiled_fn("rms_norm", _rms_norm)(x, self.weight, self.eps)
+        return compiled("rms_norm", _rms_norm)(x, self.weight, self.eps)
 
 
 def use_compiled_norms(spec) -> None:
@@ -95,6 +97,6 @@ def install_rope_fusion() -> None:
 
     if getattr(rope_utils._apply_rotary_pos_emb_bshd, "_megarl_compiled", False):
         return
-    compiled = torch.compile(rope_utils._apply_rotary_pos_emb_bshd, dynamic=True)
-    compiled._megarl_compiled = True
-    rope_utils._apply_rotary_pos_emb_bshd = compiled
+    rope = compiled("rope", rope_utils._apply_rotary_pos_emb_bshd)
+    rope._megarl_compiled = True
+    rope_utils._apply_rotary_pos_emb_bshd = rope

@@ -62,23 +62,24 @@ def _backward_chunk(z: torch.Tensor, row_max: torch.Tensor, log_sum_exp: torch.T
     return g.to(z.dtype)
 
 
-_compiled: dict = {}
+def _use_compiled(device: torch.device) -> bool:
+    """Compiled chunk kernels on CUDA while fusions are on (``MEGARL_FUSIONS=force``: also on CPU)."""
+    from megarl.models.fusions import fusions_enabled
+
+    return fusions_enabled() and (device.type == "cuda" or os.environ.get("MEGARL_FUSIONS") == "force")
 
 
 def _kernels(device: torch.device):
-    """(forward_chunk, backward_chunk): compiled on CUDA, eager elsewhere or when disabled."""
-    from megarl.models.fusions import fusions_enabled
-
-    if not fusions_enabled() or (device.type != "cuda" and os.environ.get("MEGARL_FUSIONS") != "force"):
+    """(forward_chunk, backward_chunk) for this device."""
+    if not _use_compiled(device):
         return _forward_chunk, _backward_chunk
-    if "fns" not in _compiled:
-        _compiled["fns"] = (torch.compile(_forward_chunk, dynamic=True),
-                            torch.compile(_backward_chunk, dynamic=True))
-    return _compiled["fns"]
+    from megarl.models.fusions import compiled
+
+    return compiled("logprob_forward_chunk", _forward_chunk), compiled("logprob_backward_chunk", _backward_chunk)
 
 
 def _chunk_rows(rows: int, cols: int, device: torch.device) -> int:
-    elements = _COMPILED_CHUNK_ELEMENTS if _kernels(device)[0] is not _forward_chunk else _CHUNK_ELEMENTS
+    elements = _COMPILED_CHUNK_ELEMENTS if _use_compiled(device) else _CHUNK_ELEMENTS
     return max(1, min(rows, elements // max(cols, 1)))
 
 
