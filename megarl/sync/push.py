@@ -293,7 +293,7 @@ class WeightPusher:
                                                              weight_version=version, checksums=cs))
                 for c, tp in zip(self.clients, self.server_tp)]
 
-    def _send_disk(self, b: Bucket, version, i) -> List[dict]:
+    def _send_disk(self, b: Bucket, version, i) -> list:
         from safetensors.torch import save_file
         tensors = {n: t.to("cpu").contiguous() for n, t in b.named_tensors()}
         fn = os.path.join(self.disk_dir, f"model-{i:05d}.safetensors")

@@ -167,8 +167,8 @@ def build_app(state: ServerState) -> web.Application:
         try:
             res = await loop.run_in_executor(_executor(group), lambda: fn(*args))
             if apply:
-                pairs, msg, *extra = res
-                timings.update(extra[0] if extra else {})
+                pairs, msg, received = res
+                timings.update(received)
                 t_post = time.perf_counter()
 
                 def _apply():

@@ -8,8 +8,8 @@ Verification happens before a single parameter is touched:
   * every name must be a weight of the served model (tied `lm_head.weight` is skipped, as sglang
     does), every shape must match, the dtype must be a float dtype (cast to the model dtype);
   * the bucket checksum (megarl extension field `megarl_checksums`) must match the received bytes;
-  * every value must be finite: ONE min/max reduction over the whole bucket (one host sync), and
-    only when that fails a per-tensor pass to name the offending tensors.
+  * every value must be finite: ONE fp32-accumulated sum over the whole bucket (one host sync),
+    and only when that is not finite a per-tensor pass to name the offending tensors.
 `from_*` return (pairs, message, timings): receive_s / verify_s wall seconds, for the answer's
 `megarl_timings`; `apply` synchronizes the device, so once the answer is sent the trainer may
 overwrite the memory it shared (CUDA IPC) with the next bucket.
@@ -33,6 +33,9 @@ from megarl.sync.groups import destroy_group, init_custom_process_group, tcp
 from .model import DecoderModel
 
 log = logging.getLogger("megarl.rollout.weights")
+
+# what a from_* receive returns: verified (destination, source) pairs, a message, timings
+Received = Tuple[List[Tuple[torch.Tensor, torch.Tensor]], str, Dict[str, float]]
 
 
 class WeightRefused(ValueError):
@@ -117,7 +120,7 @@ class WeightReceiver:
     # ------------------------------------------------------------------ transports
     def from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
                          group_name: str = "weight_update_group", load_format: Optional[str] = None,
-                         checksums: Optional[List[str]] = None) -> str:
+                         checksums: Optional[List[str]] = None) -> Received:
         if group_name not in self.groups:
             raise KeyError(f"group {group_name!r} not initialised; call /init_weights_update_group first")
         pg = self.groups[group_name]
@@ -140,7 +143,7 @@ class WeightReceiver:
         return pairs, f"updated {len(names)} tensors ({meta.nbytes} bytes)", _timings(t0, t1)
 
     def from_tensor(self, serialized_named_tensors: List[str], load_format: Optional[str] = None,
-                    checksums: Optional[List[str]] = None, tp_rank: int = 0) -> str:
+                    checksums: Optional[List[str]] = None, tp_rank: int = 0) -> Received:
         t0 = time.perf_counter()
         payload = serialized_named_tensors[tp_rank]
         data = base64.b64decode(payload) if isinstance(payload, str) else payload
@@ -165,7 +168,7 @@ class WeightReceiver:
         pairs = self._check(named, flat)
         return pairs, f"updated {len(named)} tensors from tensor handles", _timings(t0, t1)
 
-    def from_disk(self, model_path: str) -> str:
+    def from_disk(self, model_path: str) -> Received:
         from safetensors import safe_open
         t0 = time.perf_counter()
         if not os.path.isdir(model_path):
