@@ -68,6 +68,13 @@ def test_double_buffered_buckets():
         assert b.checksum is None
         ref = pack(b.named_tensors())
         assert ref.meta.entries == b.meta.entries and torch.equal(ref.flat, b.flat)
+    # no reuse: every bucket is its own exact-size copy, still intact after the stream ended
+    kept = list(iter_buckets(stream, cap, reuse=False))
+    assert [b.flat.numel() for b in kept] == [b.meta.nbytes for b in kept]
+    assert len({b.flat.untyped_storage().data_ptr() for b in kept}) == len(kept)
+    got = [x for b in kept for x in b.named_tensors()]
+    assert [n for n, _ in got] == [n for n, _ in stream]
+    assert all(torch.equal(t, u) for (_, t), (_, u) in zip(got, stream))
 
 
 class _Model:
