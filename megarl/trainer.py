@@ -54,36 +54,6 @@ class TrainerState:
 # building blocks
 # ---------------------------------------------------------------------------------------------
 
-def sync_weights(worker: Any, urls: list[str], sync_cfg: Any, device: str, version: str,
-                 colocated: bool = True) -> dict[str, float]:
-    """Runs on every actor rank: stream HF-named weights bucket by bucket to all servers."""
-    from megarl.sync.push import WeightPusher, is_sender_rank, push_megatron, sender_group_name
-
-    if not hasattr(worker, "_pusher"):
-        pusher = None
-        if is_sender_rank():
-            transport = {"nccl": "distributed", "gloo": "distributed", "ipc": "tensor", "disk": "disk",
-                         # colocated on GPU: CUDA IPC handles (NCCL refuses two ranks on one GPU)
-                         "auto": "tensor" if device == "cuda" and colocated else "distributed"}[sync_cfg.transport]
-            pusher = WeightPusher(urls, transport=transport, bucket_mb=sync_cfg.bucket_mb,
-                                  backend="nccl" if device == "cuda" else "gloo",
-                                  group_name=sender_group_name(), send_checksums=sync_cfg.verify_checksum,
-                                  disk_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "megarl_sync"))
-            pusher.connect()
-        worker._pusher = pusher
-    stats = push_megatron(worker.chunks, None, worker._pusher, weight_version=version)
-    return stats.as_dict() if worker._pusher is not None else {}
-
-
-def close_sync(worker: Any) -> None:
-    """Runs on every actor rank before shutdown: leave the update groups and close the HTTP sessions
-    of this rank's pusher (unclosed aiohttp sessions warn at exit)."""
-    pusher = getattr(worker, "_pusher", None)
-    if pusher is not None:
-        pusher.close()
-    worker.__dict__.pop("_pusher", None)
-
-
 def export_hf_shard(worker: Any, out_dir: str) -> dict[str, str]:
     """Each sender rank writes the HF tensors it owns into its own safetensors file."""
     from safetensors.torch import save_file
@@ -272,7 +242,7 @@ class Trainer:
                     "stop_token_ids": stop}
         if not hasattr(self, "_manager"):
             self._manager = RolloutManager(self.servers.urls, max_concurrency=r.max_running_requests,
-                                           timeout_s=r.request_timeout_s)
+                                           timeout_s=r.request_timeout_s, api_key=self.servers.api_key)
         outputs = self._manager.generate(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base)
         samples = []
         for g, (rec, ids, outs) in enumerate(zip(kept, prompts, outputs)):
@@ -459,9 +429,26 @@ class Trainer:
             return
         self._manager.call_all(f"{action}_memory_occupation")
 
+    def _push_target(self):
+        from megarl.sync.rank import PushTarget, resolve_transport
+
+        cfg = self.cfg
+        return PushTarget(urls=tuple(self.servers.urls), server_tp_sizes=tuple(self.servers.tp_sizes),
+                          transport=resolve_transport(cfg.sync.transport, cfg.cluster.device,
+                                                      cfg.placement.mode == "colocated"),
+                          backend="nccl" if cfg.cluster.device == "cuda" else "gloo", bucket_mb=cfg.sync.bucket_mb,
+                          verify_checksum=cfg.sync.verify_checksum, disk_dir=str(self.servers.weights_dir),
+                          api_key=self.servers.api_key, timeout_s=cfg.rollout.request_timeout_s)
+
     def _push_weights(self, version: str = "init") -> dict[str, float]:
-        stats = self.groups["actor"].call("call", sync_weights, self.servers.urls, self.cfg.sync,
-                                          self.cfg.cluster.device, version, self.cfg.placement.mode == "colocated")
+        """One weight-update session on every server around all actor ranks' pushes."""
+        from megarl.sync.rank import push_from_rank
+        from megarl.sync.session import weight_update_session
+
+        if not hasattr(self, "_target"):
+            self._target = self._push_target()
+        with weight_update_session(self.servers.urls, api_key=self.servers.api_key):
+            stats = self.groups["actor"].call("call", push_from_rank, self._target, version)
         total_bytes = sum(s.get("bytes", 0) for s in stats)
         seconds = max((s.get("seconds", 0.0) for s in stats), default=0.0)
         return {"sync/bytes": float(total_bytes), "sync/seconds": float(seconds),
@@ -552,8 +539,10 @@ class Trainer:
         if self.logger is not None:
             self.logger.close()
         if "actor" in self.groups:
+            from megarl.sync.rank import close_pusher
+
             try:
-                self.groups["actor"].call("call", close_sync)
+                self.groups["actor"].call("call", close_pusher)
             except Exception as e:  # a failed worker must not keep the others from shutting down
                 note(f"closing weight-sync connections failed: {type(e).__name__}: {e}")
         for group in self.groups.values():

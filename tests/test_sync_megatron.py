@@ -45,8 +45,15 @@ def _trainer(rank, world, hf_dir, url, tp, ep):
     dist.broadcast_object_list(obj, src=0)
     before = (trainer_lp(obj[0].output_ids) - torch.tensor(obj[0].logprobs)).abs().max().item()
 
+    from megarl.sync.session import weight_update_session
+
     pusher = WeightPusher([url], bucket_mb=0.02, group_name=sender_group_name()) if is_sender_rank() else None
-    stats = push_megatron(chunks, cfg, pusher, weight_version="step1")
+    pusher and pusher.connect()
+    # the "driver" (rank 0) opens one session on the server around every sender's push
+    with weight_update_session([url]) if rank == 0 else _nothing():
+        dist.barrier()
+        stats = push_megatron(chunks, cfg, pusher, weight_version="step1")
+        dist.barrier()
     if pusher:
         pusher.close()
     dist.barrier()
@@ -55,6 +62,12 @@ def _trainer(rank, world, hf_dir, url, tp, ep):
     after = (trainer_lp(obj[0].output_ids) - torch.tensor(obj[0].logprobs)).abs().max().item()
     return {"before": before, "after": after, "stats": stats.as_dict(), "sender": pusher is not None,
             "version": obj[0].weight_version}
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 @pytest.mark.parametrize("family,ep", [("llama", 1), ("qwen3_moe", 1), ("qwen3_moe", 2)])

@@ -43,7 +43,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(models):
     d, _, _ = models
-    s1, s2 = ServerProcess(d + "/a"), ServerProcess(d + "/a")
+    s1, s2 = (ServerProcess(d + "/a", extra=["--weights-dir", d + "/disk"]) for _ in range(2))
     try:
         yield s1.wait_ready(), s2.wait_ready()
     finally:
@@ -58,7 +58,8 @@ def test_transports_roundtrip(models, servers):
     for transport, src, ver in [("distributed", b, "v1"), ("tensor", a, "v2"), ("disk", b, "v3")]:
         p = WeightPusher(urls, transport=transport, bucket_mb=0.03, disk_dir=d + "/disk",
                          hf_config_dir=d + "/b", group_name=f"g_{transport}")
-        st = p.push(list(src.state_dict().items()), weight_version=ver)
+        with p.session():
+            st = p.push(list(src.state_dict().items()), weight_version=ver)
         p.close()
         assert st.buckets > 3 and st.bytes == sum(t.numel() * 4 for t in src.state_dict().values()
                                                   if True) - (0 if "lm_head.weight" in src.state_dict() else 0)
@@ -79,7 +80,7 @@ def _bad_pushes(p, named, what):
     if what == "sum":
         P.iter_buckets = corrupt
     try:
-        with pytest.raises(SyncError) as e:
+        with pytest.raises(SyncError) as e, p.session():
             p.push(named)
     finally:
         P.iter_buckets = orig
@@ -90,7 +91,8 @@ def test_refused_updates_keep_old_weights(models, servers):
     d, a, b = models
     url = servers[0].url
     p = WeightPusher([url], bucket_mb=1, group_name="g_bad")
-    p.push(list(a.state_dict().items()), weight_version="good")
+    with p.session():
+        p.push(list(a.state_dict().items()), weight_version="good")
     assert _matches(a, _gen(url))
     sd = b.state_dict()
     named = [(k, v) for k, v in sd.items() if "layers.0." in k]
@@ -105,7 +107,8 @@ def test_refused_updates_keep_old_weights(models, servers):
     assert _matches(a, o) and o.weight_version == "good"   # still serving the old weights
     # the server still accepts a good push afterwards
     p = WeightPusher([url], bucket_mb=1, group_name="g_bad2")
-    p.push(list(b.state_dict().items()))
+    with p.session():
+        p.push(list(b.state_dict().items()))
     p.close()
     assert _matches(b, _gen(url))
 
@@ -122,16 +125,17 @@ def test_tensor_transport_pipeline_refusal_and_timings(models, servers):
     url = servers[1].url
     p = WeightPusher([url], transport="tensor", bucket_mb=0.03)
     assert p.send_checksums is False                     # default for the tensor transport
-    st = p.push(list(b.state_dict().items()), weight_version="b")
-    assert p._flat_format is True and st.buckets > 3 and _matches(b, _gen(url))
+    with p.session():
+        st = p.push(list(b.state_dict().items()), weight_version="b")
+    assert st.buckets > 3 and _matches(b, _gen(url))
     assert {"receive_s", "verify_s", "handoff_s", "apply_s"} <= set(st.server_s)
     assert all(set(r["megarl_timings"]) >= {"receive_s", "apply_s"} for r in st.responses)
     assert st.pack_s > 0 and st.send_s > 0 and st.checksum_s == 0
     assert st.peak_extra_bytes <= 2 * p.bucket_bytes + max(t.numel() * 4 for t in b.state_dict().values())
     # sglang's list-of-(name, tensor) format, with checksums, into the same server
-    q = WeightPusher([url], transport="tensor", bucket_mb=0.03, send_checksums=True)
-    q._flat_format = False
-    st = q.push(list(a.state_dict().items()), weight_version="a")
+    q = WeightPusher([url], transport="tensor", bucket_mb=0.03, send_checksums=True, tensor_format=None)
+    with q.session():
+        st = q.push(list(a.state_dict().items()), weight_version="a")
     assert st.checksum_s > 0 and _matches(a, _gen(url))
     # a NaN tensor in the 2nd bucket: refused naming it; the 1st bucket was applied and the 3rd
     # (already packed by the double buffer) was never sent
@@ -141,10 +145,11 @@ def test_tensor_transport_pipeline_refusal_and_timings(models, servers):
     bad = [(k, torch.full_like(v, float("nan")) if k == victim else v) for k, v in named]
     n0 = _num_updates(url)
     for pusher in (p, q):
-        with pytest.raises(SyncError, match=f"bucket 1 refused.*non-finite values in {victim}"):
+        with pytest.raises(SyncError, match=f"bucket 1 refused.*non-finite values in {victim}"), pusher.session():
             pusher.push(bad)
     assert _num_updates(url) == n0 + 2
-    p.push(list(a.state_dict().items()), weight_version="a")
+    with p.session():
+        p.push(list(a.state_dict().items()), weight_version="a")
     p.close()
     q.close()
     o = _gen(url)

@@ -143,6 +143,16 @@ class RolloutConfig:
     max_running_requests: int = opt(64, "concurrent sequences per server")
     request_timeout_s: float = opt(600.0, "per-request timeout")
     logprob_diff_bound: float = opt(0.05, "step 0 fails if mean |rollout - train| logprob exceeds this")
+    api_key_env: str = opt("MEGARL_API_KEY", "environment variable holding the servers' API key (sent as "
+                           "Authorization: Bearer); unset: a fresh key per run for servers megarl starts, none "
+                           "for rollout.server_urls")
+    server_command: list[str] = opt([], "command that starts one server, megarl appends its flags (default: "
+                                    "python -m sglang.launch_server | python -m megarl.rollout.server); e.g. a "
+                                    "container wrapper")
+    deterministic: bool = opt(False, "SGLang --enable-deterministic-inference: honours sampling_seed (reproducible "
+                              "rollouts) with batch-invariant kernels, at a throughput cost; the embedded "
+                              "server is always seeded")
+    fp32_lm_head: bool = opt(False, "SGLang --enable-fp32-lm-head: output projection and logprobs in fp32")
 
 
 @dataclass

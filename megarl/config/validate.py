@@ -196,8 +196,9 @@ def _check_pools(cfg: RunConfig, problems: list[str]) -> None:
         arch = cfg.model.arch
         if arch.num_kv_heads and not arch.kv_lora_rank and cfg.rollout.tp > arch.num_kv_heads and cfg.rollout.tp % arch.num_kv_heads:
             problems.append(f"rollout.tp: {cfg.rollout.tp} cannot replicate num_kv_heads = {arch.num_kv_heads}")
-    if cfg.rollout.engine == "sglang" and c.device != "cuda" and not cfg.rollout.server_urls:
-        problems.append("rollout.engine: sglang needs cluster.device=cuda (or rollout.server_urls of running servers)")
+    if cfg.rollout.engine == "sglang" and c.device != "cuda" and not (cfg.rollout.server_urls or cfg.rollout.server_command):
+        problems.append("rollout.engine: sglang needs cluster.device=cuda (or rollout.server_urls of running servers, "
+                        "or a rollout.server_command that runs it on CPU)")
 
 
 def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:

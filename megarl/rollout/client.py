@@ -50,6 +50,28 @@ class RequestFailed(ServerError):
         self.status = status
         self.body = body
 
+    @property
+    def message(self) -> str:
+        """The server's own words: SGLang/embedded `{"message": ...}` or `{"error": {"message"}}`."""
+        body = self.body
+        if isinstance(body, dict):
+            err = body.get("error")
+            if isinstance(err, dict) and err.get("message"):
+                return str(err["message"])
+            return str(body.get("message", err if err is not None else body))
+        return str(body)
+
+
+class Unauthorized(RequestFailed):
+    """401/403: the server requires another API key (`rollout.api_key`, sent as
+    `Authorization: Bearer`). Raised at once, never retried."""
+
+    def __init__(self, url: str, status: int, body: Any, key_sent: bool):
+        super().__init__(url, status, body)
+        hint = ("the API key sent was refused" if key_sent else "no API key was sent")
+        self.args = (f"{url}: HTTP {status} unauthorized: {hint} (rollout.api_key / MEGARL_API_KEY must match "
+                     f"the server's --api-key)",)
+
 
 def sampling_params(max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
                     top_k: int = -1, min_p: float = 0.0, stop_token_ids: Optional[Sequence[int]] = None,
@@ -107,10 +129,13 @@ class SGLangClient:
     """One server.  Use as `async with SGLangClient(url) as c: ...` (or call `close()`)."""
 
     def __init__(self, url: str, max_concurrency: int = 64, timeout_s: float = 600.0,
-                 connect_timeout_s: float = 5.0, retries: int = 3, backoff_s: float = 0.5):
+                 connect_timeout_s: float = 5.0, retries: int = 3, backoff_s: float = 0.5,
+                 api_key: Optional[str] = None):
         self.url = url.rstrip("/")
         if not self.url.startswith("http"):
             self.url = "http://" + self.url
+        # SGLang's --api-key (and the embedded server's MEGARL_API_KEY): sent on every request
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.retries = retries
         self.backoff_s = backoff_s
@@ -133,7 +158,7 @@ class SGLangClient:
     def _sess(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
-            self._session = aiohttp.ClientSession(timeout=self.timeout,
+            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers,
                                                   connector=aiohttp.TCPConnector(limit=self.max_concurrency))
             self._sem = asyncio.Semaphore(self.max_concurrency)
             self._loop = loop
@@ -157,6 +182,8 @@ class SGLangClient:
                                 body = await r.json(content_type=None)
                             except Exception:
                                 body = raw[:2000].decode(errors="replace")
+                            if r.status in (401, 403):
+                                raise Unauthorized(self.url + path, r.status, body, bool(self.headers))
                             raise RequestFailed(self.url + path, r.status, body)
                         else:
                             if not expect_json:
@@ -228,6 +255,24 @@ class SGLangClient:
         if weight_version is not None:
             p["weight_version"] = weight_version
         return await self._call("update_weights_from_disk", p, retry=False)
+
+    async def begin_weight_update(self, selector: str = "all") -> Dict[str, Any]:
+        """Open SGLang's weight-update session (0.5.23: updates outside one answer 400)."""
+        return await self._call("begin_weight_update", {"selector": selector}, retry=False)
+
+    async def end_weight_update(self) -> Dict[str, Any]:
+        return await self._call("end_weight_update", {}, retry=False)
+
+    async def pause_generation(self, mode: str = "abort") -> Any:
+        """SGLang's /pause_generation: mode abort | retract | in_place."""
+        return await self._call("pause_generation", {"mode": mode}, retry=False, expect_json=False)
+
+    async def continue_generation(self) -> Any:
+        return await self._call("continue_generation", {}, retry=False, expect_json=False)
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> Any:
+        return await self._call("abort_request", {"rid": rid, "abort_all": abort_all}, retry=False,
+                                expect_json=False)
 
     # ------------------------------------------------------------------ memory / cache / info
     async def flush_cache(self) -> str:

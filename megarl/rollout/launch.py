@@ -1,49 +1,84 @@
 """Start the rollout servers a run asks for: embedded servers (child processes) or SGLang.
 
 Both speak the same HTTP API, so everything after start-up is engine-agnostic. SGLang servers
-are launched with the flags RL trainers rely on (weights updated in place, no radix cache so a
-new policy never reuses the old policy's KV, token ids in and out).
+are launched with the flags RL trainers rely on (weights updated in place and pushed at start so
+`--load-format dummy`, no radix cache so a new policy never reuses the old policy's KV, token ids
+in and out, the run's API key through a 0600 `--config` file rather than argv), and with SGLang's
+multi-node flags when one server's TP group spans nodes (`rollout.tp > cluster.gpus_per_node`).
+
+Addresses: a server binds loopback unless a peer on another node must reach it (a multi-node Ray
+cluster); then it binds its node's address as Ray reports it, and that is the URL peers dial.
 """
 from __future__ import annotations
 
 import os
+import secrets
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from megarl.parallel.launcher import free_port
+
+API_KEY_ENV = "MEGARL_API_KEY"  # what the embedded server reads its key from (never argv)
+
+
+def _set_parent_death_signal() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux), so a
+    killed driver or Ray actor does not leave servers behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: the process-group kill in stop() still applies
+        pass
 
 
 class ServerHost:
     """Runs one server process on the node where it lives. Used in-process for local runs, and as
-    a Ray actor inside the rollout pool's placement group so servers land on rollout GPUs/nodes."""
+    a Ray actor inside the rollout pool's placement group so servers land on rollout GPUs/nodes.
+    The server gets its own process group: `stop` ends it with all its children (SGLang's
+    scheduler and detokenizer processes)."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
 
-    def address(self) -> tuple[str, int]:
-        """(this node's IP, a free port on it)."""
+    def address(self, routable: bool) -> tuple[str, int]:
+        """(address to bind and dial, a free port on it): this node's address as Ray reports it
+        when peers on other nodes must reach the server, else loopback."""
+        host = "127.0.0.1"
+        if routable:
+            import ray
+
+            host = ray.util.get_node_ip_address()
         with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        return socket.gethostbyname(socket.gethostname()), port
+            probe.bind((host, 0))
+            return host, probe.getsockname()[1]
 
     def gpu_ids(self) -> list[str]:
         import ray
 
         return [str(g) for g in ray.get_gpu_ids()]
 
-    def start(self, cmd: list[str], env: dict[str, str], log_path: str) -> None:
+    def start(self, cmd: list[str], env: dict[str, str], log_path: str,
+              private_files: Optional[dict[str, str]] = None) -> None:
+        """Start `cmd`; `private_files` (path -> text) are written first with mode 0600 (the API
+        key's `--config` file: on this node, readable by this user only)."""
         self.stop()
+        for path, text in (private_files or {}).items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_set_parent_death_signal)
 
     def poll(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None
@@ -54,53 +89,154 @@ class ServerHost:
     def stop(self) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        group = self.proc.pid
+        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
             try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait_s)
+                # the leader is gone; its children may linger a moment: clean the group too
+                os.killpg(group, signal.SIGKILL)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                continue
+            break
         self.proc = None
 
 
-class RolloutServers:
-    """Owns the server processes of a run; ``urls`` is what the rollout client talks to.
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything one server process of a run needs that differs between servers/nodes."""
 
-    ``placement=(placement_group, first_bundle)`` starts server ``i`` through a Ray actor on bundle
-    ``first_bundle + i * rollout.tp`` with the GPUs of its ``tp`` bundles made visible to it (rollout
-    nodes in a disaggregated run, the shared GPUs in a colocated one); without it servers are
-    child processes of the driver (local runs, CPU)."""
+    index: int                  # server number
+    host: str                   # bind address (also what peers dial)
+    port: int
+    api_key_file: Optional[str] = None   # SGLang: the 0600 --config file holding the key
+    node_rank: int = 0          # SGLang multi-node TP: which node of the server this process is
+    nnodes: int = 1
+    dist_init_addr: Optional[str] = None  # "host:port" of node rank 0 (nnodes > 1)
+
+
+def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
+    """`sglang.launch_server` flags for one process of server `spec.index` (tested against
+    SGLang 0.5.23's own argument parser: tests/test_sglang_conformance.py)."""
+    r = cfg.rollout
+    context = r.max_prompt_len + r.sampling.max_new_tokens
+    args = ["--model-path", str(model_dir), "--host", spec.host, "--port", str(spec.port), "--tp-size", str(r.tp),
+            "--mem-fraction-static", str(r.mem_fraction), "--max-running-requests", str(r.max_running_requests),
+            "--context-length", str(context), "--dtype", rollout_dtype(cfg),
+            # the trainer pushes its weights before the first rollout: no checkpoint read at start
+            "--load-format", "dummy",
+            # KV computed under older weights must never be reused by a newer policy
+            "--disable-radix-cache",
+            "--skip-tokenizer-init", "--random-seed", str(cfg.seed + spec.index)]
+    if spec.api_key_file:
+        args += ["--config", spec.api_key_file]
+    if cfg.placement.mode == "colocated":
+        args.append("--enable-memory-saver")  # /release_memory_occupation while the trainer trains
+    if r.deterministic:
+        args.append("--enable-deterministic-inference")  # sampling_seed honoured (batch-invariant kernels)
+    if r.fp32_lm_head:
+        args.append("--enable-fp32-lm-head")
+    if spec.nnodes > 1:
+        args += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
+                 "--dist-init-addr", str(spec.dist_init_addr)]
+    return args
+
+
+def embedded_args(cfg: Any, model_dir: Path, spec: LaunchSpec, weights_dir: Path) -> list[str]:
+    """`megarl.rollout.server` flags for server `spec.index` (the API key travels in the
+    environment, `MEGARL_API_KEY`)."""
+    r = cfg.rollout
+    cpu = cfg.cluster.device == "cpu"
+    args = [str(model_dir), "--host", spec.host, "--port", str(spec.port),
+            "--max-running-requests", str(r.max_running_requests),
+            "--context-length", str(r.max_prompt_len + r.sampling.max_new_tokens),
+            "--random-seed", str(cfg.seed + spec.index), "--skip-tokenizer-init",
+            "--device", "cpu" if cpu else "cuda", "--dtype", rollout_dtype(cfg),
+            "--weights-dir", str(weights_dir)]
+    if r.tp > 1:
+        args += ["--tp-size", str(r.tp)]
+    if cpu:
+        args += ["--num-threads", "2"]
+    return args
+
+
+def rollout_dtype(cfg: Any) -> str:
+    """The rollout servers' dtype: fp32 on CPU (as the trainer there); the trainer's dtype on GPU."""
+    return "float32" if cfg.cluster.device == "cpu" else str(cfg.model.dtype)
+
+
+def default_command(engine: str) -> list[str]:
+    module = "sglang.launch_server" if engine == "sglang" else "megarl.rollout.server"
+    return [sys.executable, "-m", module]
+
+
+def resolve_api_key(cfg: Any) -> Optional[str]:
+    """The run's API key: the environment variable `rollout.api_key_env` names when set; else a
+    fresh random key for servers megarl starts; servers given by URL get no key unless one is set
+    (their operator chose it)."""
+    key = os.environ.get(cfg.rollout.api_key_env) if cfg.rollout.api_key_env else None
+    if key:
+        return key
+    return None if cfg.rollout.server_urls else secrets.token_urlsafe(32)
+
+
+class RolloutServers:
+    """Owns the server processes of a run; ``urls`` is what the rollout client talks to,
+    ``tp_sizes`` each server's TP size, ``api_key`` the key every request must carry.
+
+    ``placement=(placement_group, first_bundle)`` starts server ``i`` through Ray actors on bundles
+    ``first_bundle + i * rollout.tp ...`` with the GPUs of its ``tp`` bundles made visible to it
+    (rollout nodes in a disaggregated run, the shared GPUs in a colocated one), one actor per node
+    when the server's TP group spans nodes; without it servers are child processes of the driver
+    (local runs, CPU)."""
 
     def __init__(self, cfg: Any, model_dir: Path, log_dir: Path, placement: tuple[Any, int] | None = None):
         r = cfg.rollout
-        self.hosts: list[Any] = []
+        self.hosts: list[list[Any]] = []        # per server: one host per node of its TP group
         self.logs: list[Path] = []
         self._ray = placement is not None
+        self.api_key = resolve_api_key(cfg)
+        self.weights_dir = Path(cfg.output_dir) / "weights_sync"   # the disk transport's folder
         if r.server_urls:
             self.urls = list(r.server_urls)
+            self.tp_sizes = [r.tp] * len(self.urls)
             return
         self.urls = []
+        self.tp_sizes = [r.tp] * r.num_servers
         log_dir.mkdir(parents=True, exist_ok=True)
         self._cfg = cfg
         self._model_dir = model_dir
-        self._gpus: list[list[str]] = []
+        self._log_dir = log_dir
+        self._gpus: list[list[list[str]]] = []
+        self._routable = self._ray and _ray_nodes() > 1
         for i in range(r.num_servers):
             self.logs.append(log_dir / f"rollout_server_{i}.log")
             self.urls.append("")
-            host, gpus = self._make_host(i, placement)
-            self.hosts.append(host)
+            hosts, gpus = self._make_hosts(i, placement)
+            self.hosts.append(hosts)
             self._gpus.append(gpus)
             self._start(i)
 
-    def _make_host(self, i: int, placement: tuple[Any, int] | None) -> tuple[Any, list[str]]:
+    # ------------------------------------------------------------------ placement
+    def _nodes_per_server(self) -> int:
+        r, per_node = self._cfg.rollout, self._cfg.cluster.gpus_per_node
+        if self._cfg.rollout.engine != "sglang" or not per_node or r.tp <= per_node:
+            return 1
+        return -(-r.tp // per_node)
+
+    def _make_hosts(self, i: int, placement: tuple[Any, int] | None) -> tuple[list[Any], list[list[str]]]:
+        """One host per node of server i (GPU ids of each)."""
         if placement is None:
-            return ServerHost(), []
+            return [ServerHost()], [[]]
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pg, first = placement
-        tp = self._cfg.rollout.tp
+        tp, nnodes = self._cfg.rollout.tp, self._nodes_per_server()
+        per_node = tp // nnodes
         gpu = 0.01 if self._cfg.cluster.device == "cuda" else 0
         remote = ray.remote(ServerHost)
 
@@ -111,49 +247,57 @@ class RolloutServers:
             return remote.options(num_cpus=0.01, num_gpus=gpu, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=index))
 
-        probes = [on_bundle(b).remote() for b in range(1, tp)]
-        gpus = [g for p in probes for g in ray.get(p.gpu_ids.remote())]
-        for p in probes:
-            ray.kill(p)
-        host = on_bundle(0).remote()
-        return host, ray.get(host.gpu_ids.remote()) + gpus
+        hosts, gpus = [], []
+        for node in range(nnodes):
+            host = on_bundle(node * per_node).remote()
+            probes = [on_bundle(node * per_node + b).remote() for b in range(1, per_node)]
+            ids = ray.get(host.gpu_ids.remote()) + [g for p in probes for g in ray.get(p.gpu_ids.remote())]
+            for p in probes:
+                ray.kill(p)
+            hosts.append(host)
+            gpus.append(ids)
+        return hosts, gpus
 
-    def _do(self, i: int, method: str, *args):
-        host = self.hosts[i]
+    def _do(self, i: int, node: int, method: str, *args):
+        host = self.hosts[i][node]
         if self._ray:
             import ray
 
             return ray.get(getattr(host, method).remote(*args))
         return getattr(host, method)(*args)
 
-    def _command(self, i: int, host: str, port: int) -> tuple[list[str], str]:
-        cfg, r, model_dir = self._cfg, self._cfg.rollout, self._model_dir
-        context = r.max_prompt_len + r.sampling.max_new_tokens
-        if r.engine == "embedded":
-            cmd = [sys.executable, "-m", "megarl.rollout.server", str(model_dir), "--host", host, "--port", str(port),
-                   "--max-running-requests", str(r.max_running_requests), "--context-length", str(context),
-                   "--random-seed", str(cfg.seed + i), "--skip-tokenizer-init",
-                   "--device", "cpu" if cfg.cluster.device == "cpu" else "cuda",
-                   "--dtype", "float32" if cfg.cluster.device == "cpu" else "bfloat16"]
-            if cfg.cluster.device == "cpu":
-                return cmd + ["--num-threads", "2"], "1"
-            return cmd, os.environ.get("OMP_NUM_THREADS", "4")
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
-               "--port", str(port), "--tp-size", str(r.tp), "--mem-fraction-static", str(r.mem_fraction),
-               "--max-running-requests", str(r.max_running_requests), "--context-length", str(context),
-               "--disable-radix-cache", "--skip-tokenizer-init", "--random-seed", str(cfg.seed + i)]
-        if cfg.placement.mode == "colocated":
-            cmd.append("--enable-memory-saver")
-        return cmd, os.environ.get("OMP_NUM_THREADS", "4")
-
+    # ------------------------------------------------------------------ start / health
     def _start(self, i: int) -> None:
-        host, port = self._do(i, "address") if self._ray else ("127.0.0.1", free_port())
-        cmd, threads = self._command(i, host, port)
+        cfg, r = self._cfg, self._cfg.rollout
+        nnodes = len(self.hosts[i])
+        host, port = self._do(i, 0, "address", self._routable or nnodes > 1)
+        dist_init = None
+        if nnodes > 1:
+            dist_host, dist_port = self._do(i, 0, "address", True)
+            dist_init = f"{dist_host}:{dist_port}"
+        command = list(r.server_command) or default_command(r.engine)
+        threads = "1" if cfg.cluster.device == "cpu" else os.environ.get("OMP_NUM_THREADS", "4")
         env = dict(os.environ, OMP_NUM_THREADS=threads, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        if self._gpus and self._gpus[i]:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus[i])
-        self._do(i, "start", cmd, env, str(self.logs[i]))
-        self.urls[i] = f"http://{host}:{port}"
+        for node in range(nnodes):
+            spec_host = host if node == 0 else self._do(i, node, "address", True)[0]
+            private: dict[str, str] = {}
+            node_env = dict(env)
+            if r.engine == "sglang":
+                key_file = None
+                if self.api_key:
+                    key_file = str(self._log_dir / f"sglang_server_{i}_node{node}.yaml")
+                    private[key_file] = f"api-key: {self.api_key}\n"
+                spec = LaunchSpec(i, spec_host, port, key_file, node, nnodes, dist_init)
+                cmd = command + sglang_args(cfg, self._model_dir, spec)
+            else:
+                if self.api_key:
+                    node_env[API_KEY_ENV] = self.api_key
+                cmd = command + embedded_args(cfg, self._model_dir, LaunchSpec(i, spec_host, port), self.weights_dir)
+            if self._gpus[i][node]:
+                node_env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus[i][node])
+            log = self.logs[i] if node == 0 else self.logs[i].with_name(f"{self.logs[i].stem}_node{node}.log")
+            self._do(i, node, "start", cmd, node_env, str(log), private)
+        self.urls[i] = f"http://{_url_host(host)}:{port}"
 
     def wait_healthy(self, timeout_s: float = 300.0) -> None:
         deadline = time.time() + timeout_s
@@ -161,14 +305,16 @@ class RolloutServers:
         for i in range(len(self.urls)):
             while True:
                 url = self.urls[i]
-                code = self._do(i, "poll") if self.hosts else None
-                if code is not None:
-                    tail = self._do(i, "log_tail")
+                codes = [self._do(i, n, "poll") for n in range(len(self.hosts[i]))] if self.hosts else []
+                failed = next((n for n, c in enumerate(codes) if c is not None), None)
+                if failed is not None:
+                    tail = self._do(i, failed, "log_tail")
                     if "address already in use" in tail and restarts < 3:
                         restarts += 1  # the free port was taken before the server bound it
                         self._start(i)
                         continue
-                    raise RuntimeError(f"rollout server {i} exited with code {code}; log {self.logs[i]}:\n{tail}")
+                    raise RuntimeError(f"rollout server {i} (node {failed} of its TP group) exited with code "
+                                       f"{codes[failed]}; log {self.logs[i]}:\n{tail}")
                 try:
                     with urllib.request.urlopen(url + "/health", timeout=2) as response:
                         if response.status == 200:
@@ -176,18 +322,30 @@ class RolloutServers:
                 except OSError:
                     pass
                 if time.time() > deadline:
-                    raise TimeoutError(f"rollout server {url} not healthy after {timeout_s:.0f}s")
+                    raise TimeoutError(f"rollout server {url} not healthy after {timeout_s:.0f}s; log {self.logs[i]}")
                 time.sleep(0.2)
 
     def stop(self) -> None:
         for i in range(len(self.hosts)):
-            try:
-                self._do(i, "stop")
-            except Exception:  # noqa: BLE001 - teardown of a dead Ray actor
-                pass
+            for node in range(len(self.hosts[i])):
+                try:
+                    self._do(i, node, "stop")
+                except Exception:  # noqa: BLE001 - teardown of a dead Ray actor
+                    pass
         if self._ray:
             import ray
 
-            for host in self.hosts:
-                ray.kill(host)
+            for hosts in self.hosts:
+                for host in hosts:
+                    ray.kill(host)
         self.hosts = []
+
+
+def _ray_nodes() -> int:
+    import ray
+
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

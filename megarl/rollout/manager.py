@@ -22,12 +22,14 @@ class NoServerLeft(RuntimeError):
 
 
 class RolloutManager:
-    def __init__(self, urls: Sequence[str], max_concurrency: int = 64, timeout_s: float = 600.0):
+    def __init__(self, urls: Sequence[str], max_concurrency: int = 64, timeout_s: float = 600.0,
+                 api_key: Optional[str] = None):
         if not urls:
             raise ValueError("RolloutManager needs at least one server URL")
         self.urls = list(urls)
         self.io = LoopThread()
-        self.clients = [SGLangClient(u, max_concurrency=max_concurrency, timeout_s=timeout_s) for u in self.urls]
+        self.clients = [SGLangClient(u, max_concurrency=max_concurrency, timeout_s=timeout_s, api_key=api_key)
+                        for u in self.urls]
         self.dead: set[int] = set()
         self.failures: list[str] = []
         self.outstanding: list[int] = [0] * len(self.urls)   # requests in flight per server

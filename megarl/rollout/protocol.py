@@ -39,6 +39,11 @@ UPDATE_WEIGHTS_FROM_TENSOR_FIELDS = (
 UPDATE_WEIGHTS_FROM_DISK_FIELDS = (
     "model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache",
 )
+BEGIN_WEIGHT_UPDATE_FIELDS = ("selector",)
+END_WEIGHT_UPDATE_FIELDS = ()
+PAUSE_GENERATION_FIELDS = ("mode",)
+CONTINUE_GENERATION_FIELDS = ("torch_empty_cache",)
+ABORT_REQ_FIELDS = ("rid", "abort_all")
 RELEASE_MEMORY_FIELDS = ("tags",)
 RESUME_MEMORY_FIELDS = ("tags",)
 
@@ -50,6 +55,11 @@ SGLANG_CLASSES = {
     "UpdateWeightsFromDistributedReqInput": UPDATE_WEIGHTS_FROM_DISTRIBUTED_FIELDS,
     "UpdateWeightsFromTensorReqInput": UPDATE_WEIGHTS_FROM_TENSOR_FIELDS,
     "UpdateWeightFromDiskReqInput": UPDATE_WEIGHTS_FROM_DISK_FIELDS,
+    "BeginWeightUpdateReqInput": BEGIN_WEIGHT_UPDATE_FIELDS,
+    "EndWeightUpdateReqInput": END_WEIGHT_UPDATE_FIELDS,
+    "PauseGenerationReqInput": PAUSE_GENERATION_FIELDS,
+    "ContinueGenerationReqInput": CONTINUE_GENERATION_FIELDS,
+    "AbortReq": ABORT_REQ_FIELDS,
     "ReleaseMemoryOccupationReqInput": RELEASE_MEMORY_FIELDS,
     "ResumeMemoryOccupationReqInput": RESUME_MEMORY_FIELDS,
 }
@@ -78,6 +88,11 @@ ENDPOINTS = {
     "resume_memory_occupation": ("POST", "/resume_memory_occupation"),
     "health": ("GET", "/health"),
     "get_model_info": ("GET", "/get_model_info"),
+    "begin_weight_update": ("POST", "/begin_weight_update"),
+    "end_weight_update": ("POST", "/end_weight_update"),
+    "pause_generation": ("POST", "/pause_generation"),
+    "continue_generation": ("POST", "/continue_generation"),
+    "abort_request": ("POST", "/abort_request"),
 }
 
 # Response shape of /generate (tokenizer_manager.py): {"text"?, "output_ids": [...],

@@ -1,18 +1,31 @@
 """Trainer side of weight sync: stream HF-named tensors to rollout servers bucket by bucket.
 
-    pusher = WeightPusher(["http://127.0.0.1:30000", ...], transport="distributed", bucket_mb=256)
+    pusher = WeightPusher(["http://127.0.0.1:30000", ...], transport="distributed", bucket_mb=256,
+                          server_tp_sizes=[2, ...], api_key=key)
     pusher.connect()                       # /init_weights_update_group on every server + local join
-    stats = pusher.push(named_tensors)     # any iterable of (hf_name, full tensor)
+    with pusher.session():                 # /begin_weight_update ... /end_weight_update on every server
+        stats = pusher.push(named_tensors) # any iterable of (hf_name, full tensor)
     pusher.close()
 
+A push must run inside a weight-update session (SGLang 0.5.23 refuses updates outside one). With
+several sender ranks the driver opens the session once for all of them
+(`megarl.sync.session.weight_update_session`); a lone pusher can use `pusher.session()`.
+
 Transports
-  distributed  one process group {this rank (0), server ranks 1..}: per bucket, POST
-               /update_weights_from_distributed (names/dtypes/shapes, load_format=flattened_bucket,
-               megarl_checksums=[sum]) to all servers concurrently, broadcast the flat bucket, wait
-               for every answer.  gloo on CPU, nccl on GPU.  Works with real sglang (>= 0.5.x).
-  tensor       colocated: POST /update_weights_from_tensor with the bucket's tensors pickled by
-               torch's multiprocessing reductions (CUDA IPC handles on GPU; shared memory,
-               file_system strategy, on CPU) -- no bytes on the wire.
+  distributed  one process group {this rank (0), server TP ranks}: server i's TP rank r is group
+               rank `offset_i + r` with offset_0 = 1 and world `1 + sum(tp)` (SGLang's numbering).
+               Per bucket, POST /update_weights_from_distributed (names/dtypes/shapes,
+               load_format=flattened_bucket, megarl_checksums=[sum]) to all servers concurrently,
+               broadcast the flat bucket ASYNCHRONOUSLY while watching the answers: a server that
+               answers an error without joining (e.g. no session, unknown group) aborts the push at
+               once instead of leaving this rank in a broadcast until the group timeout.  gloo on
+               CPU, nccl on GPU.  `master_address` is the address the servers dial back: given by
+               the caller, else this host's address on the route towards the first server.
+  tensor       colocated: POST /update_weights_from_tensor, load_format=flattened_bucket, with ONE
+               payload per server TP rank (SGLang's `deserialize_own_rank` reads entry tp_rank):
+               {"flattened_tensor": the bucket, "metadata": [FlattenedTensorMetadata]} pickled by
+               `megarl.sync.wire` (CUDA IPC handle on GPU; shared memory, file_system strategy, on
+               CPU) -- no bytes on the wire.
   disk         fallback: write one safetensors file per bucket (+ config.json, + per-tensor
                checksums) into `disk_dir`, then POST /update_weights_from_disk.
 
@@ -35,14 +48,15 @@ that waits); `server_s` sums the embedded servers' own `megarl_timings` (receive
 """
 from __future__ import annotations
 
-import base64
-import io
+import concurrent.futures
 import json
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Iterable, List, Optional, Sequence, Tuple
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -50,14 +64,47 @@ import torch.distributed as dist
 from megarl.rollout.client import LoopThread, RequestFailed, SGLangClient
 from megarl.rollout.protocol import FLATTENED_BUCKET
 
-from .bucket import Bucket, BucketMeta, checksum, dtype_name, iter_buckets
+from . import wire
+from .bucket import Bucket, checksum, iter_buckets
 from .groups import destroy_group, init_custom_process_group, tcp
+from .session import SyncError, session_on
 
 TRANSPORTS = ("distributed", "tensor", "disk")
+__all__ = ["WeightPusher", "PushStats", "SyncError", "TRANSPORTS", "push_megatron", "is_sender_rank",
+           "sender_group_name", "server_rank_offsets"]
 
 
-class SyncError(RuntimeError):
-    pass
+def server_rank_offsets(server_tp_sizes: Sequence[int]) -> Tuple[List[int], int]:
+    """SGLang's numbering of an update group: the trainer is rank 0, server i's TP rank r is
+    `offsets[i] + r`; returns (offsets, world size)."""
+    offsets, nxt = [], 1
+    for tp in server_tp_sizes:
+        if int(tp) < 1:
+            raise ValueError(f"server TP size must be >= 1, got {tp}")
+        offsets.append(nxt)
+        nxt += int(tp)
+    return offsets, nxt
+
+
+def dial_back_address(server_urls: Sequence[str]) -> str:
+    """The address of this host that the servers can dial: inside Ray the node's IP as Ray
+    reports it; otherwise the local address of the interface that routes to the first server
+    (a UDP "connect" sends nothing). Never gethostbyname(gethostname()) (127.0.1.1 on Debian-style
+    hosts), and 127.0.0.1 only when the servers themselves are on loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    host = urlparse(server_urls[0] if "://" in server_urls[0] else "http://" + server_urls[0]).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
 
 
 @dataclass
@@ -96,10 +143,12 @@ class WeightPusher:
     (costs a sync per bucket; for benchmarks)."""
 
     def __init__(self, servers: Sequence[str], transport: str = "distributed", bucket_mb: float = 256,
-                 backend: Optional[str] = None, master_address: str = "127.0.0.1", master_port: int = 0,
+                 backend: Optional[str] = None, master_address: Optional[str] = None, master_port: int = 0,
                  group_name: str = "megarl_weights", server_tp_sizes: Optional[Sequence[int]] = None,
                  disk_dir: Optional[str] = None, hf_config_dir: Optional[str] = None,
-                 send_checksums: Optional[bool] = None, timeout_s: float = 600.0, sync_timing: bool = False):
+                 send_checksums: Optional[bool] = None, timeout_s: float = 600.0, sync_timing: bool = False,
+                 api_key: Optional[str] = None, tensor_payloads: Optional["PayloadFn"] = None,
+                 tensor_format: Optional[str] = FLATTENED_BUCKET):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "disk" and not disk_dir:
@@ -111,16 +160,26 @@ class WeightPusher:
         self.master_address = master_address
         self.master_port = master_port
         self.group_name = group_name
-        self.server_tp = list(server_tp_sizes or [1] * len(self.servers))
+        self.server_tp = [int(t) for t in (server_tp_sizes or [1] * len(self.servers))]
+        if len(self.server_tp) != len(self.servers):
+            raise ValueError(f"server_tp_sizes has {len(self.server_tp)} entries for {len(self.servers)} servers")
+        self.rank_offsets, self.world_size = server_rank_offsets(self.server_tp)
         self.disk_dir = disk_dir
         self.hf_config_dir = hf_config_dir
         self.send_checksums = (transport != "tensor") if send_checksums is None else bool(send_checksums)
         self.sync_timing = sync_timing
-        self._flat_format: Optional[bool] = None  # tensor transport: all servers embedded -> one flat tensor
+        # tensor transport: how a bucket becomes one payload per TP rank of each server (default:
+        # every rank of every server gets its own pickle of this process's buffer; colocated
+        # TP>1 CUDA servers need a handle on each rank's own GPU: see `push_megatron`)
+        self.tensor_payloads = tensor_payloads or local_payloads
+        # flattened_bucket: one handle per bucket; None: SGLang's default list of (name, tensor)
+        self.tensor_format = tensor_format
         self.timeout_s = timeout_s
         self.pg = None
+        self._poisoned: Optional[str] = None   # a broadcast was abandoned: the group is unusable
         self._io = LoopThread()
-        self.clients = [SGLangClient(u, timeout_s=timeout_s, retries=0) for u in self.servers]
+        self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-sync-wait")
+        self.clients = [SGLangClient(u, timeout_s=timeout_s, retries=0, api_key=api_key) for u in self.servers]
 
     # ------------------------------------------------------------------ setup
     def _all(self, coro_fn) -> List[dict]:
@@ -130,7 +189,7 @@ class WeightPusher:
             try:
                 out.append(f.result(self.timeout_s))
             except RequestFailed as e:
-                errs.append(f"{c.url}: {e.body if isinstance(e.body, str) else e.body.get('message', e.body)}")
+                errs.append(f"{c.url}: {e.message}")
             except Exception as e:
                 errs.append(f"{c.url}: {type(e).__name__}: {e}")
         if errs:
@@ -143,26 +202,60 @@ class WeightPusher:
         backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         from megarl.parallel.launcher import free_port
 
+        if self.master_address is None:
+            self.master_address = dial_back_address(self.servers)
         port = self.master_port or free_port("")
-        world = 1 + sum(self.server_tp)
-        offsets, off = [], 1
-        for tp in self.server_tp:
-            offsets.append(off)
-            off += tp
-        futs = [self._io.submit(c.init_weights_update_group(self.master_address, port, o, world, self.group_name, backend))
-                for c, o in zip(self.clients, offsets)]
-        self.pg = init_custom_process_group(backend, tcp(self.master_address, port), world, 0, self.group_name)
-        errs = []
-        for c, f in zip(self.clients, futs):
-            try:
-                f.result(self.timeout_s)
-            except Exception as e:
-                errs.append(f"{c.url}: {e}")
+        futs = [self._io.submit(c.init_weights_update_group(self.master_address, port, o, self.world_size,
+                                                            self.group_name, backend))
+                for c, o in zip(self.clients, self.rank_offsets)]
+        # the rendezvous waits for every server rank; a server that refuses to join (bad group
+        # args, unreachable master address) must fail this call, not hang it
+        from datetime import timedelta
+
+        join = self._waiter.submit(
+            init_custom_process_group, backend, tcp(self.master_address, port), self.world_size, 0,
+            self.group_name, timedelta(seconds=self.timeout_s))
+        errs = self._answers_while(join, futs)
         if errs:
-            raise SyncError("init_weights_update_group failed: " + "; ".join(errs))
+            raise SyncError(f"init_weights_update_group (master {self.master_address}:{port}, world "
+                            f"{self.world_size}) failed: " + "; ".join(errs))
+        self.pg = join.result()
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
+    def session(self, timeout_s: float = 120.0) -> ContextManager[None]:
+        """A weight-update session on this pusher's servers (for a lone sender rank)."""
+        return session_on(self.clients, self._io, min(timeout_s, self.timeout_s))
+
+    def _answers_while(self, pending: concurrent.futures.Future, answers: List[concurrent.futures.Future]) -> List[str]:
+        """Wait for `pending` (a join or a broadcast) while watching the servers' HTTP answers:
+        an error answer while `pending` is still running means a server will never join it.
+        Returns the errors ([] once `pending` completed without one)."""
+        deadline = time.monotonic() + self.timeout_s
+        watch = {pending, *answers}
+        while True:
+            done, watch = concurrent.futures.wait(watch, timeout=max(deadline - time.monotonic(), 0),
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+            errs = self._errors(answers)
+            if errs:
+                return errs
+            if pending.done():
+                e = pending.exception()
+                return [f"this rank: {type(e).__name__}: {e}"] if e is not None else []
+            if not done:
+                return [f"no answer within {self.timeout_s:.0f}s"]
+
+    def _errors(self, answers) -> List[str]:
+        errs = []
+        for c, f in zip(self.clients, answers):
+            if not f.done() or f.exception() is None:
+                continue
+            e = f.exception()
+            errs.append(f"{c.url}: {e.message if isinstance(e, RequestFailed) else f'{type(e).__name__}: {e}'}")
+        return errs
+
     def close(self) -> None:
+        if self.pg is not None and self._poisoned:
+            self.pg = None  # a destroy with an abandoned broadcast in flight may hang: drop it
         if self.pg is not None:
             try:
                 self._all(lambda c: c.destroy_weights_update_group(self.group_name))
@@ -176,14 +269,14 @@ class WeightPusher:
             except Exception:
                 pass
         self._io.close()
+        self._waiter.shutdown(wait=False)
 
     # ------------------------------------------------------------------ push
     def push(self, named: Iterable[Tuple[str, torch.Tensor]], weight_version: Optional[str] = None) -> PushStats:
+        if self._poisoned:
+            raise SyncError(f"weight sync group unusable after an earlier failure: {self._poisoned}")
         if self.transport == "distributed" and self.pg is None:
             self.connect()
-        if self.transport == "tensor" and self._flat_format is None:
-            infos = self._all(lambda c: c.get_model_info())
-            self._flat_format = all(isinstance(d, dict) and d.get("megarl_engine") == "embedded" for d in infos)
         stats = PushStats(bucket_bytes=self.bucket_bytes)
         t0 = time.perf_counter()
         if self.transport == "disk":
@@ -252,8 +345,23 @@ class WeightPusher:
         futs = [self._io.submit(c.update_weights_from_distributed(
             b.meta.names, b.meta.dtypes, b.meta.shapes, group_name=self.group_name, load_format=FLATTENED_BUCKET,
             weight_version=version, checksums=cs, flush_cache=True)) for c in self.clients]
-        dist.broadcast(flat, src=0, group=self.pg)
+        errs = self._answers_while(self._completion(dist.broadcast(flat, src=0, group=self.pg, async_op=True)), futs)
+        if errs:
+            first = b.meta.names[0] if b.meta.names else "?"
+            self._poisoned = f"bucket {i} ({first}, ...) abandoned mid-broadcast"
+            raise SyncError(f"bucket {i} (first tensor {first}, {len(b.meta.names)} tensors) refused before the "
+                            f"broadcast completed: " + "; ".join(errs))
         return futs
+
+    def _completion(self, work) -> concurrent.futures.Future:
+        """A future that completes when the broadcast `work` has really finished on this rank
+        (for NCCL: when the device reached it, via an event recorded after it)."""
+        if self.device.type == "cuda":
+            work.wait()  # orders the current stream after the broadcast (does not block the host)
+            event = torch.cuda.Event()
+            event.record()
+            return self._waiter.submit(event.synchronize)
+        return self._waiter.submit(work.wait)
 
     def _collect(self, futs, i) -> List[dict]:
         out, errs = [], []
@@ -261,8 +369,7 @@ class WeightPusher:
             try:
                 out.append(f.result(self.timeout_s))
             except RequestFailed as e:
-                msg = e.body.get("message", e.body) if isinstance(e.body, dict) else e.body
-                errs.append(f"{c.url}: {msg}")
+                errs.append(f"{c.url}: {e.message}")
             except Exception as e:
                 errs.append(f"{c.url}: {type(e).__name__}: {e}")
         if errs:
@@ -270,28 +377,15 @@ class WeightPusher:
         return out
 
     def _send_tensor(self, b: Bucket, version, i) -> list:
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401  (registers tensor reductions)
         if b.flat.device.type == "cpu":
-            torch.multiprocessing.set_sharing_strategy("file_system")
-        if self._flat_format:
-            # embedded servers: ONE tensor (one IPC handle / shm segment) + the layout
-            obj, load_format = {"flattened_tensor": b.flat, "metadata": _flat_metadata(b.meta)}, FLATTENED_BUCKET
-        else:
-            # sglang's default format: a list of (name, tensor)
-            obj, load_format = b.named_tensors(), None
+            import torch.multiprocessing
 
-        def payload() -> str:
-            # one pickle per receiving process: sharing takes a reference (shm refcount / CUDA IPC
-            # ref counter) that the receiver releases when it rebuilds the tensor, exactly once
-            buf = io.BytesIO()
-            ForkingPickler(buf).dump(obj)
-            return base64.b64encode(buf.getvalue()).decode()
+            torch.multiprocessing.set_sharing_strategy("file_system")
+        payloads = self.tensor_payloads(b, self.server_tp, self.tensor_format)
         cs = [b.checksum] if self.send_checksums else None
-        return [self._io.submit(c.update_weights_from_tensor([payload() for _ in range(tp)], load_format=load_format,
-                                                             weight_version=version, checksums=cs))
-                for c, tp in zip(self.clients, self.server_tp)]
+        return [self._io.submit(c.update_weights_from_tensor(p, load_format=self.tensor_format, weight_version=version,
+                                                             checksums=cs))
+                for c, p in zip(self.clients, payloads)]
 
     def _send_disk(self, b: Bucket, version, i) -> list:
         from safetensors.torch import save_file
@@ -314,11 +408,26 @@ class WeightPusher:
         return self._all(lambda c: c.update_weights_from_disk(self.disk_dir, weight_version=version))
 
 
-def _flat_metadata(meta: BucketMeta) -> List[dict]:
-    """sglang flattened_bucket metadata fields, as plain dicts (what the embedded server reads)."""
-    dt = dtype_name(meta.dtype)
-    return [{"name": e.name, "shape": list(e.shape), "dtype": dt, "start_idx": e.start, "end_idx": e.end,
-             "numel": (e.end - e.start) // max(meta.dtype.itemsize, 1)} for e in meta.entries]
+PayloadFn = Callable[[Bucket, Sequence[int], Optional[str]], List[List[str]]]
+
+
+def bucket_object(b: Bucket, tensor_format: Optional[str] = FLATTENED_BUCKET) -> Any:
+    """What SGLang unpickles for one bucket: with flattened_bucket the flat uint8 tensor and its
+    layout (one handle); with the default format (None) a list of (name, view) pairs."""
+    if tensor_format == FLATTENED_BUCKET:
+        return {"flattened_tensor": b.flat, "metadata": wire.flat_metadata(b.meta.entries, b.meta.dtype)}
+    if tensor_format is None:
+        return b.named_tensors()
+    raise ValueError(f"tensor_format must be {FLATTENED_BUCKET!r} or None, got {tensor_format!r}")
+
+
+def local_payloads(b: Bucket, server_tp: Sequence[int], tensor_format: Optional[str] = FLATTENED_BUCKET
+                   ) -> List[List[str]]:
+    """One payload per TP rank of every server, each a separate pickle of this process's buffer:
+    sharing takes one reference (shm refcount / CUDA IPC ref counter) that exactly one receiving
+    process releases when it rebuilds the tensor."""
+    obj = bucket_object(b, tensor_format)
+    return [[wire.dumps_b64(obj) for _ in range(tp)] for tp in server_tp]
 
 
 def is_sender_rank() -> bool:

@@ -31,6 +31,8 @@ class ServerState:
         self.tokenizer = None
         self.ready = False
         self.load_error: Optional[str] = None
+        # SGLang 0.5.23: distributed/tensor updates only inside begin_weight_update..end_weight_update
+        self.update_session_open = False
 
 
 def _json_error(status: int, msg: str) -> web.Response:
@@ -190,6 +192,33 @@ def build_app(state: ServerState) -> web.Application:
             body["megarl_timings"] = timings   # megarl extension: seconds per phase of this update
         return web.json_response(body)
 
+    def _session_refusal(endpoint: str) -> Optional[web.Response]:
+        """SGLang's answer to an update outside a session (given before any broadcast is joined)."""
+        if state.update_session_open:
+            return None
+        return web.json_response({"success": False, "message": f"{endpoint} must run between "
+                                  "begin_weight_update() and end_weight_update()"}, status=400)
+
+    @routes.post("/begin_weight_update")
+    async def begin_weight_update(request):
+        engine()
+        await _body(request)
+        if state.update_session_open:
+            return web.json_response({"success": False, "message": "a weight-update session is already open; "
+                                      "call end_weight_update() first"}, status=400)
+        state.update_session_open = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    @routes.post("/end_weight_update")
+    async def end_weight_update(request):
+        engine()
+        await _body(request)
+        if not state.update_session_open:
+            return web.json_response({"success": False, "message": "no weight-update session is open; "
+                                      "call begin_weight_update() first"}, status=400)
+        state.update_session_open = False
+        return web.json_response({"success": True, "message": "Success"})
+
     @routes.post("/init_weights_update_group")
     async def init_group(request):
         b = await _body(request)
@@ -218,6 +247,9 @@ def build_app(state: ServerState) -> web.Application:
         for k in ("names", "dtypes", "shapes"):
             if k not in b:
                 return web.json_response({"success": False, "message": f"missing field {k}"}, status=400)
+        refused = _session_refusal("update_weights_from_distributed")
+        if refused is not None:
+            return refused
         resp = await _weights_op(b.get("group_name", "weight_update_group"), state.receiver.from_distributed, b["names"], b["dtypes"], b["shapes"],
                                  b.get("group_name", "weight_update_group"), b.get("load_format"),
                                  b.get(CHECKSUM_FIELD))
@@ -230,6 +262,9 @@ def build_app(state: ServerState) -> web.Application:
         b = await _body(request)
         if "serialized_named_tensors" not in b:
             return web.json_response({"success": False, "message": "missing field serialized_named_tensors"}, status=400)
+        refused = _session_refusal("update_weights_from_tensor")
+        if refused is not None:
+            return refused
         resp = await _weights_op("__tensor__", state.receiver.from_tensor, b["serialized_named_tensors"], b.get("load_format"),
                                  b.get(CHECKSUM_FIELD))
         if resp.status == 200:

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads on CPU (0 = torch default)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--weights-dir", default=None,
+                   help="/update_weights_from_disk loads only from this folder or below (unset: disk updates refused)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: no weight files needed (config.json only), random weights (as sglang's)")
     return p
@@ -67,7 +69,7 @@ def _load(state, args):
                 log.info("no tokenizer (%s); serving token ids only", type(e).__name__)
         eng = Engine(model, max_running=args.max_running_requests, max_len=args.context_length,
                      max_prefill_tokens=args.max_prefill_tokens, seed=args.random_seed)
-        state.receiver = WeightReceiver(model)
+        state.receiver = WeightReceiver(model, weights_dir=args.weights_dir)
         eng.start()
         state.engine = eng
         state.ready = True

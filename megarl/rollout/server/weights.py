@@ -43,8 +43,11 @@ class WeightRefused(ValueError):
 
 
 class WeightReceiver:
-    def __init__(self, model: DecoderModel):
+    def __init__(self, model: DecoderModel, weights_dir: Optional[str] = None):
         self.model = model
+        # /update_weights_from_disk reads only below this folder (a path from the network must not
+        # pick any file on the host)
+        self.weights_dir = os.path.realpath(weights_dir) if weights_dir else None
         self.groups: Dict[str, object] = {}
         self.num_updates = 0
 
@@ -171,6 +174,11 @@ class WeightReceiver:
     def from_disk(self, model_path: str) -> Received:
         from safetensors import safe_open
         t0 = time.perf_counter()
+        if self.weights_dir is None:
+            raise WeightRefused("update_weights_from_disk is disabled: start the server with --weights-dir DIR")
+        real = os.path.realpath(model_path)
+        if os.path.commonpath([real, self.weights_dir]) != self.weights_dir:
+            raise WeightRefused(f"model_path {model_path} is outside the server's --weights-dir {self.weights_dir}")
         if not os.path.isdir(model_path):
             raise WeightRefused(f"{model_path} is not a directory")
         files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
@@ -249,6 +257,9 @@ class _SafeUnpickler(pickle.Unpickler):
     _ALLOWED_BUILTINS = {"list", "dict", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "slice", "getattr"}
 
     def find_class(self, module, name):
+        from megarl.sync.wire import SGLANG_FLAT_META_GLOBAL, FlattenedTensorMetadata
+        if (module, name) == SGLANG_FLAT_META_GLOBAL:
+            return FlattenedTensorMetadata  # SGLang's class, rebuilt as megarl's field-for-field twin
         if module == "builtins" and name in self._ALLOWED_BUILTINS:
             return super().find_class(module, name)
         if module.split(".")[0] in ("torch",) or module.startswith(self._ALLOWED_PREFIX) or module.startswith("multiprocessing.reduction"):

@@ -1,0 +1,61 @@
+"""Worker side of a weight push: what each actor rank runs (called through `WorkerGroup.call`).
+
+The driver opens the weight-update session on every server (`megarl.sync.session`) and calls
+`push_from_rank` on every actor rank; sender ranks (TP0/DP0 of each stage, ETP0/EDP0 of each
+expert group) stream buckets through their own `WeightPusher`, the others take part in the
+all-gathers of `iter_hf_weights` and send nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .push import WeightPusher, is_sender_rank, push_megatron, sender_group_name
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Where and how a run's weights go; the same for every push of a run."""
+
+    urls: tuple[str, ...]
+    server_tp_sizes: tuple[int, ...]
+    transport: str                       # distributed | tensor | disk
+    backend: str                         # nccl | gloo (distributed transport)
+    bucket_mb: float
+    verify_checksum: Optional[bool]
+    disk_dir: Optional[str]
+    api_key: Optional[str]
+    timeout_s: float = 600.0
+
+
+def resolve_transport(configured: str, device: str, colocated: bool) -> str:
+    """`sync.transport` -> pusher transport. auto: CUDA IPC when colocated on GPU (NCCL refuses two
+    ranks on one GPU), a broadcast group otherwise."""
+    return {"nccl": "distributed", "gloo": "distributed", "ipc": "tensor", "disk": "disk",
+            "auto": "tensor" if device == "cuda" and colocated else "distributed"}[configured]
+
+
+def push_from_rank(worker: Any, target: PushTarget, version: str) -> dict[str, float]:
+    """Runs on every actor rank: stream HF-named weights bucket by bucket to all servers.
+    The pusher (and its update group) is created on the first push and reused."""
+    if not hasattr(worker, "_pusher"):
+        pusher = None
+        if is_sender_rank():
+            pusher = WeightPusher(list(target.urls), transport=target.transport, bucket_mb=target.bucket_mb,
+                                  backend=target.backend, group_name=sender_group_name(),
+                                  server_tp_sizes=list(target.server_tp_sizes),
+                                  send_checksums=target.verify_checksum, disk_dir=target.disk_dir,
+                                  api_key=target.api_key, timeout_s=target.timeout_s)
+            pusher.connect()
+        worker._pusher = pusher
+    stats = push_megatron(worker.chunks, None, worker._pusher, weight_version=version)
+    return stats.as_dict() if worker._pusher is not None else {}
+
+
+def close_pusher(worker: Any) -> None:
+    """Runs on every actor rank before shutdown: leave the update groups and close the HTTP
+    sessions of this rank's pusher (unclosed aiohttp sessions warn at exit)."""
+    pusher = getattr(worker, "_pusher", None)
+    if pusher is not None:
+        pusher.close()
+    worker.__dict__.pop("_pusher", None)
