@@ -430,7 +430,7 @@ class Trainer:
         self._manager.call_all(f"{action}_memory_occupation")
 
     def _push_target(self):
-        from megarl.sync.rank import PushTarget, resolve_transport
+        from megarl.sync.rank import PushTarget, checkpoint_names, resolve_transport
 
         cfg = self.cfg
         return PushTarget(urls=tuple(self.servers.urls), server_tp_sizes=tuple(self.servers.tp_sizes),
@@ -438,7 +438,8 @@ class Trainer:
                                                       cfg.placement.mode == "colocated"),
                           backend="nccl" if cfg.cluster.device == "cuda" else "gloo", bucket_mb=cfg.sync.bucket_mb,
                           verify_checksum=cfg.sync.verify_checksum, disk_dir=str(self.servers.weights_dir),
-                          api_key=self.servers.api_key, timeout_s=cfg.rollout.request_timeout_s)
+                          api_key=self.servers.api_key, timeout_s=cfg.rollout.request_timeout_s,
+                          known_names=checkpoint_names(str(self.model_dir)))
 
     def _push_weights(self, version: str = "init") -> dict[str, float]:
         """One weight-update session on every server around all actor ranks' pushes."""

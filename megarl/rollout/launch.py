@@ -133,7 +133,9 @@ def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
             "--skip-tokenizer-init", "--random-seed", str(cfg.seed + spec.index)]
     if spec.api_key_file:
         args += ["--config", spec.api_key_file]
-    if cfg.placement.mode == "colocated":
+    if cfg.cluster.device == "cpu":
+        args += ["--device", "cpu"]  # SGLang's CPU backend (and the CPU conformance harness)
+    elif cfg.placement.mode == "colocated":
         args.append("--enable-memory-saver")  # /release_memory_occupation while the trainer trains
     if r.deterministic:
         args.append("--enable-deterministic-inference")  # sampling_seed honoured (batch-invariant kernels)

@@ -55,7 +55,7 @@ import shutil
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, ContextManager, Iterable, List, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
 import torch
@@ -148,7 +148,7 @@ class WeightPusher:
                  disk_dir: Optional[str] = None, hf_config_dir: Optional[str] = None,
                  send_checksums: Optional[bool] = None, timeout_s: float = 600.0, sync_timing: bool = False,
                  api_key: Optional[str] = None, tensor_payloads: Optional["PayloadFn"] = None,
-                 tensor_format: Optional[str] = FLATTENED_BUCKET):
+                 tensor_format: Optional[str] = FLATTENED_BUCKET, known_names: Optional[Collection[str]] = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "disk" and not disk_dir:
@@ -174,6 +174,10 @@ class WeightPusher:
         self.tensor_payloads = tensor_payloads or local_payloads
         # flattened_bucket: one handle per bucket; None: SGLang's default list of (name, tensor)
         self.tensor_format = tensor_format
+        # HF names the servers hold (their checkpoint's): a name outside them is refused HERE, before
+        # any byte is sent -- SGLang 0.5.23 does not catch a load error on the tensor path and its
+        # scheduler dies with it
+        self.known_names = None if known_names is None else frozenset(known_names) | {"lm_head.weight"}
         self.timeout_s = timeout_s
         self.pg = None
         self._poisoned: Optional[str] = None   # a broadcast was abandoned: the group is unusable
@@ -291,6 +295,7 @@ class WeightPusher:
         inflight = None
         try:
             for i, b in enumerate(it):
+                self._check_names(b, i)
                 stats.pack_s += b.pack_s
                 stats.checksum_s += b.checksum_s
                 stats.peak_extra_bytes = max(stats.peak_extra_bytes, b.held_bytes)
@@ -322,6 +327,15 @@ class WeightPusher:
             stats.responses.extend(self._finish_disk(weight_version))
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _check_names(self, b: Bucket, i: int) -> None:
+        if self.known_names is None:
+            return
+        unknown = [n for n in b.meta.names if n not in self.known_names]
+        if unknown:
+            more = f" (+{len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise SyncError(f"bucket {i}: {unknown[0]!r}{more} is not a weight of the served checkpoint; nothing of "
+                            f"this bucket was sent to {', '.join(self.servers)}")
 
     def _wait(self, inflight, stats: PushStats) -> None:
         futs, i = inflight
@@ -405,7 +419,9 @@ class WeightPusher:
                 src = os.path.join(self.hf_config_dir, fn)
                 if os.path.exists(src):
                     shutil.copy(src, self.disk_dir)
-        return self._all(lambda c: c.update_weights_from_disk(self.disk_dir, weight_version=version))
+        # load_format explicitly: SGLang otherwise reuses the server's own launch format, and megarl
+        # launches with --load-format dummy (tokenizer_manager.update_weights_from_disk)
+        return self._all(lambda c: c.update_weights_from_disk(self.disk_dir, load_format="auto", weight_version=version))
 
 
 PayloadFn = Callable[[Bucket, Sequence[int], Optional[str]], List[List[str]]]

@@ -26,6 +26,18 @@ class PushTarget:
     disk_dir: Optional[str]
     api_key: Optional[str]
     timeout_s: float = 600.0
+    known_names: Optional[frozenset] = None   # the served checkpoint's HF names (None: not checked)
+
+
+def checkpoint_names(hf_dir: str) -> Optional[frozenset]:
+    """HF tensor names of the checkpoint the servers were started from (safetensors index or
+    headers; no tensor is read); None when the folder has no weights (e.g. config only)."""
+    from megarl.models.naming import SafetensorsSource
+
+    try:
+        return frozenset(SafetensorsSource(hf_dir).names())
+    except FileNotFoundError:
+        return None
 
 
 def resolve_transport(configured: str, device: str, colocated: bool) -> str:
@@ -45,7 +57,8 @@ def push_from_rank(worker: Any, target: PushTarget, version: str) -> dict[str, f
                                   backend=target.backend, group_name=sender_group_name(),
                                   server_tp_sizes=list(target.server_tp_sizes),
                                   send_checksums=target.verify_checksum, disk_dir=target.disk_dir,
-                                  api_key=target.api_key, timeout_s=target.timeout_s)
+                                  api_key=target.api_key, timeout_s=target.timeout_s,
+                                  known_names=target.known_names)
             pusher.connect()
         worker._pusher = pusher
     stats = push_megatron(worker.chunks, None, worker._pusher, weight_version=version)
