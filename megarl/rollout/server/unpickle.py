@@ -74,7 +74,11 @@ class SafeUnpickler(pickle.Unpickler):
                 # registers torch's storage/tensor reductions, as the sender's pickler had them
                 import torch.multiprocessing  # noqa: F401
             return super().find_class(module, name)
-        raise UnsafePayload(f"refusing to unpickle global {module}.{name} (not in the weight-payload allowlist)")
+        hint = ""
+        if (module, name) == (_REDUCTIONS, "rebuild_storage_fd"):
+            hint = ("; CPU tensors must be shared with torch.multiprocessing.set_sharing_strategy('file_system'): "
+                    "a file descriptor cannot reach an unrelated process")
+        raise UnsafePayload(f"refusing to unpickle global {module}.{name} (not in the weight-payload allowlist){hint}")
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePayload("refusing a pickle with persistent ids")
