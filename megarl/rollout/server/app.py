@@ -256,7 +256,8 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
         engine()
         b = await _body(request)
         async with weights_lock:
-            # every check that can refuse happens here, before any rank joins the broadcast
+            # every check that can refuse happens before any rank joins the broadcast: here, and
+            # for the group on each rank before its receive (`WeightReceiver.from_distributed`)
             try:
                 state.gate.require("update_weights_from_distributed")
                 for k in ("names", "dtypes", "shapes"):
@@ -265,9 +266,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
                 selector = check_selector(b.get("selector"))
                 group = str(b.get("group_name", "weight_update_group"))
                 receive_layout(b["names"], b["dtypes"], b["shapes"])
-                if group not in state.worker.receiver.groups:
-                    raise ValueError(f"Group {group} not in {sorted(state.worker.receiver.groups)}. "
-                                     f"Please call `init_weights_update_group` first.")
+                # (the group is checked on the engine thread, in arrival order after its init)
             except SessionError as e:
                 return _result(False, str(e))
             except (ValueError, TypeError) as e:

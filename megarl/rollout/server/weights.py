@@ -105,9 +105,13 @@ class WeightReceiver:
     def from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
                          group_name: str = "weight_update_group", load_format: Optional[str] = None,
                          checksums: Optional[List[str]] = None, load: bool = True) -> Done:
-        """Receive one broadcast (rank 0 checked the request and the group with
-        `check_distributed_request` before we got here, so every rank joins it), then verify /
-        agree / apply. `load=False`: receive only (selector "draft": no draft model here)."""
+        """Receive one broadcast (rank 0 checked the request before we got here, every rank checks
+        the group, so all ranks join it or none does), then verify / agree / apply.
+        `load=False`: receive only (selector "draft": no draft model here)."""
+        if group_name not in self.groups:
+            # the same on every rank (groups are joined in lockstep): refused before any broadcast
+            raise RankFailure(f"Failed to receive weights: Group {group_name} not in {sorted(self.groups)}. "
+                              f"Please call `init_weights_update_group` first.")
         t0 = time.perf_counter()
         layout = receive_layout(names, dtypes, shapes)
         nbytes = layout[-1][4] if layout else 0
