@@ -225,9 +225,12 @@ def test_exploit_payloads_over_http_are_400_without_side_effect(keyed_tp2, model
     import base64
     for name, data in _exploits(tmp_path / "pwned").items():
         evil = base64.b64encode(data).decode()
-        for payloads in ([evil, evil], [good, evil]):      # evil on every rank / on rank 1 only
+        # evil on every rank / on rank 1 only: rank r reads payload r and nothing else
+        for payloads, ranks in (([evil, evil], "tp ranks 0,1"), ([good, evil], "tp rank 1")):
             status, body = call(url, "/update_weights_from_tensor", {"serialized_named_tensors": payloads}, key=KEY)
-            assert status == 400 and "refusing to unpickle global" in body["message"], (name, body)
+            assert status == 400, (name, body)
+            assert body["message"].startswith(f"refused, old weights kept: {ranks}: UnsafePayload: refusing to "
+                                              f"unpickle global"), (name, body)
             assert not (tmp_path / "pwned").exists(), name
     ok(url, "/end_weight_update", {}, key=KEY)
     after = generate(url, [4, 5, 6], key=KEY)

@@ -14,8 +14,13 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    import signal
+
     from .tp import die_with_parent
     die_with_parent()
+    # Ctrl-C reaches the whole process group: rank 0 decides when the ranks stop (a `stop` call,
+    # or SIGTERM), so a follower does not die on its own mid-collective
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     argv = sys.argv[1:] if argv is None else argv
     rank, opts_json = int(argv[0]), argv[1]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(name)s %(levelname)s %(message)s")

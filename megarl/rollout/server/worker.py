@@ -151,8 +151,8 @@ def build_worker(opts: RankOptions, rank: int, hf_config=None) -> RankWorker:
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
     dev = rank_device(opts, rank)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)   # (a bare "cuda" is the current device already)
     if hf_config is None:
         from transformers import AutoConfig
         hf_config = AutoConfig.from_pretrained(opts.model)
