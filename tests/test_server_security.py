@@ -18,7 +18,7 @@ from megarl.parallel.launcher import free_port
 from megarl.rollout.server import auth, unpickle
 from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
 from megarl.sync import wire
-from tests.helpers.weights_http import call, flattened_payload, generate, list_payload, ok, shm_flat
+from tests.helpers.weights_http import call, generate, list_payload, ok, shm_flat
 from tests.test_server_sessions import _sglang_file
 from tests.test_server_tp import assert_serves, checkpoint_tensors
 
@@ -220,7 +220,7 @@ def test_exploit_payloads_over_http_are_400_without_side_effect(keyed_tp2, model
     d, a = model
     url = keyed_tp2.url
     before = generate(url, [4, 5, 6], key=KEY)
-    good = flattened_payload(checkpoint_tensors(str(d / "a"))[:4])
+    good = list_payload(checkpoint_tensors(str(d / "a"))[:4])     # (load_format None: SGLang's default)
     ok(url, "/begin_weight_update", {}, key=KEY)
     import base64
     for name, data in _exploits(tmp_path / "pwned").items():

@@ -209,3 +209,33 @@ def test_ranks_die_with_the_server(tmp_path):
     kids = _children(s.proc.pid)
     s.stop()
     assert _gone(kids)
+
+
+def test_megarl_pusher_drives_tp1_and_tp2_servers_with_a_key(tmp_path):
+    """The trainer's own WeightPusher (sessions, SGLang rank numbering, one payload per TP rank,
+    the API key) into a TP1 and a TP2 embedded server at once, over all three transports."""
+    from megarl.sync.push import WeightPusher
+    key = "k-" + os.urandom(8).hex()
+    d = str(tmp_path)
+    m = {k: make_tiny_hf_model(f"{d}/{k}", "qwen2", seed=i, std=0.3) for i, k in enumerate("ab")}
+    env = {"MEGARL_API_KEY": key}
+    s1 = ServerProcess(f"{d}/a", extra=["--weights-dir", f"{d}/w"], env=env)
+    s2 = ServerProcess(f"{d}/a", extra=["--tp-size", "2", "--weights-dir", f"{d}/w"], env=env)
+    try:
+        urls = [s1.wait_ready().url, s2.wait_ready().url]
+        for transport, src in [("distributed", "b"), ("tensor", "a"), ("disk", "b")]:
+            p = WeightPusher(urls, transport=transport, bucket_mb=0.03, server_tp_sizes=[1, 2], api_key=key,
+                             disk_dir=f"{d}/w/push", hf_config_dir=f"{d}/{src}", group_name=f"g_{transport}")
+            with p.session():
+                st = p.push(checkpoint_tensors(f"{d}/{src}"), weight_version=transport)
+            p.close()
+            assert st.buckets > 1 or transport == "disk"
+            for u in urls:
+                status, info = call(u, "/get_model_info", key=key)
+                assert status == 200 and info["weight_version"] == transport
+                for prompt in PROMPTS[:2]:
+                    out = generate(u, prompt, N, key=key)
+                    assert out["output_ids"] == hf_greedy(m[src], prompt), (transport, u)
+    finally:
+        s1.stop()
+        s2.stop()

@@ -144,6 +144,8 @@ class WeightReceiver:
         err = None
         try:
             box["named"], box["flat"] = _named_tensors(loads(serialized_named_tensors[self.comm.rank]), load_format)
+        except WeightRefused as e:
+            err = str(e)
         except Exception as e:  # noqa: BLE001 - reported through agree
             err = f"{type(e).__name__}: {e}"
         t1 = time.perf_counter()
