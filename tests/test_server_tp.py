@@ -174,6 +174,18 @@ def test_disk_update_on_every_rank(moe, tp2):
     assert_serves(tp2.url, m["c"])
 
 
+def test_release_and_resume_on_every_rank(moe, tp2):
+    d, m = moe
+    before = generate(tp2.url, PROMPTS[0])
+    assert call(tp2.url, "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    status, body = call(tp2.url, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}})
+    assert status == 400 and "memory released" in body["error"]["message"]
+    assert call(tp2.url, "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    after = generate(tp2.url, PROMPTS[0])
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+
+
 def _children(pid):
     return [c.pid for c in psutil.Process(pid).children(recursive=True)]
 
