@@ -216,11 +216,7 @@ def test_ranks_die_with_the_server(tmp_path):
     os.kill(kid, signal.SIGKILL)
     assert s.proc.wait(30) == 1
     assert "tp rank 1 exited" in s.host.log_tail(20000)
-    # a normal stop leaves nothing behind
-    s = ServerProcess(d, extra=["--tp-size", "2"]).wait_ready()
-    kids = _children(s.proc.pid)
-    s.stop()
-    assert _gone(kids)
+    # (a normal stop leaving nothing behind: test_megarl_pusher_drives_tp1_and_tp2_servers_with_a_key)
 
 
 def test_megarl_pusher_drives_tp1_and_tp2_servers_with_a_key(tmp_path):
@@ -248,6 +244,9 @@ def test_megarl_pusher_drives_tp1_and_tp2_servers_with_a_key(tmp_path):
                 for prompt in PROMPTS[:2]:
                     out = generate(u, prompt, N, key=key)
                     assert out["output_ids"] == hf_greedy(m[src], prompt), (transport, u)
+        kids = _children(s2.proc.pid)
+        assert len(kids) == 1
     finally:
         s1.stop()
         s2.stop()
+    assert _gone(kids)                 # a normal stop leaves no rank behind
