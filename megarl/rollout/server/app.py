@@ -1,13 +1,21 @@
-"""aiohttp app exposing the SGLang native API subset over the engine.
+"""aiohttp app exposing the SGLang native API subset over the engine (TP rank 0 only).
 
-Status codes follow sglang's http_server.py: weight endpoints answer
-`{"success": bool, "message": str}` with 200 / 400; `/health` is 200 only once the model is
-loaded (503 before); `/flush_cache` answers plain text.
+Status codes and bodies follow sglang 0.5.23's http_server.py: weight endpoints answer
+`{"success": bool, "message": str}` with 200 / 400 (`/update_weights_from_disk` adds
+`num_paused_requests`); `/health` is 200 only once the model is loaded (503 before);
+`/flush_cache` answers plain text; with an API key, every path but /health*, /ready*, /metrics*
+answers 401 `{"error": "Unauthorized"}` without `Authorization: Bearer <key>` (`auth.py`).
+
+Weight updates (`session.py`): `/update_weights_from_distributed` and `/update_weights_from_tensor`
+only inside a `/begin_weight_update` ... `/end_weight_update` session; the distributed request is
+checked (session, fields, layout, group) BEFORE any rank joins the broadcast, so a refusal is
+answered while the trainer is still free to abort. Weight ops are serialised (one at a time, as
+SGLang's model-update writer lock does) and run on the engine thread between decode steps, on
+every TP rank (`worker.ModelHandle`).
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 import uuid
@@ -15,28 +23,38 @@ from typing import Any, Dict, List, Optional
 
 from aiohttp import web
 
-from ..protocol import CHECKSUM_FIELD, OUTPUT_TOKEN_LOGPROBS  # noqa: F401
+from .auth import api_key_middleware
 from .engine import Engine, Request, Sampling
-from .weights import WeightReceiver, WeightRefused
+from .session import SessionError, SessionGate, applies_to_target, check_selector
+from .tp import RankFailure
+from .weights import receive_layout, resolve_disk_path
+from .worker import ModelHandle, RankWorker
 
 log = logging.getLogger("megarl.rollout.server")
 
 
 class ServerState:
-    def __init__(self, model_path: str, served_model_name: Optional[str] = None):
+    def __init__(self, model_path: str, served_model_name: Optional[str] = None, tp_size: int = 1,
+                 weights_dir: Optional[str] = None):
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path
+        self.tp_size = tp_size
+        self.weights_dir = weights_dir
         self.engine: Optional[Engine] = None
-        self.receiver: Optional[WeightReceiver] = None
+        self.handle: Optional[ModelHandle] = None
+        self.worker: Optional[RankWorker] = None     # rank 0's own worker (its groups, counters)
         self.tokenizer = None
         self.ready = False
         self.load_error: Optional[str] = None
-        # SGLang 0.5.23: distributed/tensor updates only inside begin_weight_update..end_weight_update
-        self.update_session_open = False
+        self.gate = SessionGate()
 
 
 def _json_error(status: int, msg: str) -> web.Response:
     return web.json_response({"error": {"message": msg, "code": status}}, status=status)
+
+
+def _result(success: bool, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
 
 
 async def _body(request: web.Request) -> Dict[str, Any]:
@@ -53,9 +71,10 @@ async def _body(request: web.Request) -> Dict[str, Any]:
     return {}
 
 
-def build_app(state: ServerState) -> web.Application:
-    app = web.Application(client_max_size=1 << 30)
+def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Application:
+    app = web.Application(client_max_size=1 << 30, middlewares=[api_key_middleware(api_key)])
     routes = web.RouteTableDef()
+    weights_lock = asyncio.Lock()     # one weight op / session change at a time
 
     def engine() -> Engine:
         if not state.ready or state.engine is None:
@@ -85,7 +104,9 @@ def build_app(state: ServerState) -> web.Application:
             "architectures": getattr(eng.model.cfg, "architectures", None),
             # megarl extras
             "megarl_engine": "embedded",
-            "megarl_num_weight_updates": state.receiver.num_updates,
+            "megarl_tp_size": state.tp_size,
+            "megarl_num_weight_updates": state.worker.receiver.num_updates,
+            "megarl_weight_sessions": state.gate.opened,
             "megarl_stats": dict(eng.stats),
         })
 
@@ -93,9 +114,10 @@ def build_app(state: ServerState) -> web.Application:
     @routes.get("/server_info")
     async def server_info(request):
         eng = engine()
-        return web.json_response({"model_path": state.model_path, "tp_size": 1, "max_running_requests": eng.max_running,
-                                  "context_length": eng.max_len, "device": str(eng.model.device),
-                                  "megarl_stats": dict(eng.stats), "version": "megarl-embedded"})
+        return web.json_response({"model_path": state.model_path, "tp_size": state.tp_size,
+                                  "max_running_requests": eng.max_running, "context_length": eng.max_len,
+                                  "device": str(eng.model.device), "megarl_stats": dict(eng.stats),
+                                  "version": "megarl-embedded"})
 
     @routes.route("*", "/generate")
     async def generate(request):
@@ -128,8 +150,6 @@ def build_app(state: ServerState) -> web.Application:
                     base = rid[i] if isinstance(rid, list) else (rid or uuid.uuid4().hex)
                     sub = f"{base}" if (n == 1 and not batched) else f"{base}-{i}-{j}"
                     reqs.append(Request(input_ids=[int(t) for t in p], sampling=samp, return_logprob=bool(r), rid=sub))
-            if any(len(q.input_ids) + q.sampling.max_new_tokens > eng.max_len for q in reqs):
-                pass  # generation stops at context length with finish_reason length
             futs = []
             for q in reqs:
                 if q.sampling.max_new_tokens == 0:
@@ -152,136 +172,145 @@ def build_app(state: ServerState) -> web.Application:
             return web.json_response(outs[0])
         return web.json_response(outs)
 
-    executors: Dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-
-    def _executor(group: str) -> concurrent.futures.ThreadPoolExecutor:
-        # one thread per weight-update group: a group's ops run in arrival order; different
-        # groups (trainer senders) proceed concurrently.
-        if group not in executors:
-            executors[group] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weights-{group}")
-        return executors[group]
-
-    async def _weights_op(group: str, fn, *args, apply: bool = True):
-        """Receive + verify on the group's thread, then (if `apply`) swap in on the engine thread."""
+    # ------------------------------------------------------------------ weights
+    async def _on_ranks(op: str, *args: Any) -> Any:
+        """Run weight op `op` on every TP rank (engine thread, between steps). Returns its result;
+        a (message, timings) result gets `handoff_s` (the wait for the engine thread)."""
         eng = engine()
-        loop = asyncio.get_running_loop()
-        timings: Dict[str, float] = {}
+        t_submit = time.perf_counter()
+
+        def run():
+            t_start = time.perf_counter()
+            res = state.handle.weights(op, *args)
+            if isinstance(res, tuple):
+                msg, timings = res
+                return msg, dict(timings, handoff_s=t_start - t_submit)
+            return res
+        return await asyncio.wrap_future(eng.control(run))
+
+    async def _update(op: str, args: tuple, body: Dict[str, Any], extra: Optional[dict] = None) -> web.Response:
+        """Dispatch an update already checked on rank 0; map the outcome to SGLang's answer."""
+        extra = extra or {}
         try:
-            res = await loop.run_in_executor(_executor(group), lambda: fn(*args))
-            if apply:
-                pairs, msg, received = res
-                timings.update(received)
-                t_post = time.perf_counter()
-
-                def _apply():
-                    t = time.perf_counter()
-                    state.receiver.apply(pairs)
-                    return t - t_post, time.perf_counter() - t
-                # handoff_s: waiting for the engine thread (immediate when idle, one step when decoding)
-                timings["handoff_s"], timings["apply_s"] = await asyncio.wrap_future(eng.control(_apply))
-            else:
-                msg = res
-        except WeightRefused as e:
-            log.warning("weight update refused: %s", e)
-            return web.json_response({"success": False, "message": f"refused, old weights kept: {e}"}, status=400)
-        except Exception as e:
-            log.exception("weight op failed")
-            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
-        body = {"success": True, "message": msg}
-        if timings:
-            body["megarl_timings"] = timings   # megarl extension: seconds per phase of this update
-        return web.json_response(body)
-
-    def _session_refusal(endpoint: str) -> Optional[web.Response]:
-        """SGLang's answer to an update outside a session (given before any broadcast is joined)."""
-        if state.update_session_open:
-            return None
-        return web.json_response({"success": False, "message": f"{endpoint} must run between "
-                                  "begin_weight_update() and end_weight_update()"}, status=400)
+            msg, timings = await _on_ranks(op, *args)
+        except RankFailure as e:
+            return _result(False, str(e), **extra)
+        except Exception as e:  # noqa: BLE001 - an unexpected failure: report it, do not crash the server
+            log.exception("weight op %s failed", op)
+            return _result(False, f"{type(e).__name__}: {e}", **extra)
+        state.gate.loaded()
+        if body.get("weight_version") is not None:
+            state.engine.weight_version = str(body["weight_version"])
+            msg += f" Weight version updated to {body['weight_version']}."
+        return web.json_response({"success": True, "message": msg, **extra,
+                                  "megarl_timings": timings})   # megarl extension: seconds per phase
 
     @routes.post("/begin_weight_update")
-    async def begin_weight_update(request):
+    async def begin(request):
         engine()
-        await _body(request)
-        if state.update_session_open:
-            return web.json_response({"success": False, "message": "a weight-update session is already open; "
-                                      "call end_weight_update() first"}, status=400)
-        state.update_session_open = True
-        return web.json_response({"success": True, "message": "Success"})
+        b = await _body(request)
+        async with weights_lock:
+            try:
+                return _result(True, state.gate.begin(b.get("selector")))
+            except SessionError as e:
+                return _result(False, str(e))
 
     @routes.post("/end_weight_update")
-    async def end_weight_update(request):
+    async def end(request):
         engine()
         await _body(request)
-        if not state.update_session_open:
-            return web.json_response({"success": False, "message": "no weight-update session is open; "
-                                      "call begin_weight_update() first"}, status=400)
-        state.update_session_open = False
-        return web.json_response({"success": True, "message": "Success"})
+        async with weights_lock:
+            try:
+                return _result(True, state.gate.end())
+            except SessionError as e:
+                return _result(False, str(e))
 
     @routes.post("/init_weights_update_group")
     async def init_group(request):
+        engine()
         b = await _body(request)
         try:
-            args = (b["master_address"], int(b["master_port"]), int(b["rank_offset"]), int(b["world_size"]),
-                    b.get("group_name", "weight_update_group"), b.get("backend", "nccl"))
+            args = (str(b["master_address"]), int(b["master_port"]), int(b["rank_offset"]), int(b["world_size"]),
+                    str(b.get("group_name", "weight_update_group")), str(b.get("backend", "nccl")))
         except KeyError as e:
-            return web.json_response({"success": False, "message": f"missing field {e}"}, status=400)
-        # Rendezvous blocks until the trainer joins: it runs on the group's thread, so the event
-        # loop keeps serving /health and the engine keeps decoding.
-        return await _weights_op(args[4], state.receiver.init_group, *args, apply=False)
+            return _result(False, f"missing field {e}")
+        except (TypeError, ValueError) as e:
+            return _result(False, f"invalid field: {e}")
+        # The rendezvous blocks until the trainer joins (it does so right after posting this).
+        try:
+            return _result(True, await _on_ranks("init_group", *args))
+        except RankFailure as e:
+            return _result(False, str(e))
 
     @routes.post("/destroy_weights_update_group")
     async def destroy_group(request):
+        engine()
         b = await _body(request)
-        g = b.get("group_name", "weight_update_group")
-        return await _weights_op(g, state.receiver.destroy_group, g, apply=False)
-
-    def _bump_version(b):
-        if b.get("weight_version") is not None:
-            state.engine.weight_version = str(b["weight_version"])
+        try:
+            return _result(True, await _on_ranks("destroy_group", str(b.get("group_name", "weight_update_group"))))
+        except RankFailure as e:
+            return _result(False, str(e))
 
     @routes.post("/update_weights_from_distributed")
     async def upd_dist(request):
+        engine()
         b = await _body(request)
-        for k in ("names", "dtypes", "shapes"):
-            if k not in b:
-                return web.json_response({"success": False, "message": f"missing field {k}"}, status=400)
-        refused = _session_refusal("update_weights_from_distributed")
-        if refused is not None:
-            return refused
-        resp = await _weights_op(b.get("group_name", "weight_update_group"), state.receiver.from_distributed, b["names"], b["dtypes"], b["shapes"],
-                                 b.get("group_name", "weight_update_group"), b.get("load_format"),
-                                 b.get(CHECKSUM_FIELD))
-        if resp.status == 200:
-            _bump_version(b)
-        return resp
+        async with weights_lock:
+            # every check that can refuse happens before any rank joins the broadcast: here, and
+            # for the group on each rank before its receive (`WeightReceiver.from_distributed`)
+            try:
+                state.gate.require("update_weights_from_distributed")
+                for k in ("names", "dtypes", "shapes"):
+                    if k not in b:
+                        raise ValueError(f"missing field {k}")
+                selector = check_selector(b.get("selector"))
+                group = str(b.get("group_name", "weight_update_group"))
+                receive_layout(b["names"], b["dtypes"], b["shapes"])
+                # (the group is checked on the engine thread, in arrival order after its init)
+            except SessionError as e:
+                return _result(False, str(e))
+            except (ValueError, TypeError) as e:
+                return _result(False, f"Failed to receive weights: {e}")
+            load = applies_to_target(selector)
+            args = (b["names"], b["dtypes"], b["shapes"], group, b.get("load_format"), b.get("megarl_checksums"), load)
+            return await _update("update_from_distributed", args, b)
 
     @routes.post("/update_weights_from_tensor")
     async def upd_tensor(request):
+        engine()
         b = await _body(request)
-        if "serialized_named_tensors" not in b:
-            return web.json_response({"success": False, "message": "missing field serialized_named_tensors"}, status=400)
-        refused = _session_refusal("update_weights_from_tensor")
-        if refused is not None:
-            return refused
-        resp = await _weights_op("__tensor__", state.receiver.from_tensor, b["serialized_named_tensors"], b.get("load_format"),
-                                 b.get(CHECKSUM_FIELD))
-        if resp.status == 200:
-            _bump_version(b)
-        return resp
+        async with weights_lock:
+            try:
+                state.gate.require("update_weights_from_tensor")
+                payloads = b.get("serialized_named_tensors")
+                if not isinstance(payloads, list):
+                    raise ValueError("missing field serialized_named_tensors (a list, one payload per TP rank)")
+                if len(payloads) < state.tp_size:
+                    raise ValueError(f"serialized_named_tensors has {len(payloads)} payload(s) but this server has "
+                                     f"{state.tp_size} TP ranks: send one per TP rank (rank r reads entry r)")
+                selector = check_selector(b.get("selector"))
+            except SessionError as e:
+                return _result(False, str(e))
+            except ValueError as e:
+                return _result(False, str(e))
+            load = applies_to_target(selector)
+            args = (payloads, b.get("load_format"), b.get("megarl_checksums"), load)
+            return await _update("update_from_tensor", args, b)
 
     @routes.post("/update_weights_from_disk")
     async def upd_disk(request):
+        engine()
         b = await _body(request)
-        if "model_path" not in b:
-            return web.json_response({"success": False, "message": "missing field model_path"}, status=400)
-        resp = await _weights_op("__disk__", state.receiver.from_disk, b["model_path"])
-        if resp.status == 200:
-            _bump_version(b)
-        data = {"success": resp.status == 200, "message": _msg(resp), "num_paused_requests": 0}
-        return web.json_response(data, status=resp.status)
+        async with weights_lock:
+            if "model_path" not in b:
+                return _result(False, "missing field model_path", num_paused_requests=0)
+            try:
+                path = resolve_disk_path(str(b["model_path"]), state.weights_dir)
+            except ValueError as e:
+                return _result(False, str(e), num_paused_requests=0)
+            return await _update("update_from_disk", (path,), b, {"num_paused_requests": 0})
 
+    # ------------------------------------------------------------------ cache / memory
     @routes.route("*", "/flush_cache")
     async def flush_cache(request):
         engine()
@@ -299,8 +328,7 @@ def build_app(state: ServerState) -> web.Application:
             if "kv_cache" in tags:
                 eng.model.free_cache()
             if "weights" in tags and eng.model.device.type == "cuda":
-                for k, t in eng.model.params.items():
-                    eng.model.params[k] = t.to("cpu", non_blocking=False)
+                eng.model.offload_weights()
             eng.released.update(tags)
             return "released " + ",".join(tags)
         try:
@@ -316,9 +344,8 @@ def build_app(state: ServerState) -> web.Application:
         tags = b.get("tags") or ["weights", "kv_cache"]
 
         def op():
-            if "weights" in tags and "weights" in eng.released:
-                for k, t in eng.model.params.items():
-                    eng.model.params[k] = t.to(eng.model.device)
+            if "weights" in tags and "weights" in eng.released and eng.model.device.type == "cuda":
+                eng.model.reload_weights()
             if "kv_cache" in tags and "kv_cache" in eng.released:
                 eng.model.alloc_cache(eng.max_running, eng.max_len)
             eng.released.difference_update(tags)
@@ -329,11 +356,3 @@ def build_app(state: ServerState) -> web.Application:
     app.add_routes(routes)
     app["state"] = state
     return app
-
-
-def _msg(resp: web.Response) -> str:
-    import json
-    try:
-        return json.loads(resp.body)["message"]
-    except Exception:
-        return ""

@@ -21,11 +21,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
 
 import torch
 
 from .model import DecoderModel
+
+if TYPE_CHECKING:
+    from .worker import ModelHandle
 
 log = logging.getLogger("megarl.rollout.engine")
 
@@ -166,7 +169,10 @@ def sample(logits: torch.Tensor, reqs: List[Request], default_gen: torch.Generat
 
 
 class Engine:
-    def __init__(self, model: DecoderModel, max_running: int = 32, max_len: int = 2048,
+    """The scheduler loop. `model` is a `DecoderModel` (tests) or, in the server, a
+    `worker.ModelHandle` whose every call runs on all TP ranks."""
+
+    def __init__(self, model: Union[DecoderModel, "ModelHandle"], max_running: int = 32, max_len: int = 2048,
                  max_prefill_tokens: int = 8192, seed: int = 0):
         self.model = model
         self.max_running = max_running

@@ -9,6 +9,11 @@ KV cache: slot-based and preallocated: per layer `k`, `v` of shape
 [max_slots, kv_heads, max_len, head_dim].  A request owns one slot for its lifetime.
 Attention runs through `scaled_dot_product_attention` with an explicit mask, in the model dtype
 (fp32 on CPU by default); logits are returned in fp32.
+
+Tensor parallel (`tp_size` > 1, see `shard.py`): this object is ONE rank's part of the model --
+its heads, its slice of the MLP / experts, its kv heads in the cache; `all_reduce` sums the
+row-parallel partial outputs over the ranks. Every rank runs the same calls in the same order
+(`tp.py`); only rank 0 computes logits (the head is replicated, so the others skip it).
 """
 from __future__ import annotations
 
@@ -16,10 +21,12 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from .shard import local_part, local_shape
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
@@ -121,16 +128,25 @@ _EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_pr
 
 
 class DecoderModel:
-    """Weights by HF name + a forward over a slot KV cache."""
+    """Weights by HF name + a forward over a slot KV cache (one TP rank's part of them)."""
 
-    def __init__(self, hf_config, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, hf_config, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 tp_rank: int = 0, tp_size: int = 1,
+                 all_reduce: Optional[Callable[[torch.Tensor], None]] = None):
         self.cfg = hf_config
         self.spec = s = Spec.from_hf_config(hf_config)
         self.device = torch.device(device)
         self.dtype = dtype
+        if tp_size > 1 and all_reduce is None:
+            raise ValueError("tp_size > 1 needs an all_reduce")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._all_reduce = all_reduce
+        # this rank's query / kv heads
+        self.nh, self.nkv = s.num_heads // tp_size, s.num_kv_heads // tp_size
         inv, self.rope_scale = rope_inv_freq(hf_config, s.head_dim)
         self.inv_freq = inv.to(self.device)
         self.params: Dict[str, torch.Tensor] = {}
+        self.full_shapes = self._shapes()   # internal name -> FULL shape (as in the HF checkpoint)
         self._alloc()
         self.k_cache: List[torch.Tensor] = []
         self.v_cache: List[torch.Tensor] = []
@@ -138,7 +154,9 @@ class DecoderModel:
         self.max_len = 0
         # CUDA graphs for decode (CUDA only): one graph per (batch bucket, kv-length bucket),
         # captured lazily; dropped whenever the cache or the parameter tensors are replaced.
-        self.use_cuda_graphs = self.device.type == "cuda" and os.environ.get("MEGARL_CUDA_GRAPHS", "1") != "0"
+        # (not with TP: the all-reduce would have to be captured in the graph on every rank)
+        self.use_cuda_graphs = (self.device.type == "cuda" and tp_size == 1
+                                and os.environ.get("MEGARL_CUDA_GRAPHS", "1") != "0")
         self._graphs: Dict[Tuple[int, int], tuple] = {}
         self._graph_pool = None
         self._graph_io = None
@@ -185,25 +203,37 @@ class DecoderModel:
         return out
 
     def _alloc(self):
-        for n, shp in self._shapes().items():
-            self.params[n] = torch.zeros(shp, device=self.device, dtype=self.dtype)
+        for n, shp in self.full_shapes.items():
+            self.params[n] = torch.zeros(local_shape(n, shp, self.tp_rank, self.tp_size),
+                                         device=self.device, dtype=self.dtype)
 
     def hf_names(self) -> Dict[str, Tuple[int, ...]]:
-        """Every HF checkpoint name this model accepts, with its shape (experts expanded)."""
+        """Every HF checkpoint name this model accepts, with its FULL shape (experts expanded)."""
         out = {}
-        for n, t in self.params.items():
+        for n, shp in self.full_shapes.items():
             if n.endswith(("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")):
                 base, proj = n.rsplit(".", 1)
-                for e in range(t.shape[0]):
-                    out[f"{base}.{e}.{proj}.weight"] = tuple(t.shape[1:])
+                for e in range(shp[0]):
+                    out[f"{base}.{e}.{proj}.weight"] = tuple(shp[1:])
             else:
-                out[n] = tuple(t.shape)
+                out[n] = tuple(shp)
         return out
 
+    def hf_shape(self, name: str) -> Optional[Tuple[int, ...]]:
+        """Full HF shape of checkpoint name `name`, or None if the model has no such weight."""
+        shp = self.full_shapes.get(name)
+        if shp is not None:
+            return tuple(shp)
+        m = _EXPERT_RE.match(name)
+        if m:
+            stacked = self.full_shapes.get(f"{m.group(1)}.{m.group(4)}")
+            if stacked is not None and int(m.group(3)) < stacked[0]:
+                return tuple(stacked[1:])
+        return None
+
     def target(self, name: str) -> Optional[torch.Tensor]:
-        """The tensor (a view for one expert) that HF name `name` loads into, or None if unknown.
-        `lm_head.weight` of a tied model maps to the embedding (sglang skips it; so do we: None
-        is returned only for truly unknown names -- see `is_ignored`)."""
+        """This rank's tensor (a view for one expert) that HF name `name` loads into, or None if
+        unknown. `lm_head.weight` of a tied model is skipped, as sglang does (`is_ignored`)."""
         t = self.params.get(name)
         if t is not None:
             return t
@@ -215,25 +245,55 @@ class DecoderModel:
                 return stacked[e]
         return None
 
+    def place(self, name: str, full: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(destination on this rank, the slice of the full HF tensor `full` that goes there)."""
+        dst = self.target(name)
+        if dst is None:
+            raise KeyError(f"unknown weight name {name!r}")
+        return dst, local_part(name, full, self.tp_rank, self.tp_size)
+
     def is_ignored(self, name: str) -> bool:
         return self.spec.tie_word_embeddings and name == "lm_head.weight"
 
     def load_state(self, named: Iterable[Tuple[str, torch.Tensor]], strict: bool = True) -> List[str]:
-        """Copy HF-named tensors in (no verification beyond name and shape); returns names seen."""
+        """Copy full HF-named tensors in, keeping this rank's slice (no verification beyond name
+        and shape); returns the names seen."""
         seen = []
         for name, t in named:
             if self.is_ignored(name):
                 continue
-            dst = self.target(name)
-            if dst is None:
+            shp = self.hf_shape(name)
+            if shp is None:
                 if strict:
                     raise KeyError(f"unknown weight name {name!r}")
                 continue
-            if tuple(dst.shape) != tuple(t.shape):
-                raise ValueError(f"shape mismatch for {name}: got {tuple(t.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+            if shp != tuple(t.shape):
+                raise ValueError(f"shape mismatch for {name}: got {tuple(t.shape)}, expected {shp}")
+            dst, src = self.place(name, t)
+            dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
             seen.append(name)
         return seen
+
+    def init_dummy(self, seed: int) -> None:
+        """Random weights (sglang's `--load-format dummy`), the same full tensors on every rank
+        whatever the TP size (each rank keeps its slice), so a TP-N dummy server equals TP-1."""
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        for name, shp in sorted(self.hf_names().items()):
+            full = torch.empty(shp, dtype=torch.float32, device=self.device)
+            full.normal_(0.0, 0.02, generator=g) if len(shp) > 1 else full.fill_(1.0)
+            self.load_state([(name, full)])
+
+    def offload_weights(self) -> None:
+        """Move the weights to host memory (`/release_memory_occupation` of "weights")."""
+        for k, t in self.params.items():
+            self.params[k] = t.to("cpu")
+        self._graphs, self._graph_io, self._graph_pool = {}, None, None
+
+    def reload_weights(self) -> None:
+        """Back onto the serving device (`/resume_memory_occupation`)."""
+        for k, t in self.params.items():
+            self.params[k] = t.to(self.device)
+        self._graphs, self._graph_io, self._graph_pool = {}, None, None
 
     def load_hf_dir(self, path: str):
         from safetensors import safe_open
@@ -255,7 +315,7 @@ class DecoderModel:
         self._graphs, self._graph_io, self._graph_pool = {}, None, None
         # with CUDA graphs one extra scratch slot takes the padding rows of a bucketed batch
         extra = 1 if self.use_cuda_graphs else 0
-        shp = (max_slots + extra, s.num_kv_heads, max_len, s.head_dim)
+        shp = (max_slots + extra, self.nkv, max_len, s.head_dim)
         self.k_cache = [torch.zeros(shp, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
         self.v_cache = [torch.zeros(shp, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
         self.max_slots, self.max_len = max_slots, max_len
@@ -282,7 +342,7 @@ class DecoderModel:
         if i not in self.spec.moe_layers:
             g = F.linear(x, P[p + "gate_proj.weight"], P.get(p + "gate_proj.bias"))
             u = F.linear(x, P[p + "up_proj.weight"], P.get(p + "up_proj.bias"))
-            return F.linear(F.silu(g) * u, P[p + "down_proj.weight"], P.get(p + "down_proj.bias"))
+            return self._row_parallel_out(F.linear(F.silu(g) * u, P[p + "down_proj.weight"]), P.get(p + "down_proj.bias"))
         s = self.spec
         shp = x.shape
         h = x.reshape(-1, shp[-1])
@@ -299,17 +359,25 @@ class DecoderModel:
             xe = h[tok]
             ye = F.linear(F.silu(F.linear(xe, gp[e])) * F.linear(xe, up[e]), dp[e])
             out.index_add_(0, tok, ye * w[tok, slot, None])
-        return out.reshape(shp)
+        return self._row_parallel_out(out, None).reshape(shp)
+
+    def _row_parallel_out(self, y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """Finish a row-parallel layer: sum the ranks' partial outputs, then add the bias once."""
+        if self.tp_size > 1:
+            y = y.contiguous()
+            self._all_reduce(y)
+        return y if bias is None else y + bias
 
     def _layer(self, i: int, x, cos, sin, slots, pos, attn_mask, prefill_lens=None, Lm: Optional[int] = None):
         s = self.spec
         P = self.params
         p = f"model.layers.{i}.self_attn."
         B, T, _ = x.shape
+        nh, nkv = self.nh, self.nkv
         h = _rms(x, P[f"model.layers.{i}.input_layernorm.weight"], s.rms_norm_eps)
-        q = F.linear(h, P[p + "q_proj.weight"], P.get(p + "q_proj.bias")).view(B, T, s.num_heads, s.head_dim).transpose(1, 2)
-        k = F.linear(h, P[p + "k_proj.weight"], P.get(p + "k_proj.bias")).view(B, T, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        v = F.linear(h, P[p + "v_proj.weight"], P.get(p + "v_proj.bias")).view(B, T, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        q = F.linear(h, P[p + "q_proj.weight"], P.get(p + "q_proj.bias")).view(B, T, nh, s.head_dim).transpose(1, 2)
+        k = F.linear(h, P[p + "k_proj.weight"], P.get(p + "k_proj.bias")).view(B, T, nkv, s.head_dim).transpose(1, 2)
+        v = F.linear(h, P[p + "v_proj.weight"], P.get(p + "v_proj.bias")).view(B, T, nkv, s.head_dim).transpose(1, 2)
         if s.qk_norm:
             q = _rms(q, P[p + "q_norm.weight"], s.rms_norm_eps)
             k = _rms(k, P[p + "k_norm.weight"], s.rms_norm_eps)
@@ -331,35 +399,37 @@ class DecoderModel:
                 Lm = int(pos.max().item()) + 1
             kk = kc[slots, :, :Lm]
             vv = vc[slots, :, :Lm]
-        if prefill_lens is None and s.num_kv_heads != s.num_heads:
+        if prefill_lens is None and nkv != nh:
             # decode (T == 1), GQA: fold each kv head's query group into the query-length axis
             # instead of repeating K/V (q head j uses kv head j // rep, as repeat_interleave does)
-            rep = s.num_heads // s.num_kv_heads
-            qg = q.reshape(B, s.num_kv_heads, rep, s.head_dim)
+            rep = nh // nkv
+            qg = q.reshape(B, nkv, rep, s.head_dim)
             a = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=1.0 / math.sqrt(s.head_dim))
-            a = a.reshape(B, s.num_heads * s.head_dim)[:, None]
-            x = x + F.linear(a, P[p + "o_proj.weight"], P.get(p + "o_proj.bias"))
+            a = a.reshape(B, nh * s.head_dim)[:, None]
+            x = x + self._row_parallel_out(F.linear(a, P[p + "o_proj.weight"]), P.get(p + "o_proj.bias"))
             h = _rms(x, P[f"model.layers.{i}.post_attention_layernorm.weight"], s.rms_norm_eps)
             return x + self._mlp(i, h)
-        if s.num_kv_heads != s.num_heads:
-            rep = s.num_heads // s.num_kv_heads
+        if nkv != nh:
+            rep = nh // nkv
             kk = kk.repeat_interleave(rep, dim=1)
             vv = vv.repeat_interleave(rep, dim=1)
         a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, scale=1.0 / math.sqrt(s.head_dim))
-        a = a.transpose(1, 2).reshape(B, T, s.num_heads * s.head_dim)
-        x = x + F.linear(a, P[p + "o_proj.weight"], P.get(p + "o_proj.bias"))
+        a = a.transpose(1, 2).reshape(B, T, nh * s.head_dim)
+        x = x + self._row_parallel_out(F.linear(a, P[p + "o_proj.weight"]), P.get(p + "o_proj.bias"))
         h = _rms(x, P[f"model.layers.{i}.post_attention_layernorm.weight"], s.rms_norm_eps)
         return x + self._mlp(i, h)
 
-    def _head(self, x):
+    def _head(self, x) -> Optional[torch.Tensor]:
+        if self.tp_rank != 0:
+            return None   # the head is replicated: only rank 0 (which samples) computes logits
         x = _rms(x, self.params["model.norm.weight"], self.spec.rms_norm_eps)
         w = self.params["model.embed_tokens.weight"] if self.spec.tie_word_embeddings else self.params["lm_head.weight"]
         return F.linear(x, w).float()
 
     @torch.inference_mode()
-    def prefill(self, seqs: List[List[int]], slots: List[int]) -> torch.Tensor:
+    def prefill(self, seqs: List[List[int]], slots: List[int]) -> Optional[torch.Tensor]:
         """Run prompts (right-padded into one batch) and fill their slots; fp32 logits [B, V] of
-        each prompt's last position."""
+        each prompt's last position (None on TP ranks > 0)."""
         B = len(seqs)
         lens = [len(q) for q in seqs]
         T = max(lens)
@@ -377,9 +447,9 @@ class DecoderModel:
         return self._head(last)
 
     @torch.inference_mode()
-    def decode(self, tokens: List[int], slots: List[int], positions: List[int]) -> torch.Tensor:
+    def decode(self, tokens: List[int], slots: List[int], positions: List[int]) -> Optional[torch.Tensor]:
         """One step for B running requests: token b sits at positions[b] of slot slots[b].
-        Returns fp32 logits [B, V]."""
+        Returns fp32 logits [B, V] (None on TP ranks > 0)."""
         if self.use_cuda_graphs and not self.spec.moe_layers:
             return self._decode_graphed(tokens, slots, positions)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
@@ -437,9 +507,9 @@ class DecoderModel:
         return out[:B].clone()
 
     @torch.inference_mode()
-    def forward_full(self, ids: List[int]) -> torch.Tensor:
+    def forward_full(self, ids: List[int]) -> Optional[torch.Tensor]:
         """Logits [T, V] over a whole sequence without touching running slots (uses slot 0 of a
-        private 1-slot cache).  For tests and prompt logprobs."""
+        private 1-slot cache; None on TP ranks > 0).  For tests and prompt logprobs."""
         saved = (self.k_cache, self.v_cache, self.max_slots, self.max_len)
         try:
             self.alloc_cache(1, len(ids))

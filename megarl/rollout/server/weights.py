@@ -1,95 +1,234 @@
-"""Server side of weight updates: receive, verify, then swap -- or refuse and keep the old weights.
+"""One TP rank's side of weight updates: receive full HF tensors, verify, agree, keep the shard.
 
-Receiving and verifying run on a per-group worker thread (so decoding goes on while a bucket
-arrives, and several trainer senders -- one group each, e.g. one per PP stage / EP rank -- can
-stream at once without waiting on each other); only `apply` (the copy into the live parameters)
-runs on the engine thread between decode steps (`Engine.control`).
-Verification happens before a single parameter is touched:
-  * every name must be a weight of the served model (tied `lm_head.weight` is skipped, as sglang
-    does), every shape must match, the dtype must be a float dtype (cast to the model dtype);
-  * the bucket checksum (megarl extension field `megarl_checksums`) must match the received bytes;
-  * every value must be finite: ONE fp32-accumulated sum over the whole bucket (one host sync),
-    and only when that is not finite a per-tensor pass to name the offending tensors.
-`from_*` return (pairs, message, timings): receive_s / verify_s wall seconds, for the answer's
-`megarl_timings`; `apply` synchronizes the device, so once the answer is sent the trainer may
-overwrite the memory it shared (CUDA IPC) with the next bucket.
+Every op runs on every TP rank at once (called in lockstep, `tp.py`), on the rank's only
+compute thread (rank 0: the engine thread, between decode steps), as SGLang's scheduler does:
+  1. receive the FULL tensors -- distributed: join the trainer's broadcast as rank
+     `rank_offset + tp_rank`; tensor: unpickle `serialized_named_tensors[tp_rank]` (exact
+     allowlist, `unpickle.py`); disk: read the safetensors files under `--weights-dir`;
+  2. verify them, before a single parameter is touched:
+       * every name must be a weight of the served model (tied `lm_head.weight` is skipped, as
+         sglang does), every shape the FULL HF shape, the dtype a float dtype (cast on copy);
+       * the bucket checksum (megarl extension field `megarl_checksums`) must match the bytes;
+       * every value must be finite: ONE fp32-accumulated sum over the whole bucket (one host
+         sync), and only when that is not finite a per-tensor pass to name the offenders;
+  3. agree: every rank's verdict goes to every rank (`TPComm.agree`); if any rank refused, all
+     refuse (`WeightRefused`, old weights kept everywhere) -- an update lands on all ranks or none;
+  4. apply: copy this rank's slice of each tensor into its parameters, then synchronize the
+     device (the sender may reuse the memory it shared once the answer is sent).
+Results: (message, timings) with receive_s / verify_s / apply_s for the answer's `megarl_timings`.
 """
 from __future__ import annotations
 
-import base64
-import io
+import json
 import logging
 import os
-import pickle
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megarl.sync.bucket import BucketMeta, checksum, dtype_from_name
+from megarl.sync.bucket import checksum, dtype_from_name
 from megarl.sync.groups import destroy_group, init_custom_process_group, tcp
+from megarl.sync.wire import FlattenedTensorMetadata
 
 from .model import DecoderModel
+from .tp import RankFailure, TPComm, combine_errors
+from .unpickle import loads
 
 log = logging.getLogger("megarl.rollout.weights")
 
-# what a from_* receive returns: verified (destination, source) pairs, a message, timings
-Received = Tuple[List[Tuple[torch.Tensor, torch.Tensor]], str, Dict[str, float]]
+FLATTENED_BUCKET = "flattened_bucket"
+Pairs = List[Tuple[torch.Tensor, torch.Tensor]]       # (destination slice, source slice)
+Done = Tuple[str, Dict[str, float]]                  # (message, timings)
 
 
-class WeightRefused(ValueError):
-    """A weight update that failed verification; the served weights are unchanged."""
+class WeightRefused(RankFailure):
+    """A weight update that failed verification on some rank; served weights unchanged on all."""
+
+
+def resolve_disk_path(model_path: str, weights_dir: Optional[str]) -> str:
+    """The realpath of `model_path` if it is `weights_dir` or below it; else ValueError naming the
+    path and the allowed dir. Without `weights_dir`, disk updates are off."""
+    if not weights_dir:
+        raise ValueError("update_weights_from_disk is disabled on this server: start it with --weights-dir DIR "
+                         "to allow loading weights from under DIR")
+    allowed = os.path.realpath(weights_dir)
+    real = os.path.realpath(model_path)
+    if os.path.commonpath([allowed, real]) != allowed:
+        raise ValueError(f"model_path {model_path!r} (resolved {real}) is outside the allowed weights dir {allowed} "
+                         f"(--weights-dir)")
+    return real
 
 
 class WeightReceiver:
-    def __init__(self, model: DecoderModel, weights_dir: Optional[str] = None):
+    """Update groups and the three receive paths of one TP rank (see module doc)."""
+
+    def __init__(self, model: DecoderModel, comm: Optional[TPComm] = None, weights_dir: Optional[str] = None):
         self.model = model
-        # /update_weights_from_disk reads only below this folder (a path from the network must not
-        # pick any file on the host)
-        self.weights_dir = os.path.realpath(weights_dir) if weights_dir else None
-        self.groups: Dict[str, object] = {}
+        self.comm = comm or TPComm()
+        self.weights_dir = weights_dir
+        self.groups: Dict[str, Any] = {}
         self.num_updates = 0
 
     # ------------------------------------------------------------------ groups
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str = "weight_update_group", backend: str = "nccl") -> str:
+        """Join `group_name` as rank `rank_offset + tp_rank` of `world_size` (SGLang's numbering)."""
         if backend == "nccl" and self.model.device.type != "cuda":
             backend = "gloo"  # embedded server on CPU: the trainer must use gloo too
-        if group_name in self.groups:
-            destroy_group(self.groups.pop(group_name))
-        self.groups[group_name] = init_custom_process_group(
-            backend, tcp(master_address, int(master_port)), int(world_size), int(rank_offset), group_name)
-        return f"joined group {group_name} as rank {rank_offset} of {world_size} ({backend})"
+        rank = int(rank_offset) + self.comm.rank
+        err = None
+        try:
+            if group_name in self.groups:
+                destroy_group(self.groups.pop(group_name))
+            self.groups[group_name] = init_custom_process_group(
+                backend, tcp(master_address, int(master_port)), int(world_size), rank, group_name)
+        except Exception as e:  # noqa: BLE001 - reported through agree
+            err = f"{type(e).__name__}: {e}"
+        errors = self.comm.agree(err)
+        if any(errors):
+            if group_name in self.groups:
+                destroy_group(self.groups.pop(group_name))
+            raise RankFailure(f"Failed to initialize custom process group: {combine_errors(errors)}.")
+        first = int(rank_offset)
+        ranks = f"rank {first}" if self.comm.size == 1 else f"ranks {first}..{first + self.comm.size - 1}"
+        return f"joined group {group_name} as {ranks} of {world_size} ({backend})"
 
     def destroy_group(self, group_name: str) -> str:
         if group_name not in self.groups:
-            raise KeyError(f"no group {group_name}")
+            raise RankFailure("The group to be destroyed does not exist.")
         destroy_group(self.groups.pop(group_name))
-        return f"destroyed {group_name}"
+        return "Succeeded to destroy custom process group."
 
-    # ------------------------------------------------------------------ verify + swap
-    def _check(self, named: Sequence[Tuple[str, torch.Tensor]],
-               flat: Optional[torch.Tensor] = None) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """Verify names/shapes/dtypes/finiteness; `flat` = the uint8 bucket all tensors are views of
-        (lets the finiteness check run as one reduction over the whole bucket)."""
-        pairs = []
+    # ------------------------------------------------------------------ the three receive paths
+    def from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
+                         group_name: str = "weight_update_group", load_format: Optional[str] = None,
+                         checksums: Optional[List[str]] = None, load: bool = True) -> Done:
+        """Receive one broadcast (rank 0 checked the request before we got here, every rank checks
+        the group, so all ranks join it or none does), then verify / agree / apply.
+        `load=False`: receive only (selector "draft": no draft model here)."""
+        if group_name not in self.groups:
+            # the same on every rank (groups are joined in lockstep): refused before any broadcast
+            raise RankFailure(f"Failed to receive weights: Group {group_name} not in {sorted(self.groups)}. "
+                              f"Please call `init_weights_update_group` first.")
+        t0 = time.perf_counter()
+        layout = receive_layout(names, dtypes, shapes)
+        nbytes = layout[-1][4] if layout else 0
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.model.device)
+        named = [(n, flat[a:b].view(dt).view(shp)) for n, dt, shp, a, b in layout]
+        pg = self.groups[group_name]
+        if load_format == FLATTENED_BUCKET:
+            dist.broadcast(flat, src=0, group=pg)
+        else:
+            # sglang's default wire format: one broadcast per tensor, in order
+            handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in named]
+            for h in handles:
+                h.wait()
+        if flat.device.type == "cuda":
+            torch.cuda.synchronize(flat.device)
+        t1 = time.perf_counter()
+
+        def verify() -> Pairs:
+            self._verify_sum(flat, (checksums or [None])[0])
+            return self._check(named, flat)
+        return self._finish(verify, load, t0, t1, f"updated {len(names)} tensors ({nbytes} bytes)")
+
+    def from_tensor(self, serialized_named_tensors: List[Any], load_format: Optional[str] = None,
+                    checksums: Optional[List[str]] = None, load: bool = True) -> Done:
+        """Unpickle THIS rank's payload only (`serialized_named_tensors[tp_rank]`, as SGLang's
+        `deserialize_own_rank`: reading another rank's copy would take its shared-memory / IPC
+        reference), then verify / agree / apply."""
+        t0 = time.perf_counter()
+        box: Dict[str, Any] = {}
+        err = None
+        try:
+            box["named"], box["flat"] = _named_tensors(loads(serialized_named_tensors[self.comm.rank]), load_format)
+        except WeightRefused as e:
+            err = str(e)
+        except Exception as e:  # noqa: BLE001 - reported through agree
+            err = f"{type(e).__name__}: {e}"
+        t1 = time.perf_counter()
+        self._agree_or_refuse(err)
+
+        def verify() -> Pairs:
+            named, flat = box["named"], box["flat"]
+            if checksums:
+                if flat is None:
+                    raise WeightRefused("megarl_checksums given but the tensors are not views of one bucket")
+                self._verify_sum(flat, checksums[0])
+            return self._check(named, flat)
+        return self._finish(verify, load, t0, t1, f"updated {len(box['named'])} tensors from tensor handles")
+
+    def from_disk(self, model_path: str) -> Done:
+        """Load every *.safetensors under `model_path` (already resolved by rank 0 inside
+        `--weights-dir`; each file's realpath is checked again here: a symlink must not lead out)."""
+        t0 = time.perf_counter()
+        box: Dict[str, Any] = {}
+        err = None
+        try:
+            box["named"], box["sums"] = self._read_dir(model_path)
+        except Exception as e:  # noqa: BLE001 - reported through agree
+            err = f"{type(e).__name__}: {e}" if not isinstance(e, (WeightRefused, ValueError)) else str(e)
+        t1 = time.perf_counter()
+        self._agree_or_refuse(err)
+
+        def verify() -> Pairs:
+            named, sums = box["named"], box["sums"]
+            for k, t in named:
+                if k in sums:
+                    self._verify_sum(t.contiguous(), sums[k])
+            pairs = self._check(named)
+            missing = set(self.model.hf_names()) - {n for n, _ in named}
+            if missing:
+                raise WeightRefused(f"{model_path} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+            return pairs
+        return self._finish(verify, True, t0, t1, f"loaded weights from {model_path}")
+
+    # ------------------------------------------------------------------ verify + agree + apply
+    def _agree_or_refuse(self, err: Optional[str]) -> None:
+        msg = combine_errors(self.comm.agree(err))
+        if msg is not None:
+            log.warning("weight update refused: %s", msg)
+            raise WeightRefused(f"refused, old weights kept: {msg}")
+
+    def _finish(self, verify, load: bool, t0: float, t1: float, message: str) -> Done:
+        err = None
+        pairs: Pairs = []
+        try:
+            pairs = verify()
+        except WeightRefused as e:
+            err = str(e)
+        except Exception as e:  # noqa: BLE001 - reported through agree
+            err = f"{type(e).__name__}: {e}"
+        self._agree_or_refuse(err)
+        t2 = time.perf_counter()
+        if load:
+            self.apply(pairs)
+        timings = {"receive_s": t1 - t0, "verify_s": t2 - t1, "apply_s": time.perf_counter() - t2}
+        return message, timings
+
+    def _check(self, named: Sequence[Tuple[str, torch.Tensor]], flat: Optional[torch.Tensor] = None) -> Pairs:
+        """Verify names / FULL shapes / dtypes / finiteness; `flat` = the uint8 bucket all tensors
+        are views of (lets the finiteness check run as one reduction over the whole bucket).
+        Returns (this rank's destination, its slice of the source) pairs."""
+        pairs: Pairs = []
         checked = []
         errors = []
         for name, t in named:
             if self.model.is_ignored(name):
                 continue
-            dst = self.model.target(name)
-            if dst is None:
+            shp = self.model.hf_shape(name)
+            if shp is None:
                 errors.append(f"unknown weight name {name!r}")
                 continue
-            if tuple(dst.shape) != tuple(t.shape):
-                errors.append(f"shape mismatch for {name}: got {tuple(t.shape)}, model has {tuple(dst.shape)}")
+            if shp != tuple(t.shape):
+                errors.append(f"shape mismatch for {name}: got {tuple(t.shape)}, model has {shp}")
                 continue
             if not t.dtype.is_floating_point:
                 errors.append(f"non-float dtype {t.dtype} for {name}")
                 continue
-            pairs.append((dst, t))
+            pairs.append(self.model.place(name, t))
             checked.append((name, t))
         if not errors and not _all_finite([t for _, t in named], flat):
             # something in the bucket is not finite: name it (an ignored tensor, e.g. a tied
@@ -99,115 +238,117 @@ class WeightReceiver:
             raise WeightRefused("; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
         return pairs
 
-    def apply(self, pairs) -> int:
-        """Engine thread: copy verified tensors into the live parameters (cast on the way), then
-        wait for the copies: the sender may reuse the source memory once we answer."""
+    def apply(self, pairs: Pairs) -> int:
+        """Copy verified slices into the live parameters (cast on the way), then wait for the
+        copies: the sender may reuse the source memory once we answer."""
         devs = set()
-        for dst, t in pairs:
-            dst.copy_(t)
+        for dst, src in pairs:
+            dst.copy_(src)
             devs.add(dst.device)
-            devs.add(t.device)
+            devs.add(src.device)
         for d in devs:
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
         self.num_updates += 1
         return len(pairs)
 
-    def _verify_sum(self, flat: torch.Tensor, expected: Optional[str]):
+    def _verify_sum(self, flat: torch.Tensor, expected: Optional[str]) -> None:
         if expected is None:
             return
         got = checksum(flat)
         if got != expected:
             raise WeightRefused(f"bucket checksum mismatch: got {got}, trainer sent {expected}")
 
-    # ------------------------------------------------------------------ transports
-    def from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
-                         group_name: str = "weight_update_group", load_format: Optional[str] = None,
-                         checksums: Optional[List[str]] = None) -> Received:
-        if group_name not in self.groups:
-            raise KeyError(f"group {group_name!r} not initialised; call /init_weights_update_group first")
-        pg = self.groups[group_name]
-        t0 = time.perf_counter()
-        meta = BucketMeta.from_fields(names, dtypes, shapes)  # one dtype -> aligned views
-        flat = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.model.device)
-        if load_format == "flattened_bucket":
-            dist.broadcast(flat, src=0, group=pg)
-        else:
-            # sglang's default wire format: one broadcast per tensor, in order
-            handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in meta.views(flat)]
-            for h in handles:
-                h.wait()
-        # Always receive first (the trainer is mid-broadcast), then judge.
-        if flat.device.type == "cuda":
-            torch.cuda.synchronize(flat.device)
-        t1 = time.perf_counter()
-        self._verify_sum(flat, (checksums or [None])[0])
-        pairs = self._check(meta.views(flat), flat)
-        return pairs, f"updated {len(names)} tensors ({meta.nbytes} bytes)", _timings(t0, t1)
-
-    def from_tensor(self, serialized_named_tensors: List[str], load_format: Optional[str] = None,
-                    checksums: Optional[List[str]] = None, tp_rank: int = 0) -> Received:
-        t0 = time.perf_counter()
-        payload = serialized_named_tensors[tp_rank]
-        data = base64.b64decode(payload) if isinstance(payload, str) else payload
-        obj = _SafeUnpickler(io.BytesIO(data)).load()
-        t1 = time.perf_counter()
-        if load_format == "flattened_bucket" or isinstance(obj, dict):
-            flat = obj["flattened_tensor"]
-            named = [(m["name"] if isinstance(m, dict) else m.name,
-                      flat[(m["start_idx"] if isinstance(m, dict) else m.start_idx):(m["end_idx"] if isinstance(m, dict) else m.end_idx)]
-                      .view(dtype_from_name(str(m["dtype"] if isinstance(m, dict) else m.dtype)))
-                      .view(list(m["shape"] if isinstance(m, dict) else m.shape)))
-                     for m in obj["metadata"]]
-            self._verify_sum(flat, (checksums or [None])[0])
-        else:
-            named = [(n, t) for n, t in obj]
-            flat = _covering_bytes([t for _, t in named])
-            if checksums:
-                # a view list of one flat bucket (what megarl sends): checksum the bytes they cover
-                if flat is None:
-                    raise WeightRefused("megarl_checksums given but the tensors are not views of one bucket")
-                self._verify_sum(flat, checksums[0])
-        pairs = self._check(named, flat)
-        return pairs, f"updated {len(named)} tensors from tensor handles", _timings(t0, t1)
-
-    def from_disk(self, model_path: str) -> Received:
+    def _read_dir(self, model_path: str) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, str]]:
         from safetensors import safe_open
-        t0 = time.perf_counter()
-        if self.weights_dir is None:
-            raise WeightRefused("update_weights_from_disk is disabled: start the server with --weights-dir DIR")
-        real = os.path.realpath(model_path)
-        if os.path.commonpath([real, self.weights_dir]) != self.weights_dir:
-            raise WeightRefused(f"model_path {model_path} is outside the server's --weights-dir {self.weights_dir}")
         if not os.path.isdir(model_path):
             raise WeightRefused(f"{model_path} is not a directory")
         files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
         if not files:
             raise WeightRefused(f"no *.safetensors in {model_path}")
-        named = []
-        sums = {}
+        sums: Dict[str, str] = {}
         sums_path = os.path.join(model_path, "megarl_checksums.json")
         if os.path.exists(sums_path):
-            import json
-            with open(sums_path) as f:
+            with open(self._inside(sums_path)) as f:
                 sums = json.load(f)
+        named = []
         for fn in files:
-            with safe_open(os.path.join(model_path, fn), framework="pt") as fh:
+            with safe_open(self._inside(os.path.join(model_path, fn)), framework="pt") as fh:
                 for k in fh.keys():
                     named.append((k, fh.get_tensor(k)))
-        t1 = time.perf_counter()
-        for k, t in named:
-            if k in sums:
-                self._verify_sum(t.contiguous(), sums[k])
-        pairs = self._check(named)
-        missing = set(self.model.hf_names()) - {n for n, _ in named}
-        if missing:
-            raise WeightRefused(f"{model_path} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
-        return pairs, f"loaded {len(pairs)} tensors from {model_path}", _timings(t0, t1)
+        return named, sums
+
+    def _inside(self, path: str) -> str:
+        """`path`'s realpath, refused unless it lies under `--weights-dir`."""
+        return resolve_disk_path(path, self.weights_dir)
 
 
-def _timings(t0: float, t1: float) -> Dict[str, float]:
-    return {"receive_s": t1 - t0, "verify_s": time.perf_counter() - t1}
+# ---------------------------------------------------------------------- request checks and formats
+Layout = List[Tuple[str, torch.dtype, torch.Size, int, int]]   # name, dtype, shape, start, end (bytes)
+
+
+def receive_layout(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> Layout:
+    """Byte layout of a `/update_weights_from_distributed` bucket, as SGLang's
+    `FlattenedTensorBucket.empty` builds it: entries back to back in request order, any mix of
+    dtypes, each offset aligned to its dtype; ValueError (one line) on anything else."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+    out: Layout = []
+    off = 0
+    for n, d, s in zip(names, dtypes, shapes):
+        dt = dtype_from_name(d)
+        try:
+            shp = torch.Size([int(x) for x in s])
+        except (TypeError, ValueError):
+            raise ValueError(f"shape of {n} must be a list of ints, got {s!r}") from None
+        if any(x < 0 for x in shp):
+            raise ValueError(f"Negative dimension in received tensor {n}: {list(shp)}")
+        if off % dt.itemsize:
+            raise ValueError(f"Unaligned received tensor {n}: byte offset {off}, dtype {dt}")
+        size = shp.numel() * dt.itemsize
+        out.append((str(n), dt, shp, off, off + size))
+        off += size
+    if not out:
+        raise ValueError("Cannot create empty tensor bucket")
+    return out
+
+
+# ---------------------------------------------------------------------- tensor payload formats
+def _named_tensors(obj: Any, load_format: Optional[str]) -> Tuple[List[Tuple[str, torch.Tensor]], Optional[torch.Tensor]]:
+    """SGLang's two `update_weights_from_tensor` payloads -> ([(name, tensor)], flat bytes or None).
+
+    `flattened_bucket`: `{"flattened_tensor": uint8 tensor, "metadata": [FlattenedTensorMetadata]}`,
+    read by attribute as SGLang does (dicts are refused: SGLang raises AttributeError on them);
+    default (`load_format` None): a list of (name, tensor)."""
+    if load_format == FLATTENED_BUCKET:
+        if not isinstance(obj, dict) or not {"flattened_tensor", "metadata"} <= set(obj):
+            raise WeightRefused('flattened_bucket payload must be {"flattened_tensor": ..., "metadata": [...]}')
+        flat, metas = obj["flattened_tensor"], obj["metadata"]
+        if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+            raise WeightRefused("flattened_tensor must be a 1-D uint8 tensor")
+        named = []
+        for m in metas:
+            if not isinstance(m, FlattenedTensorMetadata):
+                raise WeightRefused(f"flattened_bucket metadata entries must be FlattenedTensorMetadata "
+                                    f"(SGLang reads them by attribute), got {type(m).__name__}")
+            if not isinstance(m.dtype, torch.dtype):
+                raise WeightRefused(f"metadata of {m.name}: dtype must be a torch.dtype, got {m.dtype!r}")
+            nbytes = torch.Size(m.shape).numel() * m.dtype.itemsize
+            if not (0 <= m.start_idx <= m.end_idx <= flat.numel()) or m.end_idx - m.start_idx != nbytes \
+                    or m.start_idx % m.dtype.itemsize:
+                raise WeightRefused(f"metadata of {m.name}: bytes [{m.start_idx}, {m.end_idx}) do not hold "
+                                    f"{list(m.shape)} {m.dtype} inside the {flat.numel()}-byte bucket")
+            named.append((m.name, flat[m.start_idx:m.end_idx].view(m.dtype).view(torch.Size(m.shape))))
+        return named, flat
+    if load_format is not None:
+        raise WeightRefused(f"load_format {load_format!r} is not supported by the embedded server "
+                            f"(None or {FLATTENED_BUCKET!r})")
+    if not isinstance(obj, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+            for p in obj):
+        raise WeightRefused("payload must be a list of (name, tensor) pairs (load_format None)")
+    named = [(n, t) for n, t in obj]
+    return named, _covering_bytes([t for _, t in named])
 
 
 def _all_finite(tensors: Sequence[torch.Tensor], flat: Optional[torch.Tensor] = None) -> bool:
@@ -247,21 +388,3 @@ def _covering_bytes(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
             return None
         end = s + n
     return torch.empty(0, dtype=torch.uint8, device=ts[0].device).set_(base, start, (end - start,))
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Only torch tensor/storage rebuild paths and plain containers (payloads come from a trainer
-    over loopback, but we still refuse arbitrary globals)."""
-
-    _ALLOWED_PREFIX = ("torch", "collections", "megarl.sync", "sglang.srt.weight_sync")
-    _ALLOWED_BUILTINS = {"list", "dict", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "slice", "getattr"}
-
-    def find_class(self, module, name):
-        from megarl.sync.wire import SGLANG_FLAT_META_GLOBAL, FlattenedTensorMetadata
-        if (module, name) == SGLANG_FLAT_META_GLOBAL:
-            return FlattenedTensorMetadata  # SGLang's class, rebuilt as megarl's field-for-field twin
-        if module == "builtins" and name in self._ALLOWED_BUILTINS:
-            return super().find_class(module, name)
-        if module.split(".")[0] in ("torch",) or module.startswith(self._ALLOWED_PREFIX) or module.startswith("multiprocessing.reduction"):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")

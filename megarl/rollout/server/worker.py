@@ -1,0 +1,167 @@
+"""What one TP rank of the embedded server holds and does, and rank 0's handle on all of them.
+
+`RankWorker` is the same object on every rank (its model shard + weight receiver); its methods
+are the only things `Lockstep` calls, so they are the complete list of what followers ever do.
+`ModelHandle` gives the engine (rank 0) the model interface it always had -- `prefill`,
+`decode`, `alloc_cache`, ... -- with every call going through `Lockstep` to all ranks.
+`build_worker` is the one place a rank is constructed (rank 0 in `cli.py`, the others in
+`follower.py`), from the same `RankOptions`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .model import DecoderModel, Spec
+from .shard import tp_problems
+from .tp import Lockstep, TPComm, init_tp
+from .weights import Done, WeightReceiver
+
+log = logging.getLogger("megarl.rollout.server")
+
+
+@dataclass
+class RankOptions:
+    """What every rank needs to build its part (JSON-serialisable: followers get it in argv --
+    so it must never carry a secret)."""
+
+    model: str
+    device: str              # resolved: "cpu" or "cuda" (rank r then uses cuda:r) or "cuda:N" (TP 1)
+    dtype: str               # resolved torch dtype name
+    load_format: str = "auto"
+    random_seed: int = 0
+    tp_size: int = 1
+    tp_port: int = 0
+    weights_dir: Optional[str] = None
+    num_threads: int = 0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def rank_device(opts: RankOptions, rank: int) -> torch.device:
+    if opts.device == "cuda" and opts.tp_size > 1:
+        return torch.device("cuda", rank)
+    return torch.device(opts.device)
+
+
+def check_tp(hf_config, tp_size: int, device: str) -> Optional[str]:
+    """One line saying why this server cannot run with `tp_size` ranks (None when it can);
+    checked before anything is spawned or loaded."""
+    spec = Spec.from_hf_config(hf_config)
+    bad = tp_problems(spec, tp_size)
+    if bad:
+        return f"--tp-size {tp_size} does not divide {', '.join(bad)} of this model"
+    if tp_size > 1 and device.startswith("cuda:"):
+        return f"--device {device} cannot be combined with --tp-size {tp_size}: rank r uses cuda:r of CUDA_VISIBLE_DEVICES"
+    if tp_size > 1 and device == "cuda" and torch.cuda.device_count() < tp_size:
+        return f"--tp-size {tp_size} needs {tp_size} visible GPUs, CUDA_VISIBLE_DEVICES shows {torch.cuda.device_count()}"
+    return None
+
+
+class RankWorker:
+    """One rank's model shard and weight receiver; every method runs on every rank (lockstep)."""
+
+    def __init__(self, model: DecoderModel, receiver: WeightReceiver, comm: TPComm):
+        self.model = model
+        self.receiver = receiver
+        self.comm = comm
+
+    # --------------------------------------------------------------- model calls
+    def alloc_cache(self, max_slots: int, max_len: int) -> None:
+        self.model.alloc_cache(max_slots, max_len)
+
+    def free_cache(self) -> None:
+        self.model.free_cache()
+
+    def prefill(self, seqs: List[List[int]], slots: List[int]) -> Optional[torch.Tensor]:
+        return self.model.prefill(seqs, slots)
+
+    def decode(self, tokens: List[int], slots: List[int], positions: List[int]) -> Optional[torch.Tensor]:
+        return self.model.decode(tokens, slots, positions)
+
+    def forward_full(self, ids: List[int]) -> Optional[torch.Tensor]:
+        return self.model.forward_full(ids)
+
+    def offload_weights(self) -> None:
+        self.model.offload_weights()
+
+    def reload_weights(self) -> None:
+        self.model.reload_weights()
+
+    # --------------------------------------------------------------- weight ops
+    def init_group(self, *args: Any) -> str:
+        return self.receiver.init_group(*args)
+
+    def destroy_group(self, group_name: str) -> str:
+        return self.receiver.destroy_group(group_name)
+
+    def update_from_distributed(self, *args: Any) -> Done:
+        return self.receiver.from_distributed(*args)
+
+    def update_from_tensor(self, *args: Any) -> Done:
+        return self.receiver.from_tensor(*args)
+
+    def update_from_disk(self, path: str) -> Done:
+        return self.receiver.from_disk(path)
+
+
+class ModelHandle:
+    """The engine's model on rank 0: local metadata, every call made on all ranks."""
+
+    def __init__(self, lockstep: Lockstep):
+        self.lockstep = lockstep
+        local: DecoderModel = lockstep.target.model
+        self.spec, self.cfg, self.device, self.dtype = local.spec, local.cfg, local.device, local.dtype
+        self.tp_size = lockstep.comm.size
+
+    def alloc_cache(self, max_slots: int, max_len: int) -> None:
+        self.lockstep.call("alloc_cache", max_slots, max_len)
+
+    def free_cache(self) -> None:
+        self.lockstep.call("free_cache")
+
+    def prefill(self, seqs: List[List[int]], slots: List[int]) -> torch.Tensor:
+        return self.lockstep.call("prefill", seqs, slots)
+
+    def decode(self, tokens: List[int], slots: List[int], positions: List[int]) -> torch.Tensor:
+        return self.lockstep.call("decode", tokens, slots, positions)
+
+    def forward_full(self, ids: List[int]) -> torch.Tensor:
+        return self.lockstep.call("forward_full", ids)
+
+    def offload_weights(self) -> None:
+        self.lockstep.call("offload_weights")
+
+    def reload_weights(self) -> None:
+        self.lockstep.call("reload_weights")
+
+    def weights(self, op: str, *args: Any) -> Any:
+        """A weight op (`init_group`, `update_from_tensor`, ...) on every rank."""
+        return self.lockstep.call(op, *args)
+
+
+def build_worker(opts: RankOptions, rank: int, hf_config=None) -> RankWorker:
+    """Join the TP group, build this rank's shard and load its weights (checkpoint or dummy).
+    Ranks load independently (no collectives), each reading the FULL tensors and keeping its
+    slice."""
+    if opts.num_threads:
+        torch.set_num_threads(opts.num_threads)
+    dev = rank_device(opts, rank)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)   # (a bare "cuda" is the current device already)
+    if hf_config is None:
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(opts.model)
+    comm = init_tp(rank, opts.tp_size, opts.tp_port, dev)
+    model = DecoderModel(hf_config, device=str(dev), dtype=getattr(torch, opts.dtype), tp_rank=rank,
+                         tp_size=opts.tp_size, all_reduce=comm.all_reduce if opts.tp_size > 1 else None)
+    if opts.load_format == "dummy":
+        model.init_dummy(opts.random_seed)
+    else:
+        model.load_hf_dir(opts.model)
+    return RankWorker(model, WeightReceiver(model, comm, opts.weights_dir), comm)
+
