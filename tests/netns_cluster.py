@@ -67,7 +67,7 @@ def _ip(*args: str, timeout: float = 20.0, check: bool = True) -> subprocess.Com
     return proc
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
@@ -84,9 +84,9 @@ def _kill_and_wait(pids: Sequence[int], timeout: float) -> None:
             pass
     deadline = time.time() + timeout
     for pid in pids:
-        while _pid_alive(pid) and time.time() < deadline:
+        while pid_alive(pid) and time.time() < deadline:
             time.sleep(0.1)
-        if _pid_alive(pid):
+        if pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -114,13 +114,13 @@ def clean_stale(prefix: str = PREFIX) -> list[str]:
     for line in listed:
         name = line.split(" ", 1)[0].strip()
         m = _RUN_RE.match(name)
-        if m and name.startswith(prefix + "-") and not _pid_alive(int(m.group(2))):
+        if m and name.startswith(prefix + "-") and not pid_alive(int(m.group(2))):
             stale.append(name)
     _remove_namespaces(stale)
     tmp = Path("/tmp")
     for d in tmp.glob(f"{prefix}-*"):
         m = _RUN_RE.match(d.name)
-        if m and d.is_dir() and not _pid_alive(int(m.group(2))):
+        if m and d.is_dir() and not pid_alive(int(m.group(2))):
             shutil.rmtree(d, ignore_errors=True)
     return stale
 
@@ -226,6 +226,17 @@ class NetnsCluster:
         """The node's own address on the bridge (what other nodes dial)."""
         return self.addresses[node]
 
+    def node_of_netns(self, inode: int) -> Optional[int]:
+        """Index of the node whose namespace has inode ``inode`` (``os.stat("/proc/self/ns/net")``
+        inside a process: lets a process that has since exited say where it ran)."""
+        for i, name in enumerate(self.names):
+            try:
+                if os.stat(f"/run/netns/{name}").st_ino == inode:
+                    return i
+            except OSError:
+                continue
+        return None
+
     def node_of_pid(self, pid: int) -> Optional[int]:
         """Index of the node whose namespace holds process ``pid`` (None: not in one of ours)."""
         name = _ip("netns", "identify", str(pid), check=False).stdout.strip()
@@ -288,6 +299,8 @@ class RayBox:
         self.address = f"{cluster.address(0)}:{port}"
         self.token = secrets.token_hex(32)
         self._nodes: list[subprocess.Popen] = []
+        self._attempts: dict[int, int] = {}
+        self.nodes: list[dict[str, Any]] = []
         self.logs = cluster.tmp / "ray_logs"
 
     @property
@@ -297,21 +310,25 @@ class RayBox:
                 "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
                 "RAY_memory_monitor_refresh_ms": "0", "RAY_DEDUP_LOGS": "0"}
 
-    def start(self, timeout: float = 180.0) -> "RayBox":
+    def start(self, timeout: float = 240.0) -> "RayBox":
+        """Head first, then the workers one at a time (a 2-core CI box starting three raylets at
+        once can pass Ray's fixed 30 s registration wait); a node whose ``ray start`` gives up is
+        started again, at most ``START_ATTEMPTS`` times."""
         self.logs.mkdir(parents=True, exist_ok=True)
         deadline = time.time() + timeout
         try:
-            self._start_node(0)
-            self._wait_head(deadline)
-            for i in range(1, len(self.cluster)):
-                self._start_node(i)
+            for i in range(len(self.cluster)):
+                self._start_node(i, deadline)
             self.wait_nodes(len(self.cluster), max(1.0, deadline - time.time()))
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start_node(self, i: int) -> None:
+    START_ATTEMPTS = 3
+    STARTED = "Ray runtime started."
+
+    def _start_node(self, i: int, deadline: float) -> None:
         c = self.cluster
         args = ["ray", "start", "--block", "--disable-usage-stats", f"--node-ip-address={c.address(i)}",
                 f"--num-cpus={self.num_cpus}", f"--num-gpus={self.num_gpus}",
@@ -321,8 +338,25 @@ class RayBox:
             args += ["--head", f"--port={self.port}", f"--temp-dir={c.tmp / 'r0'}", "--include-dashboard=false"]
         else:
             args += [f"--address={self.address}"]
-        log = (self.logs / f"node{i}.log").open("w")
-        self._nodes.append(c.popen(i, args, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+        for attempt in range(self.START_ATTEMPTS):
+            self._attempts[i] = attempt
+            with self._log_path(i).open("w") as log:
+                proc = c.popen(i, args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            if i < len(self._nodes):
+                self._nodes[i] = proc
+            else:
+                self._nodes.append(proc)
+            while time.time() < deadline and proc.poll() is None and self.STARTED not in self.log(i):
+                time.sleep(0.3)
+            if self.STARTED in self.log(i) and proc.poll() is None:
+                return
+            if time.time() >= deadline:
+                break
+        raise RuntimeError(f"ray node {i} ({c.address(i)}) did not start after {self._attempts[i] + 1} attempt(s): "
+                           f"{self.log(i)[-3000:]}")
+
+    def _log_path(self, i: int) -> Path:
+        return self.logs / f"node{i}.{self._attempts.get(i, 0)}.log"
 
     def _check_nodes(self) -> None:
         for i, p in enumerate(self._nodes):
@@ -330,21 +364,9 @@ class RayBox:
                 raise RuntimeError(f"ray node {i} exited {p.returncode}: {self.log(i)[-3000:]}")
 
     def log(self, i: int) -> str:
-        path = self.logs / f"node{i}.log"
+        """Output of node i's latest ``ray start``."""
+        path = self._log_path(i)
         return path.read_text(errors="replace") if path.exists() else ""
-
-    def _wait_head(self, deadline: float) -> None:
-        """Workers need a live GCS to join: wait until the head's port accepts connections."""
-        code = (f"import socket, time\nend = time.time() + {max(1.0, deadline - time.time()):.1f}\n"
-                "while time.time() < end:\n"
-                "    try:\n"
-                f"        socket.create_connection(('{self.cluster.address(0)}', {self.port}), 1).close(); print('1'); break\n"
-                "    except OSError:\n        time.sleep(0.3)\n"
-                "else:\n    print('0')")
-        ok = self.cluster.python(0, code, timeout=max(5.0, deadline - time.time() + 5))
-        self._check_nodes()
-        if ok != 1:
-            raise RuntimeError(f"Ray head did not listen on {self.address}: {self.log(0)[-3000:]}")
 
     def wait_nodes(self, want: int, timeout: float) -> list[dict[str, Any]]:
         """Wait (from a driver in node 0) until ``want`` nodes are alive; returns them."""

@@ -8,12 +8,12 @@ process (tests, one-GPU boxes without Ray).
 """
 from __future__ import annotations
 
-import socket
 from typing import Any, Optional
 
 import torch
 
 from megarl.parallel.launcher import free_port
+from megarl.placement.addresses import node_address
 from megarl.workers.megatron_worker import MegatronWorker, WorkerSpec
 
 
@@ -25,7 +25,10 @@ class _RayRank(MegatronWorker):
 
     @staticmethod
     def node_address() -> tuple[str, int]:
-        return socket.gethostbyname(socket.gethostname()), free_port()
+        """(this node's address as Ray reports it, a port free on it): the rendezvous that ranks
+        on other nodes dial (never 127.0.0.1 or the hostname's /etc/hosts entry)."""
+        address = node_address()
+        return address, free_port(address)
 
 
 class WorkerGroup:
