@@ -492,8 +492,7 @@ class Trainer:
                  "python_rng": random.getstate(), "torch_rng": torch.get_rng_state().tolist()}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         replace_dir(tmp, final)  # a checkpoint is either whole or absent
-        for old in sorted(self.ckpt_dir.glob("step_*"))[: -self.cfg.checkpoint.keep_last or None]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(self.ckpt_dir, self.cfg.checkpoint.keep_last)
         note(f"checkpoint {final}")
         return final
 
@@ -573,6 +572,17 @@ class Trainer:
 def cfg_role_layout(role: Any) -> str:
     p = role.parallel
     return f"{role.gpus} rank(s) tp{p.tp} pp{p.pp}" + (f" ep{p.ep}" if p.ep > 1 else "")
+
+
+def prune_checkpoints(ckpt_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints (``keep_last`` 0: keep every one);
+    returns what was deleted. The newest is never deleted: it was just written."""
+    if keep_last <= 0:
+        return []
+    old = sorted(ckpt_dir.glob("step_*"))[:-keep_last]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:

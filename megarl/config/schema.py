@@ -236,7 +236,7 @@ class CheckpointConfig:
     dir: Optional[str] = opt(None, "checkpoint folder (default: OUTPUT_DIR/checkpoints)")
     interval: int = opt(0, "save every N steps (0 = only at the end)")
     resume: str = opt("auto", "auto: latest in dir if any; none; or a checkpoint path")
-    keep_last: int = opt(2, "checkpoints kept")
+    keep_last: int = opt(2, "newest checkpoints kept, older ones deleted (0 = keep all)")
     export_hf: bool = opt(True, "export the final actor as an HF folder")
 
 

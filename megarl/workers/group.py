@@ -88,11 +88,13 @@ class WorkerGroup:
         return slots
 
     def reduce_metrics(self, per_rank: list[dict[str, float]]) -> dict[str, float]:
-        """Add ``*_sum`` metrics over output ranks (they carry global denominators), average the rest."""
-        outputs = [m for m in per_rank if m]
+        """Add ``*_sum`` metrics over output ranks (they carry global denominators), average the rest;
+        each over the ranks that report it (a data-parallel rank without samples reports no loss
+        metrics)."""
         merged: dict[str, float] = {}
-        for key in outputs[0] if outputs else []:
-            values = [m[key] for m in outputs]
+        keys = dict.fromkeys(k for m in per_rank if m for k in m)
+        for key in keys:
+            values = [m[key] for m in per_rank if m and key in m]
             if key.endswith("_sum"):
                 merged[key[: -len("_sum")]] = sum(values)
             else:
