@@ -272,7 +272,7 @@ class Trainer:
                     "stop_token_ids": stop}
         if not hasattr(self, "_manager"):
             self._manager = RolloutManager(self.servers.urls, max_concurrency=r.max_running_requests,
-                                           timeout_s=r.request_timeout_s)
+                                           timeout_s=r.request_timeout_s, request_retries=r.request_retries)
         outputs = self._manager.generate(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base)
         samples = []
         for g, (rec, ids, outs) in enumerate(zip(kept, prompts, outputs)):
@@ -357,7 +357,9 @@ class Trainer:
         cfg, a = self.cfg, self.cfg.algorithm
         times: dict[str, float] = {}
         t = time.time()
+        retried = self._manager.retried if hasattr(self, "_manager") else 0
         samples, metrics = self.collect(step)
+        metrics["rollout/retried_requests"] = self._manager.retried - retried  # after a failure or timeout
         times["rollout"] = time.time() - t
         self._rollout_memory("release")
         rewards = torch.tensor([s.reward for s in samples])

@@ -128,3 +128,100 @@ def test_dp_rank_without_samples_joins_and_changes_nothing(model, tmp_path):
     assert merged.keys() == single.keys()
     for key, value in single.items():
         assert abs(merged[key] - value) < 1e-5, (key, merged[key], value)
+
+
+# ------------------------------------------------------------------ a generation timeout
+
+class FlakyServer:
+    """An HTTP server on a thread of its own: ``/generate`` stalls (longer than the client's
+    timeout) for its first ``stalls`` requests, then answers like SGLang (3 tokens with logprobs);
+    ``/health`` answers ``health_status``, or stalls too when ``health_status`` is None."""
+
+    def __init__(self, stalls: int, health_status: int | None = 200, stall_s: float = 3.0):
+        self.stalls, self.health_status, self.stall_s = stalls, health_status, stall_s
+        self.generate_calls = 0
+        self.health_calls = 0
+        self.loop = asyncio.new_event_loop()
+
+    async def handler(self, request):
+        from aiohttp import web
+
+        if request.path == "/health":
+            self.health_calls += 1
+            if self.health_status is None:
+                await asyncio.sleep(self.stall_s)
+            return web.Response(status=self.health_status or 200, text="ok")
+        self.generate_calls += 1
+        if self.generate_calls <= self.stalls:
+            await asyncio.sleep(self.stall_s)
+        body = await request.json()
+        ids = [int(body["input_ids"][-1]) + i for i in range(1, 4)]
+        return web.json_response({"output_ids": ids, "meta_info": {
+            "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, t, None] for t in ids]}})
+
+    def __enter__(self) -> "FlakyServer":
+        import threading
+
+        from tests.helpers.http import serve
+
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.runner, port = asyncio.run_coroutine_threadsafe(serve(self.handler), self.loop).result(10)
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _manager(urls: list[str], retries: int = 2):
+    from megarl.rollout.manager import RolloutManager
+
+    mgr = RolloutManager(urls, timeout_s=0.5, request_retries=retries, health_timeout_s=1.0)
+    for c in mgr.clients:
+        c.retries = 0  # the client's own retries would hide the manager's
+    return mgr
+
+
+def test_generation_timeout_keeps_a_server_that_answers_health():
+    """One timed-out generation: the server answers /health, so it stays in use, the request is
+    sent again and succeeds, and the retry is counted (was: marked dead, NoServerLeft)."""
+    with FlakyServer(stalls=1) as server:
+        mgr = _manager([server.url])
+        try:
+            out = mgr.generate([[10], [20]], n=2, sampling={"max_new_tokens": 3})
+            assert [[o.output_ids for o in group] for group in out] == [[[11, 12, 13]] * 2, [[21, 22, 23]] * 2]
+            assert mgr.dead == set() and mgr.retried == 1 and server.health_calls == 1
+            assert server.generate_calls == 5
+            mgr.generate([[30]], n=1, sampling={"max_new_tokens": 3})   # still in use afterwards
+            assert server.generate_calls == 6 and mgr.retried == 1
+        finally:
+            mgr.close()
+
+
+def test_generation_failing_on_a_healthy_server_gives_up_after_the_retries():
+    from megarl.rollout.manager import GenerationFailed
+
+    with FlakyServer(stalls=100, stall_s=1.5) as server:
+        mgr = _manager([server.url], retries=1)
+        try:
+            with pytest.raises(GenerationFailed, match=r"prompt 0 sample 0: failed 2 time\(s\) on rollout servers "
+                                                       r"that answer /health \(rollout.request_retries = 1\)"):
+                mgr.generate([[10]], n=1, sampling={"max_new_tokens": 3})
+            assert server.generate_calls == 2 and mgr.retried == 1 and mgr.dead == set()
+        finally:
+            mgr.close()
+
+
+def test_timed_out_server_without_health_is_dropped_and_its_requests_move():
+    """The first server hangs, /health included: it is marked dead and every request lands on the
+    second; the requests that moved are counted."""
+    with FlakyServer(stalls=100, health_status=None, stall_s=2.0) as hung, FlakyServer(stalls=0) as good:
+        mgr = _manager([hung.url, good.url])
+        try:
+            out = mgr.generate([[10], [20]], n=2, sampling={"max_new_tokens": 3})
+            assert all(len(o.output_ids) == 3 for group in out for o in group)
+            assert mgr.dead_urls == [hung.url] and len(mgr.failures) == 1 and "does not answer /health" in mgr.failures[0]
+            assert mgr.retried == 2 and good.generate_calls == 4
+        finally:
+            mgr.close()

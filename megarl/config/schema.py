@@ -142,6 +142,8 @@ class RolloutConfig:
     mem_fraction: float = opt(0.7, "SGLang --mem-fraction-static")
     max_running_requests: int = opt(64, "concurrent sequences per server")
     request_timeout_s: float = opt(600.0, "per-request timeout")
+    request_retries: int = opt(2, "times one generation request is sent again after failing on a server "
+                                  "that still answers /health (a server that does not is dropped for the run)")
     logprob_diff_bound: float = opt(0.05, "step 0 fails if mean |rollout - train| logprob exceeds this")
 
 
