@@ -57,6 +57,8 @@ def netns_available() -> Optional[str]:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "iproute2 (`ip`) is not installed"
+    if shutil.which("nsenter") is None:
+        return "util-linux (`nsenter`) is not installed"
     return None
 
 
@@ -253,7 +255,10 @@ class NetnsCluster:
         return env
 
     def command(self, node: int, argv: Sequence[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.names[node], *argv]
+        """``argv`` run inside node ``node``'s network namespace. ``nsenter --net`` switches only the
+        network namespace; ``ip netns exec`` would also remount /sys for it, hiding
+        /sys/fs/cgroup, which slurmd needs (a real node has its cgroups)."""
+        return ["nsenter", f"--net=/run/netns/{self.names[node]}", "--", *argv]
 
     def run(self, node: int, argv: Sequence[str], timeout: float, env: Optional[dict[str, str]] = None,
             check: bool = True, **kw: Any) -> subprocess.CompletedProcess:
