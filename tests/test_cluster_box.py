@@ -111,11 +111,17 @@ def test_teardown_on_signals_and_stale_cleanup(tmp_path):
         "    time.sleep(300)\n")
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
         holder = subprocess.Popen([sys.executable, str(script), str(ROOT)], stdout=subprocess.PIPE, text=True)
-        info = json.loads(holder.stdout.readline())
-        assert set(info["names"]) <= _netns_list() and namespace_pids(info["names"][1]) == [info["pid"]]
-        holder.send_signal(sig)
-        holder.wait(60)
-        holder.stdout.close()
+        try:
+            info = json.loads(holder.stdout.readline())
+            assert set(info["names"]) <= _netns_list()
+            deadline = time.time() + 30   # nsenter may not have entered the namespace yet
+            while namespace_pids(info["names"][1]) != [info["pid"]] and time.time() < deadline:
+                time.sleep(0.1)
+            assert namespace_pids(info["names"][1]) == [info["pid"]]
+        finally:
+            holder.send_signal(sig)
+            holder.wait(60)
+            holder.stdout.close()
         if sig != signal.SIGKILL:
             assert not set(info["names"]) & _netns_list(), sig
             assert not pid_alive(info["pid"]), f"process in the namespace survived {sig!r}"
