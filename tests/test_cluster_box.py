@@ -34,9 +34,10 @@ def _netns_list() -> set[str]:
 
 
 @pytest.fixture
-def pair():
-    with NetnsCluster(2) as box:
-        yield box
+def pair(netns_cluster):
+    box = netns_cluster(2)
+    yield box
+    box.stop()
     assert not set(box.names) & _netns_list()
 
 
