@@ -14,7 +14,8 @@ Layout (created as root by :meth:`NetnsCluster.start`, removed by :meth:`NetnsCl
                 route through ``eth0`` (real nodes have one; Ray and ``megarl_node_ip`` ask the
                 routing table for their address)
 
-``<run>`` is ``megarl-<pid>-<random>``. The root namespace gets nothing (no bridge, no link, no
+``<run>`` is ``megarl-<pid>-<random>``. Commands enter a node with ``nsenter --net`` (the network
+namespace only: the filesystem, /sys and cgroups stay the host's, as one machine's are). The root namespace gets nothing (no bridge, no link, no
 route), so traffic between the nodes stays in namespaces this run made. Teardown (``stop``, also
 from the context manager on failure, from SIGTERM turned into SystemExit, and at interpreter
 exit) stops the processes this module started, then every process still inside the run's
@@ -48,7 +49,7 @@ from typing import Any, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "megarl"
-_RUN_RE = re.compile(rf"^({PREFIX}-(\d+)-[0-9a-f]+)(-.*)?$")
+_RUN_RE = re.compile(r"^([A-Za-z0-9_]+-(\d+)-[0-9a-f]+)(-.*)?$")   # <prefix>-<pid>-<random>[-<role>]
 
 
 def netns_available() -> Optional[str]:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megarl.config import ConfigError, load_config, validate_config
+from megarl.config import ConfigError, validate_config
 from tests.helpers.runs import tiny_model, tiny_run_config
 
 
