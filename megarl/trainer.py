@@ -242,7 +242,8 @@ class Trainer:
                     "stop_token_ids": stop}
         if not hasattr(self, "_manager"):
             self._manager = RolloutManager(self.servers.urls, max_concurrency=r.max_running_requests,
-                                           timeout_s=r.request_timeout_s, api_key=self.servers.api_key)
+                                           timeout_s=r.request_timeout_s, request_retries=r.request_retries,
+                                           api_key=self.servers.api_key)
         outputs = self._manager.generate(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base)
         samples = []
         for g, (rec, ids, outs) in enumerate(zip(kept, prompts, outputs)):
@@ -327,7 +328,9 @@ class Trainer:
         cfg, a = self.cfg, self.cfg.algorithm
         times: dict[str, float] = {}
         t = time.time()
+        retried = self._manager.retried if hasattr(self, "_manager") else 0
         samples, metrics = self.collect(step)
+        metrics["rollout/retried_requests"] = self._manager.retried - retried  # after a failure or timeout
         times["rollout"] = time.time() - t
         self._rollout_memory("release")
         rewards = torch.tensor([s.reward for s in samples])
@@ -480,8 +483,7 @@ class Trainer:
                  "python_rng": random.getstate(), "torch_rng": torch.get_rng_state().tolist()}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         replace_dir(tmp, final)  # a checkpoint is either whole or absent
-        for old in sorted(self.ckpt_dir.glob("step_*"))[: -self.cfg.checkpoint.keep_last or None]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(self.ckpt_dir, self.cfg.checkpoint.keep_last)
         note(f"checkpoint {final}")
         return final
 
@@ -563,6 +565,17 @@ class Trainer:
 def cfg_role_layout(role: Any) -> str:
     p = role.parallel
     return f"{role.gpus} rank(s) tp{p.tp} pp{p.pp}" + (f" ep{p.ep}" if p.ep > 1 else "")
+
+
+def prune_checkpoints(ckpt_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints (``keep_last`` 0: keep every one);
+    returns what was deleted. The newest is never deleted: it was just written."""
+    if keep_last <= 0:
+        return []
+    old = sorted(ckpt_dir.glob("step_*"))[:-keep_last]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:

@@ -19,3 +19,25 @@ def pytest_runtest_makereport(item, call):
     if os.environ.get("CI") and report.skipped and not hasattr(report, "wasxfail"):
         report.outcome = "failed"
         report.longrepr = f"skipped on CI (a missing dependency?): {report.longrepr}"
+
+
+@pytest.fixture
+def netns_cluster():
+    """Factory of fake nodes (tests/netns_cluster.py): ``netns_cluster(n)`` returns a started
+    NetnsCluster of ``n`` network namespaces, torn down after the test (also when it fails)."""
+    from tests.netns_cluster import NetnsCluster, netns_available
+
+    why = netns_available()
+    if why:
+        pytest.skip(why)
+    made = []
+
+    def make(nodes: int, **kw):
+        made.append(NetnsCluster(nodes, **kw).start())
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for box in made:
+            box.stop()

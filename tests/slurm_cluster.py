@@ -10,6 +10,12 @@ Two node names on one host: each fake node gets its own ``slurmd -N NAME`` with 
 spool dir and pid file (``%n`` in the paths), all with ``NodeAddr=127.0.0.1``. slurmctld then
 schedules a 2-node job over them, and ``srun -w n2`` starts its task through n2's slurmd.
 
+With ``netns=`` (a started ``tests.netns_cluster.NetnsCluster``) node ``nK`` is network namespace
+K-1 instead: its slurmd runs there with ``NodeAddr`` = that namespace's address, slurmctld and every
+client command run in the first node's namespace (``SlurmctldHost=localhost(<its address>)``), so
+a job's steps on n1 and n2 see two different addresses and two different loopbacks, as on two
+machines.
+
 Daemons are stopped by the pids in their own pid files (never by process name: other test
 sessions may run their own daemons on this machine).
 
@@ -27,6 +33,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel")
 
@@ -55,7 +62,10 @@ def _free_ports(n: int) -> list[int]:
 
 class SlurmCluster:
     def __init__(self, root: str | Path, nodes: int = 2, cpus: int | None = None, gpus: int = 4,
-                 memory_mb: int = 4000, name: str = "megarltest"):
+                 memory_mb: int = 4000, name: str = "megarltest", netns: Any = None):
+        if netns is not None and len(netns) < nodes:
+            raise ValueError(f"netns has {len(netns)} node(s), the SLURM cluster needs {nodes}")
+        self.netns = netns
         self.root = Path(root)
         self.node_names = [f"n{i + 1}" for i in range(nodes)]
         self.cpus = cpus or os.cpu_count() or 1
@@ -79,13 +89,15 @@ class SlurmCluster:
             if not link.is_symlink():
                 link.symlink_to("/dev/null")
         ctld_port, *node_ports = _free_ports(1 + len(self.node_names))
+        addrs = [self.node_address(i) for i in range(len(self.node_names))]
         nodes = "\n".join(
-            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} "
+            f"NodeName={n} NodeHostname=localhost NodeAddr={a} Port={p} CPUs={self.cpus} "
             f"RealMemory={self.memory_mb} Gres=gpu:{self.gpus} State=UNKNOWN"
-            for n, p in zip(self.node_names, node_ports))
+            for n, a, p in zip(self.node_names, addrs, node_ports))
+        ctld_host = f"localhost({addrs[0]})" if self.netns is not None else "localhost"
         self.conf.write_text(f"""\
 ClusterName={self.name}
-SlurmctldHost=localhost
+SlurmctldHost={ctld_host}
 SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
@@ -117,6 +129,14 @@ PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINI
             "AutoDetect=off\n"
             + "".join(f"NodeName={n} Name=gpu File={r}/dev/nvidia[0-{self.gpus - 1}]\n" for n in self.node_names))
 
+    def node_address(self, i: int) -> str:
+        """The address node ``n<i+1>`` is reached at: its namespace's, or 127.0.0.1 without netns."""
+        return self.netns.address(i) if self.netns is not None else "127.0.0.1"
+
+    def _on_node(self, i: int, cmd: list[str]) -> list[str]:
+        """``cmd`` run on node ``n<i+1>``: inside its namespace when there is one."""
+        return self.netns.command(i, cmd) if self.netns is not None else cmd
+
     # ------------------------------------------------------------------ daemons
     def pid_files(self) -> list[Path]:
         return [self.root / "slurmctld.pid"] + [self.root / f"slurmd.{n}.pid" for n in self.node_names]
@@ -124,9 +144,11 @@ PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINI
     def start(self, timeout: float = 30.0) -> "SlurmCluster":
         self.write_config()
         # -i: ignore saved state of an earlier run in this dir. Both daemonize and write pid files.
-        subprocess.run(["slurmctld", "-i", "-f", str(self.conf)], env=self.env, check=True)
-        for n in self.node_names:
-            subprocess.run(["slurmd", "-f", str(self.conf), "-N", n], env=self.env, check=True)
+        subprocess.run(self._on_node(0, ["slurmctld", "-i", "-f", str(self.conf)]), env=self.env, check=True,
+                       timeout=timeout)
+        for i, n in enumerate(self.node_names):
+            subprocess.run(self._on_node(i, ["slurmd", "-f", str(self.conf), "-N", n]), env=self.env, check=True,
+                           timeout=timeout)
         deadline = time.time() + timeout
         while time.time() < deadline:
             out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout
@@ -191,8 +213,10 @@ PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINI
 
     # ------------------------------------------------------------------ clients
     def run(self, cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
+        """A client command (sbatch, squeue, ...), from the first node (where slurmctld listens)."""
         env = dict(self.env, **kw.pop("env", {}))
-        return subprocess.run(cmd, env=env, check=check, capture_output=True, text=True, **kw)
+        kw.setdefault("timeout", 120)
+        return subprocess.run(self._on_node(0, cmd), env=env, check=check, capture_output=True, text=True, **kw)
 
     def sbatch(self, args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None) -> int:
         proc = self.run(["sbatch", "--parsable", *args], env=env or {}, cwd=cwd, check=False)

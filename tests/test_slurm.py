@@ -1,10 +1,10 @@
 """The real sbatch scripts on a real slurmctld + slurmd (Debian slurm-wlm), one host.
 
-The cluster has two SLURM node names (n1, n2), each its own slurmd on this host with 4 fake GPUs
-(gres backed by /dev/null symlinks), so `sbatch -N 2` is a real 2-node allocation: the batch step
-runs on n1, `srun -w n2` goes through n2's slurmd, and the Ray head and the Ray worker are two Ray
-nodes (two raylets) on one machine. What one host cannot show: separate network addresses (both
-Ray nodes report the same IP) and real GPUs.
+The cluster has two SLURM node names (n1, n2), each its own slurmd with 4 fake GPUs (gres backed by
+/dev/null symlinks) in its own network namespace (tests/netns_cluster.py: own address, own
+loopback), so `sbatch -N 2` is a real 2-node allocation: the batch step runs on n1, `srun -w n2`
+goes through n2's slurmd, and the Ray head and the Ray worker are two Ray nodes with two different
+addresses. What one host cannot show: real GPUs, NCCL across hosts, a real fabric.
 
 Skipped when slurm-wlm is not installed or not root, unless MEGARL_REQUIRE_SLURM=1 (CI), where
 that is a failure.
@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netns_cluster import NetnsCluster, netns_available  # noqa: E402
 from slurm_cluster import SlurmCluster, slurm_available  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_RECIPE = "recipes/smollm2-135m-grpo-cpu.yaml"
 
-_why = slurm_available()
+_why = slurm_available() or netns_available()
 if _why and os.environ.get("MEGARL_REQUIRE_SLURM") != "1":
     pytestmark = pytest.mark.skip(reason=_why)
 
@@ -35,13 +36,16 @@ if _why and os.environ.get("MEGARL_REQUIRE_SLURM") != "1":
 def cluster(tmp_path_factory):
     if _why:
         pytest.fail(f"MEGARL_REQUIRE_SLURM=1 but {_why}")
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2, gpus=4)
-    t0 = time.time()
-    c.start()
-    print(f"slurm cluster up in {time.time() - t0:.1f}s: {c.node_names}")
-    yield c
-    c.stop()
-    assert c.alive_daemons() == [], "slurm daemons still running after stop()"
+    with NetnsCluster(2) as nodes:
+        c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2, gpus=4, netns=nodes)
+        t0 = time.time()
+        try:
+            c.start()
+            print(f"slurm cluster up in {time.time() - t0:.1f}s: {c.node_names} at {nodes.addresses}")
+            yield c
+        finally:
+            c.stop()
+        assert c.alive_daemons() == [], "slurm daemons still running after stop()"
 
 
 def _job_env(tmp: Path, **extra: str) -> tuple[dict[str, str], str]:
@@ -87,14 +91,16 @@ DRIVER_CHECK = (
     "import json, os, ray; ray.init(address='auto', logging_level='ERROR'); "
     "nodes = [n for n in ray.nodes() if n['Alive']]; "
     "json.dump({'nodes': len(nodes), 'resources': ray.cluster_resources(), "
-    "'per_node': [n['Resources'] for n in nodes], 'address': os.environ['RAY_ADDRESS']}, "
+    "'per_node': [n['Resources'] for n in nodes], 'ips': [n['NodeManagerAddress'] for n in nodes], "
+    "'address': os.environ['RAY_ADDRESS']}, "
     "open(os.environ['OUT'] + '/driver.json', 'w')); ray.shutdown()"
 )
 
 
 def test_sbatch_two_nodes_ray_bootstrap_and_teardown(cluster, tmp_path):
     """train.sbatch on 2 SLURM nodes: Ray head on n1, worker on n2 via srun, driver sees both nodes
-    and 2 fake GPUs per node (from --gpus-per-node), job completes, no Ray process outlives it."""
+    at their own addresses and 2 fake GPUs per node (from --gpus-per-node), job completes, no Ray
+    process outlives it."""
     out = tmp_path / "out"
     env, ray_tmp = _job_env(tmp_path, OUT=str(out), MEGARL_CMD=f"{sys.executable} -c \"{DRIVER_CHECK}\"")
     job = cluster.sbatch(["-N", "2", "--gpus-per-node=2", f"--output={cluster.root}/job-%j.out",
@@ -106,6 +112,8 @@ def test_sbatch_two_nodes_ray_bootstrap_and_teardown(cluster, tmp_path):
     assert info["NumNodes"] == "2" and info["NodeList"] == "n[1-2]"
     ray_info = json.loads((out / "ray_cluster.json").read_text())
     assert ray_info["nodes"] == 2 and ray_info["gpus"] == 4, ray_info
+    n1, n2 = cluster.node_address(0), cluster.node_address(1)
+    assert ray_info["node_ips"] == sorted([n1, n2]) and ray_info["address"].startswith(f"{n1}:"), ray_info
     driver = json.loads((out / "driver.json").read_text())
     assert driver["nodes"] == 2 and driver["resources"]["GPU"] == 4
     assert sorted(n.get("GPU") for n in driver["per_node"]) == [2, 2]
@@ -126,8 +134,9 @@ def test_disaggregated_sbatch_marks_pools(cluster, tmp_path):
     info = cluster.wait(job, timeout=300)
     assert info["JobState"] == "COMPLETED", _log(cluster, job)
     driver = json.loads((out / "driver.json").read_text())
-    pools = sorted((("megarl_train" in n) * "train" + ("megarl_rollout" in n) * "rollout") for n in driver["per_node"])
-    assert pools == ["rollout", "train"], driver["per_node"]
+    pools = {ip: ("megarl_train" in n) * "train" + ("megarl_rollout" in n) * "rollout"
+             for ip, n in zip(driver["ips"], driver["per_node"])}
+    assert pools == {cluster.node_address(0): "train", cluster.node_address(1): "rollout"}, driver
     assert driver["resources"]["megarl_train"] == 2 and driver["resources"]["megarl_rollout"] == 2
     assert _wait_gone(ray_tmp) == []
 

@@ -142,6 +142,8 @@ class RolloutConfig:
     mem_fraction: float = opt(0.7, "SGLang --mem-fraction-static")
     max_running_requests: int = opt(64, "concurrent sequences per server")
     request_timeout_s: float = opt(600.0, "per-request timeout")
+    request_retries: int = opt(2, "times one generation request is sent again after failing on a server "
+                                  "that still answers /health (a server that does not is dropped for the run)")
     logprob_diff_bound: float = opt(0.05, "step 0 fails if mean |rollout - train| logprob exceeds this")
     api_key_env: str = opt("MEGARL_API_KEY", "environment variable holding the servers' API key (sent as "
                            "Authorization: Bearer); unset: a fresh key per run for servers megarl starts, none "
@@ -246,7 +248,7 @@ class CheckpointConfig:
     dir: Optional[str] = opt(None, "checkpoint folder (default: OUTPUT_DIR/checkpoints)")
     interval: int = opt(0, "save every N steps (0 = only at the end)")
     resume: str = opt("auto", "auto: latest in dir if any; none; or a checkpoint path")
-    keep_last: int = opt(2, "checkpoints kept")
+    keep_last: int = opt(2, "newest checkpoints kept, older ones deleted (0 = keep all)")
     export_hf: bool = opt(True, "export the final actor as an HF folder")
 
 

@@ -285,6 +285,10 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"trainer.total_steps: must be >= 1, got {cfg.trainer.total_steps}")
     if cfg.checkpoint.interval < 0:
         problems.append(f"checkpoint.interval: must be >= 0, got {cfg.checkpoint.interval}")
+    if cfg.rollout.request_retries < 0:
+        problems.append(f"rollout.request_retries: must be >= 0, got {cfg.rollout.request_retries}")
+    if cfg.checkpoint.keep_last < 0:
+        problems.append(f"checkpoint.keep_last: must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_last}")
 
 
 def _check_paths(cfg: RunConfig, problems: list[str]) -> None:

@@ -6,13 +6,26 @@ that several roles fit on the same GPU, as in verl's colocated layout. Disaggreg
 pool, the critic's pool and the rollout pool are separate placement groups, so rollout nodes never
 hold trainer ranks; the reference and reward model share the actor's pool (they run in phases
 when the actor is idle).
+
+Node resources: ``launch/slurm/train_disagg.sbatch`` (and ``ray start --resources`` on any Ray
+cluster) marks trainer nodes with ``megarl_train`` and rollout nodes with ``megarl_rollout``. In a
+disaggregated run each bundle of the trainer pools asks for one unit of ``megarl_train`` and each
+rollout bundle for one of ``megarl_rollout`` when the cluster offers them, so Ray can only put the
+pools on their own nodes. Without them on a cluster of several nodes the pools may share nodes:
+the run still works (placement groups never share a GPU) and says in one line what to add.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 ROLES = ("actor", "critic", "ref", "reward_model")
+TRAIN_RESOURCE = "megarl_train"
+ROLLOUT_RESOURCE = "megarl_rollout"
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold a pool as the run asks; the message names the pool and the resource."""
 
 
 @dataclass
@@ -22,6 +35,7 @@ class Pool:
     roles: list[str] = field(default_factory=list)
     gpus_per_bundle: float = 0.0
     cpus_per_bundle: float = 1.0
+    node_resource: Optional[str] = None  # Ray node resource each bundle asks for when the cluster has it
 
 
 def plan_pools(cfg: Any) -> dict[str, Pool]:
@@ -31,12 +45,48 @@ def plan_pools(cfg: Any) -> dict[str, Pool]:
     enabled = [r for r in ROLES if getattr(cfg, r).enabled]
     if cfg.placement.mode == "colocated":
         return {"shared": Pool("shared", cfg.actor.gpus, enabled, gpu, cpus)}
-    pools = {"actor": Pool("actor", cfg.actor.gpus, [r for r in enabled if r != "critic"], gpu, cpus)}
+    pools = {"actor": Pool("actor", cfg.actor.gpus, [r for r in enabled if r != "critic"], gpu, cpus, TRAIN_RESOURCE)}
     if cfg.critic.enabled:
-        pools["critic"] = Pool("critic", cfg.critic.gpus, ["critic"], gpu, cpus)
+        pools["critic"] = Pool("critic", cfg.critic.gpus, ["critic"], gpu, cpus, TRAIN_RESOURCE)
     if cfg.rollout.gpus:
-        pools["rollout"] = Pool("rollout", cfg.rollout.gpus, [], gpu, cpus)
+        pools["rollout"] = Pool("rollout", cfg.rollout.gpus, [], gpu, cpus, ROLLOUT_RESOURCE)
     return pools
+
+
+def node_resource_requests(pools: dict[str, Pool], cluster_resources: dict[str, float],
+                           alive_nodes: int) -> tuple[dict[str, Optional[str]], list[str]]:
+    """Which node resource each pool's bundles ask for (pure: no Ray), and one-line warnings.
+
+    A pool asks for its resource when the cluster offers it; it fails at once, naming the pools
+    and the amounts, when the marked nodes cannot hold the pools that share the resource (Ray would
+    otherwise wait for them until the placement timeout). A pool whose resource no node offers
+    gets a warning on a cluster of several nodes (nothing to separate on one node).
+    """
+    requests: dict[str, Optional[str]] = {}
+    warnings: list[str] = []
+    need: dict[str, list[Pool]] = {}
+    for name, pool in pools.items():
+        resource = pool.node_resource
+        if resource is None:
+            requests[name] = None
+        elif cluster_resources.get(resource, 0) > 0:
+            requests[name] = resource
+            need.setdefault(resource, []).append(pool)
+        else:
+            requests[name] = None
+            if alive_nodes > 1:
+                warnings.append(
+                    f"pool {name!r} ({pool.bundles} bundle(s)): no node of this {alive_nodes}-node Ray cluster offers "
+                    f"resource {resource!r}, so the trainer and rollout pools may share nodes; start its nodes with "
+                    f"`ray start --resources='{{\"{resource}\": GPUS}}'` (launch/slurm/train_disagg.sbatch does)")
+    for resource, users in need.items():
+        wanted = sum(p.bundles for p in users)
+        have = cluster_resources.get(resource, 0)
+        if wanted > have:
+            names = " + ".join(f"{p.name!r} ({p.bundles})" for p in users)
+            raise PlacementError(f"pools {names} need {wanted} bundle(s) on nodes with resource {resource!r}; "
+                                 f"the cluster's {resource} nodes offer {have:g}")
+    return requests, warnings
 
 
 def pool_of(pools: dict[str, Pool], role: str) -> Pool:
@@ -47,16 +97,26 @@ def pool_of(pools: dict[str, Pool], role: str) -> Pool:
 
 
 def create_placement_groups(pools: dict[str, Pool], timeout_s: float = 120.0) -> dict[str, Any]:
-    """One Ray placement group per pool (PACK strategy keeps a role's ranks on few nodes);
-    fails with the pool's name and its request when the cluster cannot hold it."""
+    """One Ray placement group per pool (PACK strategy keeps a role's ranks on few nodes), each
+    bundle on a node carrying the pool's node resource when the cluster has it (see
+    :func:`node_resource_requests`); fails with the pool's name and its request when the cluster
+    cannot hold it."""
     import ray
     from ray.util.placement_group import placement_group
 
+    from megarl.metrics_log import note
+
+    alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    requests, warnings = node_resource_requests(pools, ray.cluster_resources(), alive)
+    for warning in warnings:
+        note(warning)
     groups = {}
     for name, pool in pools.items():
         bundle = {"CPU": pool.cpus_per_bundle}
         if pool.gpus_per_bundle:
             bundle["GPU"] = pool.gpus_per_bundle
+        if requests[name]:
+            bundle[requests[name]] = 1.0
         pg = placement_group([dict(bundle) for _ in range(pool.bundles)], strategy="PACK", name=f"megarl_{name}")
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:

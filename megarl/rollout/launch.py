@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -51,14 +50,11 @@ class ServerHost:
     def address(self, routable: bool) -> tuple[str, int]:
         """(address to bind and dial, a free port on it): this node's address as Ray reports it
         when peers on other nodes must reach the server, else loopback."""
-        host = "127.0.0.1"
-        if routable:
-            import ray
+        from megarl.parallel.launcher import free_port
+        from megarl.placement.addresses import node_address
 
-            host = ray.util.get_node_ip_address()
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            return host, probe.getsockname()[1]
+        host = node_address() if routable else "127.0.0.1"
+        return host, free_port(host)
 
     def gpu_ids(self) -> list[str]:
         import ray

@@ -18,6 +18,14 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
                                                     _world, default_pg_timeout, rendezvous)
     timeout = timeout or default_pg_timeout
+    if str(backend) == "gloo":
+        # bind the interface that routes to the master, not what the hostname resolves to
+        # (loopback on Debian-style hosts: peers on other nodes would be told to dial 127.0.0.1)
+        from urllib.parse import urlparse
+
+        from megarl.parallel.dist import bind_gloo_towards
+
+        bind_gloo_towards(urlparse(init_method).hostname or "127.0.0.1")
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)

@@ -52,7 +52,6 @@ import concurrent.futures
 import json
 import os
 import shutil
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, ContextManager, Iterable, List, Optional, Sequence, Tuple
@@ -87,24 +86,13 @@ def server_rank_offsets(server_tp_sizes: Sequence[int]) -> Tuple[List[int], int]
 
 
 def dial_back_address(server_urls: Sequence[str]) -> str:
-    """The address of this host that the servers can dial: inside Ray the node's IP as Ray
-    reports it; otherwise the local address of the interface that routes to the first server
-    (a UDP "connect" sends nothing). Never gethostbyname(gethostname()) (127.0.1.1 on Debian-style
-    hosts), and 127.0.0.1 only when the servers themselves are on loopback."""
-    try:
-        import ray
+    """The address of this host that the servers can dial back (the update group's master):
+    `megarl.placement.addresses.node_address` towards the first server (Ray's node IP inside
+    Ray; never gethostbyname(gethostname()), which is 127.0.1.1 on Debian-style hosts)."""
+    from megarl.placement.addresses import node_address
 
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    host = urlparse(server_urls[0] if "://" in server_urls[0] else "http://" + server_urls[0]).hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))
-        return probe.getsockname()[0]
+    url = server_urls[0] if "://" in server_urls[0] else "http://" + server_urls[0]
+    return node_address(peer=urlparse(url).hostname or "127.0.0.1")
 
 
 @dataclass

@@ -8,12 +8,12 @@ process (tests, one-GPU boxes without Ray).
 """
 from __future__ import annotations
 
-import socket
 from typing import Any, Optional
 
 import torch
 
 from megarl.parallel.launcher import free_port
+from megarl.placement.addresses import node_address
 from megarl.workers.megatron_worker import MegatronWorker, WorkerSpec
 
 
@@ -25,7 +25,10 @@ class _RayRank(MegatronWorker):
 
     @staticmethod
     def node_address() -> tuple[str, int]:
-        return socket.gethostbyname(socket.gethostname()), free_port()
+        """(this node's address as Ray reports it, a port free on it): the rendezvous that ranks
+        on other nodes dial (never 127.0.0.1 or the hostname's /etc/hosts entry)."""
+        address = node_address()
+        return address, free_port(address)
 
 
 class WorkerGroup:
@@ -85,11 +88,13 @@ class WorkerGroup:
         return slots
 
     def reduce_metrics(self, per_rank: list[dict[str, float]]) -> dict[str, float]:
-        """Add ``*_sum`` metrics over output ranks (they carry global denominators), average the rest."""
-        outputs = [m for m in per_rank if m]
+        """Add ``*_sum`` metrics over output ranks (they carry global denominators), average the rest;
+        each over the ranks that report it (a data-parallel rank without samples reports no loss
+        metrics)."""
         merged: dict[str, float] = {}
-        for key in outputs[0] if outputs else []:
-            values = [m[key] for m in outputs]
+        keys = dict.fromkeys(k for m in per_rank if m for k in m)
+        for key in keys:
+            values = [m[key] for m in per_rank if m and key in m]
             if key.endswith("_sum"):
                 merged[key[: -len("_sum")]] = sum(values)
             else:

@@ -11,6 +11,12 @@ DDP averages gradients over data-parallel ranks. RL losses need *global* denomin
 sequences of the whole mini-batch), which the driver computes once; the loss handed to megatron is
 ``loss(global denominators) * num_microbatches * dp`` so that, after megatron's own scaling, the
 summed gradient is exactly the gradient of the mini-batch loss.
+
+Fewer samples than data-parallel ranks (dynamic sampling that gave up early can leave a mini-batch
+smaller than dp): a rank with an empty share still runs one micro-batch of a real sample with its
+loss multiplied by zero, so it joins every collective of the step (the gradient all-reduce, TP/PP
+exchanges, MoE all-to-alls over the expert-data-parallel group) and adds exactly nothing; it
+returns no per-sample results and no loss metrics.
 """
 from __future__ import annotations
 
@@ -165,6 +171,12 @@ class MegatronWorker:
         dp, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
         return list(range(rank, n, dp))
 
+    @staticmethod
+    def _filler(batch: SequenceBatch, index: list[int]) -> SequenceBatch:
+        """One real sample for a rank whose share is empty: it runs through the schedule (so the
+        rank joins the collectives) and its loss is multiplied by zero."""
+        return batch.select(index[:1])
+
     def _micro_batches(self, batch: SequenceBatch) -> list[list[int]]:
         budget = self.role_cfg.max_tokens_per_micro_batch
         if budget:
@@ -244,6 +256,10 @@ class MegatronWorker:
         for chunk in self.chunks:
             chunk.eval()
         share = self._dp_share(len(batch))
+        if not share:  # fewer samples than dp ranks: join the collectives, return nothing
+            self._run_schedule([self._filler(batch, list(range(len(batch))))], lambda out, mb: (None, []),
+                               forward_only=True)
+            return None
         local = batch.select(share)
         micro = self._micro_batches(local)
         results = self._run_schedule([local.select(m) for m in micro],
@@ -264,13 +280,15 @@ class MegatronWorker:
         means: dict[str, list[float]] = {}
         for mb_index, denom in zip(minibatches, denominators):
             share = [mb_index[i] for i in self._dp_share(len(mb_index))]
-            local = batch.select(share)
+            local = batch.select(share) if share else self._filler(batch, mb_index)
             micro = self._micro_batches(local)
             scale = len(micro) * dp
             loss_fn = self._critic_loss if self.spec.value_head else self._actor_loss
 
-            def per_output(out, mb, _denom=denom, _scale=scale):
+            def per_output(out, mb, _denom=denom, _scale=scale, _filler=not share):
                 loss, metrics = loss_fn(out, mb, _denom, algo)
+                if _filler:
+                    return loss * 0.0, {}
                 return loss * _scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
 
             for chunk in self.chunks:
@@ -308,14 +326,19 @@ class MegatronWorker:
         grad_norms = []
         for mb_pairs in minibatches:
             share = [mb_pairs[i] for i in self._dp_share(len(mb_pairs))]
+            filler = not share  # fewer pairs than dp ranks: one real pair, loss times zero
+            if filler:
+                share = mb_pairs[:1]
             micro = split_fixed(len(share), max(1, self.role_cfg.micro_batch_size // 2))
             scale = len(micro) * dp
             num_pairs = float(len(mb_pairs))
 
-            def per_output(out, mb, _n=num_pairs, _scale=scale):
+            def per_output(out, mb, _n=num_pairs, _scale=scale, _filler=filler):
                 scores = self._last_token_values(out, mb)
                 margin = scores[0::2] - scores[1::2]
                 loss = -torch.nn.functional.logsigmoid(margin).sum() / _n
+                if _filler:
+                    return loss * 0.0, {}
                 metrics = {"loss_sum": loss.detach(), "accuracy_sum": (margin > 0).float().sum() / _n,
                            "margin_sum": margin.detach().sum() / _n}
                 return loss * _scale, {k: v.detach().float().cpu() for k, v in metrics.items()}

@@ -1,0 +1,227 @@
+"""Reliability defects of issue 15, each checked where it happens: checkpoint retention, a
+data-parallel rank without samples, and a rollout server that timed out once."""
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megarl.config import ConfigError, validate_config
+from tests.helpers.runs import tiny_model, tiny_run_config
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("models"))
+
+
+# ---------------------------------------------------------------------------------- keep_last
+
+def _save_steps(cfg, steps: list[int]) -> list[str]:
+    """Trainer.save_checkpoint for each step (no worker roles: only the trainer's own state)."""
+    from megarl.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    trainer.loader = SimpleNamespace(state_dict=lambda: {"epoch": 0})
+    trainer.kl_ctl = SimpleNamespace(value=0.0)
+    for step in steps:
+        trainer.state.step = step
+        written = trainer.save_checkpoint()
+        assert written.is_dir(), f"checkpoint {written} deleted right after it was written"
+    return sorted(p.name for p in trainer.ckpt_dir.glob("step_*"))
+
+
+@pytest.mark.parametrize("keep_last, kept", [(0, ["step_000001", "step_000002", "step_000003"]),
+                                             (1, ["step_000003"]),
+                                             (2, ["step_000002", "step_000003"])])
+def test_keep_last_zero_keeps_every_checkpoint(model, tmp_path, keep_last, kept):
+    cfg = tiny_run_config(model, tmp_path / "run", f"checkpoint.keep_last={keep_last}")
+    assert _save_steps(cfg, [1, 2, 3]) == kept
+
+
+def test_keep_last_negative_is_refused(model, tmp_path):
+    with pytest.raises(ConfigError, match=r"checkpoint\.keep_last"):
+        validate_config(tiny_run_config(model, tmp_path / "run", "checkpoint.keep_last=-1"))
+
+
+# ---------------------------------------------------------------------- a dp rank without samples
+
+SEQUENCES = [[1, 20, 300, 4000, 50, 6, 70, 8]]
+PROMPT_LENS = [3]
+
+
+def _algo(cfg) -> dict:
+    """The algorithm settings Trainer.step hands to ``train`` (same fields, from the config)."""
+    a = cfg.algorithm
+    return {"policy_loss": a.policy_loss, "entropy_coef": a.entropy_coef, "value_clip": a.value_clip,
+            "kl_loss_coef": 0.0, "kl_estimator": a.kl.estimator, "agg_mode": a.loss_agg,
+            "policy_loss_cfg": {"clip_low": a.clip_low, "clip_high": a.clip_high, "dual_clip_c": a.dual_clip_c,
+                                "agg_mode": a.loss_agg, "tis_cap": a.tis_cap,
+                                "norm_len": float(cfg.rollout.sampling.max_new_tokens)}}
+
+
+def _params(worker) -> dict[str, torch.Tensor]:
+    """This rank's Megatron parameters (every data-parallel rank holds a full copy at tp=pp=1)."""
+    return {n: p.detach().float().clone() for c in worker.chunks for n, p in c.named_parameters()}
+
+
+def _train_one_sample(rank: int, world: int, cfg, out_dir: str) -> dict:
+    """One rank: forward the one-sample batch, then one optimizer step on it; the weights after the
+    step go to ``out_dir/rank<r>.pt`` (too big for the result queue)."""
+    import torch.distributed as dist
+
+    from megarl.trainer import denominators
+    from megarl.workers import MegatronWorker, SequenceBatch, WorkerSpec
+
+    worker = MegatronWorker(WorkerSpec(role="actor", cfg=cfg, rank=rank, world_size=world, master_addr="127.0.0.1",
+                                       master_port=int(os.environ["MASTER_PORT"]), trainable=True, value_head=False))
+    worker.setup()
+    before = _params(worker)
+    batch = SequenceBatch(SEQUENCES, PROMPT_LENS)
+    mask = batch.response_mask()
+    batch.tensors = {"response_mask": mask}
+    got = worker.compute_logprobs(batch)
+    shared = [got]
+    dist.broadcast_object_list(shared, src=0)        # rank 0 holds the only sample's logprobs
+    old = shared[0]["results"][0][0]
+    batch.tensors.update(old_logprobs=old, rollout_logprobs=old.clone(),
+                         advantages=torch.linspace(-1.0, 1.0, mask.shape[1]).unsqueeze(0) * mask)
+    metrics = worker.train(batch, [[0]], denominators(mask, [[0]]), _algo(cfg))
+    after = _params(worker)
+    moved = max(float((after[k] - before[k]).abs().max()) for k in after)
+    torch.save(after, os.path.join(out_dir, f"rank{rank}.pt"))
+    return {"forward": got, "metrics": metrics, "moved": moved}
+
+
+def test_dp_rank_without_samples_joins_and_changes_nothing(model, tmp_path):
+    """One sample, two data-parallel ranks (what dynamic sampling can leave): rank 1 has nothing to
+    train on. Both ranks finish the forward and the optimizer step, rank 1 reports no results and
+    no loss metrics, and the update is the one a single rank makes on the same sample."""
+    from megarl.parallel import spawn
+    from megarl.workers import WorkerGroup
+
+    # a mini-batch of 2 samples was planned (2 ranks x 1); the step has 1: min(2, 1) = 1 (trainer.minibatches)
+    base = ("trainer.total_steps=1", "batch.global_batch_size=2", "actor.micro_batch_size=1", "actor.optim.lr=1e-2")
+    (tmp_path / "dp1").mkdir()
+    (tmp_path / "dp2").mkdir()
+    one = spawn(_train_one_sample, 1, tiny_run_config(model, tmp_path / "dp1", *base), str(tmp_path / "dp1"),
+                init=False, timeout_s=240)
+    two = spawn(_train_one_sample, 2, tiny_run_config(model, tmp_path / "dp2", *base, "actor.gpus=2",
+                                                       "cluster.backend=ray"), str(tmp_path / "dp2"),
+                init=False, timeout_s=240)
+    weights_one = torch.load(tmp_path / "dp1" / "rank0.pt")
+    weights_two = [torch.load(tmp_path / "dp2" / f"rank{r}.pt") for r in range(2)]
+    assert two[1]["forward"] is None and two[0]["forward"]["index"] == [0]
+    assert torch.equal(two[0]["forward"]["results"][0][0], one[0]["forward"]["results"][0][0])
+    assert one[0]["moved"] > 1e-4                     # the step did train
+    for name, tensor in weights_one.items():
+        assert torch.allclose(weights_two[0][name], tensor, atol=1e-6, rtol=0), name
+        assert torch.equal(weights_two[1][name], weights_two[0][name]), name
+    assert "actor/pg_loss_sum" in two[0]["metrics"] and "actor/pg_loss_sum" not in two[1]["metrics"]
+    assert abs(two[1]["metrics"]["grad_norm"] - one[0]["metrics"]["grad_norm"]) < 1e-5
+    group = WorkerGroup.__new__(WorkerGroup)
+    merged, single = group.reduce_metrics([m["metrics"] for m in two]), group.reduce_metrics([one[0]["metrics"]])
+    assert merged.keys() == single.keys()
+    for key, value in single.items():
+        assert abs(merged[key] - value) < 1e-5, (key, merged[key], value)
+
+
+# ------------------------------------------------------------------ a generation timeout
+
+class FlakyServer:
+    """An HTTP server on a thread of its own: ``/generate`` stalls (longer than the client's
+    timeout) for its first ``stalls`` requests, then answers like SGLang (3 tokens with logprobs);
+    ``/health`` answers ``health_status``, or stalls too when ``health_status`` is None."""
+
+    def __init__(self, stalls: int, health_status: int | None = 200, stall_s: float = 3.0):
+        self.stalls, self.health_status, self.stall_s = stalls, health_status, stall_s
+        self.generate_calls = 0
+        self.health_calls = 0
+        self.loop = asyncio.new_event_loop()
+
+    async def handler(self, request):
+        from aiohttp import web
+
+        if request.path == "/health":
+            self.health_calls += 1
+            if self.health_status is None:
+                await asyncio.sleep(self.stall_s)
+            return web.Response(status=self.health_status or 200, text="ok")
+        self.generate_calls += 1
+        if self.generate_calls <= self.stalls:
+            await asyncio.sleep(self.stall_s)
+        body = await request.json()
+        ids = [int(body["input_ids"][-1]) + i for i in range(1, 4)]
+        return web.json_response({"output_ids": ids, "meta_info": {
+            "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, t, None] for t in ids]}})
+
+    def __enter__(self) -> "FlakyServer":
+        import threading
+
+        from tests.helpers.http import serve
+
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.runner, port = asyncio.run_coroutine_threadsafe(serve(self.handler), self.loop).result(10)
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _manager(urls: list[str], retries: int = 2):
+    from megarl.rollout.manager import RolloutManager
+
+    mgr = RolloutManager(urls, timeout_s=0.5, request_retries=retries, health_timeout_s=1.0)
+    for c in mgr.clients:
+        c.retries = 0  # the client's own retries would hide the manager's
+    return mgr
+
+
+def test_generation_timeout_keeps_a_server_that_answers_health():
+    """One timed-out generation: the server answers /health, so it stays in use, the request is
+    sent again and succeeds, and the retry is counted (was: marked dead, NoServerLeft)."""
+    with FlakyServer(stalls=1) as server:
+        mgr = _manager([server.url])
+        try:
+            out = mgr.generate([[10], [20]], n=2, sampling={"max_new_tokens": 3})
+            assert [[o.output_ids for o in group] for group in out] == [[[11, 12, 13]] * 2, [[21, 22, 23]] * 2]
+            assert mgr.dead == set() and mgr.retried == 1 and server.health_calls == 1
+            assert server.generate_calls == 5
+            mgr.generate([[30]], n=1, sampling={"max_new_tokens": 3})   # still in use afterwards
+            assert server.generate_calls == 6 and mgr.retried == 1
+        finally:
+            mgr.close()
+
+
+def test_generation_failing_on_a_healthy_server_gives_up_after_the_retries():
+    from megarl.rollout.manager import GenerationFailed
+
+    with FlakyServer(stalls=100, stall_s=1.5) as server:
+        mgr = _manager([server.url], retries=1)
+        try:
+            with pytest.raises(GenerationFailed, match=r"prompt 0 sample 0: failed 2 time\(s\) on rollout servers "
+                                                       r"that answer /health \(rollout.request_retries = 1\)"):
+                mgr.generate([[10]], n=1, sampling={"max_new_tokens": 3})
+            assert server.generate_calls == 2 and mgr.retried == 1 and mgr.dead == set()
+        finally:
+            mgr.close()
+
+
+def test_timed_out_server_without_health_is_dropped_and_its_requests_move():
+    """The first server hangs, /health included: it is marked dead and every request lands on the
+    second; the requests that moved are counted."""
+    with FlakyServer(stalls=100, health_status=None, stall_s=2.0) as hung, FlakyServer(stalls=0) as good:
+        mgr = _manager([hung.url, good.url])
+        try:
+            out = mgr.generate([[10], [20]], n=2, sampling={"max_new_tokens": 3})
+            assert all(len(o.output_ids) == 3 for group in out for o in group)
+            assert mgr.dead_urls == [hung.url] and len(mgr.failures) == 1 and "does not answer /health" in mgr.failures[0]
+            assert mgr.retried == 2 and good.generate_calls == 4
+        finally:
+            mgr.close()
