@@ -128,7 +128,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: Optional[str]
                 dead = [r for r, p in enumerate(procs)
                         if p.exitcode is not None and r not in results]
                 if dead:
-                    time.sleep(0.5)  # give its message a chance to arrive
+                    # give its message a chance to arrive (a rank that exited cleanly has sent it; on a
+                    # loaded machine the parent may see the exit before the queue's data)
+                    wait_until = time.time() + (10.0 if all(procs[r].exitcode == 0 for r in dead) else 0.5)
+                    while q.empty() and time.time() < wait_until:
+                        time.sleep(0.1)
                     if q.empty():
                         r = dead[0]
                         failure = SpawnError(r, f"process exited with code {procs[r].exitcode} "
