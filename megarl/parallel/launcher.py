@@ -51,11 +51,13 @@ def _worker(fn, rank, world_size, port, args, q, backend, timeout_s, init):
             from .dist import init_distributed
             init_distributed(backend=backend, timeout_s=timeout_s)
         result = fn(rank, world_size, *args)
+        # plain pickle bytes: through the queue's own pickler torch tensors would travel as
+        # shared-memory handles that die with this process, and the parent could not read them
         try:
-            pickle.dumps(result)
+            data = pickle.dumps(result)
         except Exception:
-            result = repr(result)
-        q.put((rank, True, result))
+            data = pickle.dumps(repr(result))
+        q.put((rank, True, data))
     except BaseException:  # noqa: BLE001 - report everything, incl. SystemExit
         q.put((rank, False, traceback.format_exc()))
     finally:
@@ -143,7 +145,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: Optional[str]
                                                      f"ranks {missing} did not finish")
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failure = SpawnError(rank, payload)
     finally:

@@ -65,16 +65,18 @@ def _response_layout(batch: TokenBatch, row_of_seq_start: Tensor) -> tuple[Tenso
     return pred, last, mask
 
 
-def packed_inputs(batch: TokenBatch, pad_to_multiple: int = 1) -> MicroInputs:
-    """Sequences end to end in ``[1, T]``; ``pad_to_multiple`` > 1 appends one padding sequence so
-    ``T`` divides (sequence parallelism splits the packed row over tensor-parallel ranks)."""
+def packed_inputs(batch: TokenBatch, pad_to_multiple: int = 1, length: int = 0) -> MicroInputs:
+    """Sequences end to end in ``[1, T]``; one padding sequence is appended to reach ``length``
+    tokens (interleaved pipeline schedules need one shape for all micro-batches) and then a
+    multiple of ``pad_to_multiple`` (sequence parallelism splits the row over TP ranks)."""
     from megarl.models.packed import pack_params, packed_positions
 
     if len(batch) == 0:
-        return placeholder_inputs(packed=True)
+        return placeholder_inputs(packed=True, length=length)
     lens = batch.seq_lens.tolist()
     ids = batch.tokens
-    pad = (-ids.numel()) % pad_to_multiple
+    target = max(length, ids.numel())
+    pad = target - ids.numel() + (-target) % pad_to_multiple
     if pad:
         lens = lens + [pad]
         ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)])
@@ -85,32 +87,45 @@ def packed_inputs(batch: TokenBatch, pad_to_multiple: int = 1) -> MicroInputs:
     return MicroInputs(batch, ids.unsqueeze(0).long(), pos.unsqueeze(0), params, pred, next_ids.long(), last, mask)
 
 
-def padded_inputs(batch: TokenBatch, pad_id: int = 0) -> MicroInputs:
-    """``[b, L]`` right-padded to the longest sample."""
+def padded_inputs(batch: TokenBatch, pad_id: int = 0, length: int = 0, rows: int = 0) -> MicroInputs:
+    """``[b, L]`` right-padded to the longest sample, or to at least ``rows x length`` (padding rows
+    at the end: one shape for all micro-batches of an interleaved pipeline schedule)."""
     if len(batch) == 0:
-        return placeholder_inputs(packed=False)
+        return placeholder_inputs(packed=False, length=length, rows=rows)
     lens = batch.seq_lens
-    width = int(lens.max())
-    b = len(batch)
+    width = max(int(lens.max()), length)
+    b = max(len(batch), rows)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     keep = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
-    ids[keep] = batch.tokens.long()
+    ids[: len(batch)][keep] = batch.tokens.long()
     pos = torch.arange(width).unsqueeze(0).expand(b, width).contiguous()
-    pred, last, mask = _response_layout(batch, torch.arange(b) * width)
+    pred, last, mask = _response_layout(batch, torch.arange(len(batch)) * width)
     return MicroInputs(batch, ids, pos, None, pred, torch.roll(ids.reshape(-1), -1), last, mask)
 
 
-def placeholder_inputs(packed: bool) -> MicroInputs:
-    """A one-token forward for an empty micro-batch (keeps per-micro-batch collectives matched)."""
+def placeholder_inputs(packed: bool, length: int = 0, rows: int = 0) -> MicroInputs:
+    """A forward of padding tokens for an empty micro-batch (keeps per-micro-batch collectives
+    matched); one token unless a common shape is asked for."""
     from megarl.models.packed import pack_params
 
     empty = TokenBatch(torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                        torch.zeros(0, dtype=torch.long))
-    ids = torch.zeros(1, 1, dtype=torch.long)
+    length = max(1, length)
+    ids = torch.zeros(1 if packed else max(1, rows), length, dtype=torch.long)
+    pos = torch.arange(length).unsqueeze(0).expand(ids.shape[0], length).contiguous()
     zeros = torch.zeros(0, 0, dtype=torch.int64)
-    return MicroInputs(empty, ids, ids.clone(), pack_params([1]) if packed else None, zeros,
-                       torch.zeros(1, dtype=torch.long), torch.zeros(0, dtype=torch.int64), zeros.float())
+    return MicroInputs(empty, ids, pos, pack_params([length]) if packed else None, zeros,
+                       torch.zeros(ids.numel(), dtype=torch.long), torch.zeros(0, dtype=torch.int64), zeros.float())
 
 
-def micro_inputs(batch: TokenBatch, packed: bool, pad_to_multiple: int = 1) -> MicroInputs:
-    return packed_inputs(batch, pad_to_multiple) if packed else padded_inputs(batch)
+def micro_inputs(batch: TokenBatch, packed: bool, pad_to_multiple: int = 1, length: int = 0,
+                 rows: int = 0) -> MicroInputs:
+    return packed_inputs(batch, pad_to_multiple, length) if packed else padded_inputs(batch, length=length, rows=rows)
+
+
+def common_shape(batches: list[TokenBatch], packed: bool) -> tuple[int, int]:
+    """``(length, rows)`` every micro-batch fits in: packed ``(max T, 1)``, padded ``(max L, max b)``."""
+    if packed:
+        return max((b.num_tokens for b in batches), default=1), 1
+    return (max((int(b.seq_lens.max()) for b in batches if len(b)), default=1),
+            max((len(b) for b in batches), default=1))

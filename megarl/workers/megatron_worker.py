@@ -25,7 +25,7 @@ import torch
 
 from megarl.models.builder import unwrap
 from megarl.data.batch import TokenBatch
-from megarl.workers.batch import MicroInputs, micro_inputs
+from megarl.workers.batch import MicroInputs, common_shape, micro_inputs
 from megarl.workers.dispatch import Shard
 from megarl.workers.vocab_parallel import logprobs_and_entropy
 
@@ -166,10 +166,13 @@ class MegatronWorker:
         return bool(getattr(self.role_cfg, "packing", False))
 
     def _inputs(self, micro: list[TokenBatch], device: torch.device) -> list[MicroInputs]:
-        """Model inputs of each micro-batch (packed row or padded block) on ``device``."""
+        """Model inputs of each micro-batch (packed row or padded block) on ``device``. megatron's
+        interleaved (virtual pipeline) schedule exchanges activations of one fixed shape, so there
+        every micro-batch is padded to a common one (packed: one padding sequence at the end)."""
         config = unwrap(self.chunks[0]).config
         multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
-        return [micro_inputs(mb, self._packed(), multiple).to(device) for mb in micro]
+        length, rows = common_shape(micro, self._packed()) if len(self.chunks) > 1 else (0, 0)
+        return [micro_inputs(mb, self._packed(), multiple, length, rows).to(device) for mb in micro]
 
     def _device(self) -> torch.device:
         return torch.device("cuda") if self.cfg.cluster.device == "cuda" else torch.device("cpu")
@@ -198,9 +201,10 @@ class MegatronWorker:
         chunks = self.chunks
         iters = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
         seq_len = max(mi.input_ids.shape[1] for mi in micro)
+        rows = max(mi.input_ids.shape[0] for mi in micro)
         fb = get_forward_backward_func()
         out = fb(forward_step_func=step, data_iterator=iters, model=chunks if len(chunks) > 1 else chunks[0],
-                 num_microbatches=len(micro), seq_length=seq_len, micro_batch_size=1,
+                 num_microbatches=len(micro), seq_length=seq_len, micro_batch_size=rows,
                  forward_only=forward_only, collect_non_loss_data=forward_only)
         # one entry per micro-batch on the last stage; placeholders carry no data
         return [d for d, mi in zip(out, micro) if not mi.empty] if len(out) == len(micro) else out
