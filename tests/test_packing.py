@@ -225,7 +225,7 @@ def _collect(results, batch, hf_dir, layout, packing, world, value_head):
                        micro_multiple=r.parallel.pp if r.parallel.vpp > 1 else 1)
     by_dp = {res["dp_rank"]: res["forward"]["token"] for res in results if res["forward"]}
     assert sorted(by_dp) == list(range(dp))
-    fwd = {k: unshard(batch, plan, [by_dp[d][k] for d in range(dp)]) for k in by_dp[0]}
+    fwd = {k: unshard(batch, plan, [torch.as_tensor(by_dp[d][k]) for d in range(dp)]) for k in by_dp[0]}
     metrics = [res["train"] for res in results if res.get("train")]
     merged = {}
     for m in metrics:

@@ -133,13 +133,26 @@ class TokenBatch:
 
     # ------------------------------------------------------------------ selection
     def select(self, index: Tensor | Sequence[int]) -> "TokenBatch":
-        """The samples ``index`` in that order (fields included)."""
-        index = torch.as_tensor(index, dtype=torch.int64)
-        tok = segment_index(self.seq_offsets, index)
-        resp = segment_index(self.response_offsets, index) if self.token_fields else None
-        return TokenBatch(self.tokens[tok], lengths_to_offsets(self.seq_lens[index]), self.prompt_lens[index],
-                          {k: v[resp] for k, v in self.token_fields.items()},
-                          {k: v[index] for k, v in self.sample_fields.items()})
+        """The samples ``index`` in that order (fields included). An ascending run of consecutive
+        samples is a view (no copy); otherwise each sample is one slice copied once."""
+        idx = [int(i) for i in (index.tolist() if isinstance(index, Tensor) else index)]
+        n = len(idx)
+        if n and idx == list(range(idx[0], idx[0] + n)):
+            return self.slice(idx[0], idx[0] + n)
+        it = torch.tensor(idx, dtype=torch.int64)
+        return TokenBatch(_gather_segments(self.tokens, self.seq_offsets, idx),
+                          lengths_to_offsets(self.seq_lens[it]), self.prompt_lens[it],
+                          {k: _gather_segments(v, self.response_offsets, idx) for k, v in self.token_fields.items()},
+                          {k: v[it] for k, v in self.sample_fields.items()})
+
+    def slice(self, start: int, stop: int) -> "TokenBatch":
+        """Samples ``start .. stop - 1`` as views of this batch's tensors."""
+        so, ro = self.seq_offsets, self.response_offsets
+        a, b = int(so[start]), int(so[stop])
+        ra, rb = int(ro[start]), int(ro[stop])
+        return TokenBatch(self.tokens[a:b], so[start:stop + 1] - a, self.prompt_lens[start:stop],
+                          {k: v[ra:rb] for k, v in self.token_fields.items()},
+                          {k: v[start:stop] for k, v in self.sample_fields.items()})
 
     def with_fields(self, names: Iterable[str]) -> "TokenBatch":
         """The same samples with only the named token/sample fields (what one worker call needs)."""
@@ -186,3 +199,14 @@ class TokenBatch:
                    {k: t(v) for k, v in payload["token_fields"].items()},
                    {k: t(v) for k, v in payload["sample_fields"].items()})
 
+
+
+def _gather_segments(values: Tensor, offsets: Tensor, index: list[int]) -> Tensor:
+    """``cat([values[offsets[i]:offsets[i + 1]] for i in index])``: one slice per segment, one copy
+    (a flat index of every element costs 8 bytes per element and a repeat_interleave pass)."""
+    if not index:
+        return values[:0].clone()
+    offs = offsets.tolist()
+    arr = values.numpy()
+    out = np.concatenate([arr[offs[i]:offs[i + 1]] for i in index])
+    return torch.from_numpy(out)

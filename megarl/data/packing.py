@@ -2,9 +2,10 @@
 
 Pure functions over sequence lengths (no torch.distributed, no Ray), computed once on the driver:
 
-* :func:`balance` splits samples over data-parallel ranks so every rank has about the same number
-  of tokens (longest first, each to the least-loaded rank): ranks finish together instead of all
-  waiting for the one that drew the long responses.
+* :func:`split_contiguous` splits a mini-batch (in its given, shuffled order) over data-parallel
+  ranks at token-count boundaries, so every rank has the same number of tokens to within one
+  sample: ranks finish together instead of all waiting for the one that drew the long responses.
+  Contiguous pieces keep a forward pass's shards zero-copy views of the batch on the driver.
 * :func:`pack_bins` groups one rank's samples into packed micro-batches of at most ``max_tokens``
   tokens (best-fit decreasing; a sample longer than the budget gets a micro-batch of its own).
 * :func:`split_by_token_budget` / :func:`split_fixed` group samples for *padded* micro-batches
@@ -35,6 +36,29 @@ def balance(lengths: Sequence[int], parts: int) -> list[list[int]]:
         out[p].append(i)
         heapq.heappush(heap, (load + int(lengths[i]), p))
     return out
+
+
+def split_contiguous(lengths: Sequence[int], parts: int) -> list[range]:
+    """``parts`` consecutive index ranges with near-equal token sums (cut where the running total
+    crosses each ``k / parts`` of the whole; every piece is within one sample of ``total / parts``)."""
+    import numpy as np
+
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    cum = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    total = int(cum[-1]) if len(cum) else 0
+    targets = [total * k / parts for k in range(1, parts)]
+    # cut after the sample whose running total is closest to each target
+    cuts = []
+    for t in targets:
+        j = int(np.searchsorted(cum, t))
+        if j < len(cum) and j > 0 and abs(cum[j - 1] - t) <= abs(cum[j] - t):
+            j -= 1
+        cuts.append(min(len(cum), j + 1) if len(cum) else 0)
+    bounds = [0] + [max(c, 0) for c in cuts] + [len(cum)]
+    for k in range(1, len(bounds)):
+        bounds[k] = max(bounds[k], bounds[k - 1])
+    return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
 
 
 def pack_bins(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -125,7 +149,7 @@ def plan_shards(lengths: Sequence[int], minibatches: Sequence[Sequence[int]], dp
     plan = ShardPlan([[] for _ in range(dp)], [[] for _ in range(dp)])
     for mb in minibatches:
         mb = list(mb)
-        shares = balance([lengths[i] for i in mb], dp)
+        shares = split_contiguous([lengths[i] for i in mb], dp)
         groups: list[list[list[int]]] = []
         for share in shares:
             ids = [mb[k] for k in share]

@@ -141,7 +141,7 @@ class WorkerGroup:
         for per in ("token", "sample"):
             keys = {k for r in by_dp.values() for k in r.get(per, {})}
             for key in sorted(keys):
-                parts = [by_dp[d].get(per, {}).get(key, torch.zeros(0)) for d in range(plan.dp)]
+                parts = [torch.as_tensor(by_dp[d].get(per, {}).get(key, torch.zeros(0))) for d in range(plan.dp)]
                 out[key] = unshard(batch, plan, parts, per)
         return out
 

@@ -263,7 +263,10 @@ class MegatronWorker:
         if not self._is_output_rank():
             return None
         keys = results[0].keys() if results else ()
-        return {per: {k: torch.cat([r[k] for r in results]) if results else torch.zeros(0) for k in keys}}
+        out = {}
+        for k in keys:  # execution order -> shard order; numpy: Ray returns it through shared memory
+            out[k] = shard.to_batch_order(torch.cat([r[k] for r in results]), per).numpy()
+        return {per: out}
 
     # ------------------------------------------------------------------ training
     def train(self, shard: Any, algo: dict[str, Any]) -> dict[str, float]:
