@@ -3,6 +3,17 @@ tokens/s and MFU against the bf16 matmul peak measured in the same run (one JSON
 
     python benchmarks/bench_train.py                                 # CPU: tiny shape, fp32
     python benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4   # GPU, bf16
+    python benchmarks/bench_train.py --lengths real                  # packed vs padded, RL length mix
+    python benchmarks/bench_train.py --lengths real --device cuda --shape qwen2.5-1.5b   # same on GPU
+
+``--lengths real``: one batch of samples with a realistic RL length mix (prompts of ``--prompt-len``
+tokens, log-normal response lengths with mean ``--mean-response``, clipped to ``--max-response``;
+GPU default mean 1k / max 8k, CPU mean 64 / max 512) trained for one optimizer step per repeat,
+once with packed micro-batches (sequences end to end up to ``--tokens-per-mb``, megarl's THD path)
+and once padded (token-budgeted dynamic batching, each micro-batch padded to its longest sample,
+``samples x longest <= --tokens-per-mb``), the micro-batch inputs built by the workers' own code
+(megarl/workers/batch.py). Reported: useful (real, unpadded) tokens/s of each, their ratio, and
+model FLOPs of the real tokens (attention counted per sequence) per second vs the measured peak.
 
 Model: random init (no weights needed), HF-config shapes built with transformers' Qwen2Config.
 Loss: ``actor`` = megarl's vocab-parallel logprobs (+ entropy) of every next token, the RL actor's
@@ -92,10 +103,21 @@ def main():
     ap.add_argument("--peak", type=float, default=None, help="skip the matmul measurement, use this FLOP/s")
     ap.add_argument("--no-fusions", action="store_true",
                     help="MEGARL_FUSIONS=0: eager RMSNorm/RoPE/SwiGLU/logprob chunks (megarl/models/fusions.py)")
+    ap.add_argument("--lengths", default="fixed", choices=["fixed", "real"],
+                    help="fixed: --mbs x --seq random tokens; real: packed vs padded on an RL length mix")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--samples", type=int, default=None, help="--lengths real: samples per step (GPU 64, CPU 32)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="--lengths real: prompt tokens (GPU 256, CPU 16)")
+    ap.add_argument("--mean-response", type=int, default=None, help="--lengths real: mean response (GPU 1024, CPU 64)")
+    ap.add_argument("--max-response", type=int, default=None, help="--lengths real: longest response (GPU 8192, CPU 512)")
+    ap.add_argument("--tokens-per-mb", type=int, default=None, help="--lengths real: micro-batch token budget "
+                                                                     "(GPU 16384, CPU 1024)")
     a = ap.parse_args()
     if a.no_fusions:
         os.environ["MEGARL_FUSIONS"] = "0"
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
     device = torch.device("cuda" if cuda else "cpu")
     shape = a.shape or ("qwen2.5-0.5b" if cuda else "tiny")
     seq = a.seq or (4096 if cuda else 128)
@@ -140,6 +162,9 @@ def main():
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-6, weight_decay=0.01, clip_grad=1.0,
                                                  bf16=cuda, params_dtype=dtype, use_distributed_optimizer=cuda),
                                  [ddp])
+    if a.lengths == "real":
+        ddp.train()
+        return bench_real_lengths(a, cfg, ddp, opt, device, dtype, peak, nparams, shape, cuda)
     g = torch.Generator().manual_seed(0)
     V = cfg.vocab_size
     data = [torch.randint(0, V, (a.mbs, seq + 1), generator=g).to(device) for _ in range(a.num_mb)]
@@ -223,6 +248,102 @@ def main():
         res["profile_share"] = {k: round(v / total, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}
         res["profile_top"] = [(e.key[:60], round(getattr(e, key) / total, 3)) for e in ev[:8]]
     print(json.dumps(res), flush=True)
+
+
+def rl_lengths(n: int, prompt: int, mean: int, longest: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(prompt, response) lengths: log-normal responses (sigma 1, mean ``mean``) clipped to ``longest``."""
+    import math
+    import random
+
+    g = random.Random(seed)
+    sigma = 1.0
+    mu = math.log(mean) - sigma ** 2 / 2
+    return [(prompt, max(1, min(longest, int(g.lognormvariate(mu, sigma))))) for _ in range(n)]
+
+
+def bench_real_lengths(a, cfg, ddp, opt, device, dtype, peak, nparams, shape, cuda):
+    """Packed vs padded micro-batches on one batch with an RL length mix (see the module docstring)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.data.batch import TokenBatch
+    from megarl.data.packing import pack_bins, split_by_token_budget
+    from megarl.models.fusions import fusions_enabled
+    from megarl.workers.batch import micro_inputs
+    from megarl.workers.vocab_parallel import logprobs_and_entropy
+
+    n = a.samples or (64 if cuda else 32)
+    prompt = a.prompt_len or (256 if cuda else 16)
+    mean = a.mean_response or (1024 if cuda else 64)
+    longest = a.max_response or (8192 if cuda else 512)
+    budget = a.tokens_per_mb or (16384 if cuda else 1024)
+    pairs = rl_lengths(n, prompt, mean, longest)
+    g = torch.Generator().manual_seed(0)
+    V = cfg.vocab_size
+    prompts = [torch.randint(0, V, (p,), generator=g).tolist() for p, _ in pairs]
+    responses = [torch.randint(0, V, (r,), generator=g).tolist() for _, r in pairs]
+    batch = TokenBatch.from_sequences(prompts, responses)
+    lengths = batch.seq_lens.tolist()
+    real_tokens = sum(lengths)
+    flops = sum(model_flops_per_token(cfg, L) * L for L in lengths)
+    n_resp = float(batch.response_lens.sum())
+    fb = get_forward_backward_func()
+    results = {}
+    for mode in ("packed", "padded"):
+        groups = pack_bins(lengths, budget) if mode == "packed" else split_by_token_budget(lengths, budget)
+        micro = [micro_inputs(batch.select(gr), mode == "packed").to(device) for gr in groups]
+        computed = sum(mi.input_ids.numel() for mi in micro)
+
+        def step_fn(it, m):
+            mi = next(it)
+            out = m(mi.input_ids, mi.position_ids, None, packed_seq_params=mi.packed)
+
+            def loss_fn(o, _mi=mi):
+                lp, ent = logprobs_and_entropy(o.reshape(-1, o.shape[-1]), _mi.next_ids, V, with_entropy=True)
+                keep = _mi.mask.bool()
+                loss = -(lp[_mi.pred_index][keep]).sum() / n_resp * len(micro)
+                return loss, {"loss": loss.detach()}
+            return out, loss_fn
+
+        def train_step():
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            fb(forward_step_func=step_fn, data_iterator=iter(micro), model=ddp, num_microbatches=len(micro),
+               seq_length=max(mi.input_ids.shape[1] for mi in micro), micro_batch_size=1, forward_only=False)
+            opt.step()
+
+        for _ in range(a.warmup):
+            train_step()
+        sync(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(a.steps):
+            sync(device)
+            t = time.perf_counter()
+            train_step()
+            sync(device)
+            times.append(time.perf_counter() - t)
+        times.sort()
+        st = times[len(times) // 2]
+        res = {"bench": "train_real_lengths", "mode": mode, "shape": shape, "params": nparams,
+               "dtype": str(dtype).replace("torch.", ""), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+               "samples": n, "prompt_len": prompt, "mean_response": mean, "max_response": longest,
+               "real_tokens": real_tokens, "computed_tokens": computed,
+               "padding_frac": round(1 - real_tokens / computed, 4), "tokens_per_mb": budget,
+               "micro_batches": len(micro), "step_s_median": st, "step_s_all": [round(x, 4) for x in times],
+               "useful_tokens_per_s": real_tokens / st, "useful_model_tflops_per_s": flops / st / 1e12,
+               "matmul_peak_tflops": peak / 1e12, "useful_mfu_vs_measured_peak": flops / st / peak,
+               "fusions": fusions_enabled()}
+        if cuda:
+            res["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            from megarl.models.packed_attention import packed_attention_backend
+            res["packed_attention"] = packed_attention_backend(torch.empty(0, device=device, dtype=dtype))
+        results[mode] = res
+        print(json.dumps(res), flush=True)
+    ratio = results["packed"]["useful_tokens_per_s"] / results["padded"]["useful_tokens_per_s"]
+    print(json.dumps({"bench": "train_real_lengths_ratio", "shape": shape, "packed_vs_padded_tokens_per_s": ratio,
+                      "packed_useful_mfu": results["packed"]["useful_mfu_vs_measured_peak"],
+                      "padded_useful_mfu": results["padded"]["useful_mfu_vs_measured_peak"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -58,25 +58,34 @@ class RewardModelTrainer:
         """Pair i -> sequences 2i (chosen) and 2i+1 (rejected), each ``prompt + response``: scored at
         the response's last token, as HF's sequence classifiers pool (last non-pad token)."""
         from megarl.data import encode_prompt
-        from megarl.workers import SequenceBatch
+        from megarl.data.batch import TokenBatch
 
-        seqs, plens = [], []
+        prompts, responses = [], []
         for pair in pairs:
             prompt = encode_prompt(self.tokenizer, pair.prompt, chat_template=self.cfg.data.chat_template,
                                    system_prompt=self.cfg.data.system_prompt)
             for response in (pair.chosen, pair.rejected):
-                ids = self.tokenizer(response, add_special_tokens=False)["input_ids"]
-                seqs.append(prompt + ids)
-                plens.append(len(prompt))
-        return SequenceBatch(seqs, plens)
+                prompts.append(prompt)
+                responses.append(self.tokenizer(response, add_special_tokens=False)["input_ids"])
+        return TokenBatch.from_sequences(prompts, responses)
 
     def evaluate(self) -> dict[str, float]:
         if not self.eval_pairs:
             return {}
         batch = self.encode(self.eval_pairs)
-        scores = torch.tensor([float(s[0]) for s in self.group.gather("compute_scores", len(batch), batch)])
+        scores = self.group.forward("compute_scores", batch)["scores"]
         margin = scores[0::2] - scores[1::2]
         return {"eval/pair_accuracy": float((margin > 0).float().mean()), "eval/margin_mean": float(margin.mean())}
+
+    def train_step(self, batch: Any) -> dict[str, float]:
+        """One optimizer step on all pairs of ``batch``: data-parallel shards and micro-batches cut
+        along pairs, one shard per data-parallel group."""
+        from megarl.workers.dispatch import make_shards
+
+        num_pairs = len(batch) // 2
+        plan = self.group.plan(batch, [list(range(num_pairs))], pairs=True)
+        shards = make_shards(batch, plan, (), [{"num_pairs": float(num_pairs)}])
+        return self.group.reduce_metrics(self.group.call_sharded("train_reward_model", shards))
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -96,7 +105,7 @@ class RewardModelTrainer:
                 chosen, order = order[:per_step], order[per_step:]
                 t = time.time()
                 batch = self.encode([self.train_pairs[i] for i in chosen])
-                metrics = self.group.reduce_metrics(self.group.call("train_reward_model", batch, [list(range(len(chosen)))]))
+                metrics = self.train_step(batch)
                 metrics = {f"rm/{k}": v for k, v in metrics.items()}
                 metrics["time/step_s"] = time.time() - t
                 results["steps"].append(metrics)

@@ -22,6 +22,7 @@ import torch
 
 from megarl.checkpoint.atomic import replace_dir
 from megarl.config import RunConfig, load_config, validate_config
+from megarl.data.batch import TokenBatch
 from megarl.metrics_log import MetricsLogger, note
 
 GROUP_FREE_ESTIMATORS = {"gae", "reinforce_plus_plus", "remax"}
@@ -87,20 +88,11 @@ def export_hf_folder(group: Any, model_dir: Path, out: Path, config_updates: Opt
     return out
 
 
-def build_sequence_batch(samples: list[Sample], **tensors: torch.Tensor):
-    from megarl.workers import SequenceBatch
-
-    batch = SequenceBatch([s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples])
-    batch.tensors = {"response_mask": batch.response_mask(), **tensors}
-    return batch
-
-
-def pad_rows(rows: list[torch.Tensor | list[float]], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        row = torch.as_tensor(row, dtype=torch.float32)
-        out[i, : row.numel()] = row[:width]
-    return out
+def token_batch(samples: list[Sample], with_rollout_logprobs: bool = True) -> TokenBatch:
+    """The step's samples as flat tensors (the one layout every worker call ships, DESIGN.md)."""
+    return TokenBatch.from_sequences(
+        [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+        {"rollout_logprobs": [s.rollout_logprobs for s in samples]} if with_rollout_logprobs else None)
 
 
 def minibatches(num_samples: int, global_batch_size: int, seed: int) -> list[list[int]]:
@@ -136,7 +128,7 @@ class Trainer:
         """Tokenizer, prompt splits, loader and reward function (no workers, no servers)."""
         from megarl.algos import make_kl_controller
         from megarl.data import PromptLoader, load_split
-        from megarl.rewards import build_reward_fn
+        from megarl.rewards import RewardPool, build_reward_fn
         from megarl.workers.model_source import load_tokenizer, resolve_hf_path
 
         cfg = self.cfg
@@ -151,6 +143,8 @@ class Trainer:
         self.eval_records = load_split(cfg.data, cfg.seed, "eval")
         self.loader = PromptLoader(self.train_records, cfg.batch.prompts_per_step, cfg.seed, cfg.data.shuffle)
         self.reward_fn = build_reward_fn(cfg.reward) if cfg.reward.kind != "model" else None
+        self.reward_pool = (RewardPool(self.reward_fn, cfg.reward.workers, cfg.reward.executor)
+                            if self.reward_fn is not None else None)
         kl = cfg.algorithm.kl
         self.kl_ctl = make_kl_controller("adaptive" if kl.adaptive else "fixed", kl_coef=kl.coef,
                                          target_kl=kl.target, horizon=kl.horizon)
@@ -262,12 +256,13 @@ class Trainer:
             trimmed = [Sample(s.record, s.group, s.prompt_ids,
                               s.response_ids[:-1] if len(s.response_ids) > 1 and s.response_ids[-1] == eos else s.response_ids,
                               [], s.finish_reason) for s in samples]
-            scores = self.groups["reward_model"].gather("compute_scores", len(samples), build_sequence_batch(trimmed))
-            for s, (score,) in zip(samples, scores):
+            scores = self.groups["reward_model"].forward("compute_scores", token_batch(trimmed, False))["scores"]
+            for s, score in zip(samples, scores.tolist()):
                 s.reward = float(score)
-        else:
-            for s in samples:
-                s.reward = float(self.reward_fn(s.text, s.record))
+        else:  # parallel workers, order kept: a slow user function must not serialise the batch
+            for s, reward in zip(samples, self.reward_pool.score([s.text for s in samples],
+                                                                 [s.record for s in samples])):
+                s.reward = reward
         o = self.cfg.algorithm.overlong
         if o.enabled:
             lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
@@ -335,18 +330,17 @@ class Trainer:
         self._rollout_memory("release")
         rewards = torch.tensor([s.reward for s in samples])
         resp_lens = [len(s.response_ids) for s in samples]
-        width = max(resp_lens)
-        batch = build_sequence_batch(samples, rollout_logprobs=pad_rows([s.rollout_logprobs for s in samples], width))
-        mask = batch.tensors["response_mask"]
+        batch = token_batch(samples)  # flat tensors; [B, R] views only for the algorithms below
+        mask = batch.response_mask()
+        fields = batch.token_fields
 
         t = time.time()
         actor = self.groups["actor"]
-        old = actor.gather("compute_logprobs", len(batch), batch, False)
-        batch.tensors["old_logprobs"] = pad_rows([o[0] for o in old], width)
+        fields["old_logprobs"] = actor.forward("compute_logprobs", batch, False)["logprobs"]
         times["old_logprobs"] = time.time() - t
-        diff = (batch.tensors["old_logprobs"] - batch.tensors["rollout_logprobs"]).abs() * mask
-        metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
-        metrics["rollout/logprob_diff_max"] = float(diff.max())
+        diff = (fields["old_logprobs"] - fields["rollout_logprobs"]).abs()
+        metrics["rollout/logprob_diff_mean"] = float(diff.sum() / max(diff.numel(), 1))
+        metrics["rollout/logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
         if step == 0 and metrics["rollout/logprob_diff_mean"] > cfg.rollout.logprob_diff_bound:
             raise LogprobMismatch(
                 f"step 0: mean |rollout - trainer| logprob = {metrics['rollout/logprob_diff_mean']:.4g} exceeds "
@@ -355,18 +349,16 @@ class Trainer:
         kl_tokens = None
         if "ref" in self.groups:
             t = time.time()
-            ref = self.groups["ref"].gather("compute_logprobs", len(batch), batch, False)
-            batch.tensors["ref_logprobs"] = pad_rows([o[0] for o in ref], width)
+            fields["ref_logprobs"] = self.groups["ref"].forward("compute_logprobs", batch, False)["logprobs"]
             times["ref_logprobs"] = time.time() - t
             if a.kl.mode == "reward":
-                kl_tokens = kl_reward_penalty(batch.tensors["old_logprobs"], batch.tensors["ref_logprobs"], mask,
-                                              self.kl_ctl.value, a.kl.estimator)
+                kl_tokens = kl_reward_penalty(batch.padded(fields["old_logprobs"]), batch.padded(fields["ref_logprobs"]),
+                                              mask, self.kl_ctl.value, a.kl.estimator)
         values = None
         if "critic" in self.groups:
             t = time.time()
-            vals = self.groups["critic"].gather("compute_values", len(batch), batch)
-            values = pad_rows([v[0] for v in vals], width)
-            batch.tensors["old_values"] = values
+            fields["old_values"] = self.groups["critic"].forward("compute_values", batch)["values"]
+            values = batch.padded(fields["old_values"])
             times["values"] = time.time() - t
 
         group_size = None if a.advantage in GROUP_FREE_ESTIMATORS else cfg.rollout.n_per_prompt
@@ -377,9 +369,9 @@ class Trainer:
         adv = get_advantage_estimator(a.advantage)(
             rewards, mask, group_ids=group_ids, values=values, gamma=a.gamma, lam=a.lam, kl=kl_tokens,
             norm_std=a.norm_adv_by_std, baseline_rewards=baseline)
-        batch.tensors["advantages"] = adv.advantages
+        fields["advantages"] = batch.unpad(adv.advantages)
         if values is not None:
-            batch.tensors["returns"] = adv.returns
+            fields["returns"] = batch.unpad(adv.returns)
 
         t = time.time()
         algo = {"policy_loss": a.policy_loss, "entropy_coef": a.entropy_coef, "value_clip": a.value_clip,
@@ -391,13 +383,15 @@ class Trainer:
         for epoch in range(a.ppo_epochs):
             mbs = minibatches(len(batch), cfg.batch.global_batch_size, cfg.seed + step * 101 + epoch)
             dens = denominators(mask, mbs)
-            metrics.update(_prefixed(actor.reduce_metrics(actor.call("train", batch, mbs, dens, algo)), "actor/"))
+            actor_fields = ("old_logprobs", "advantages", "rollout_logprobs") + (
+                ("ref_logprobs",) if algo["kl_loss_coef"] and "ref_logprobs" in fields else ())
+            metrics.update(_prefixed(actor.train(batch, mbs, dens, algo, actor_fields), "actor/"))
             if "critic" in self.groups:
                 critic = self.groups["critic"]
-                metrics.update(_prefixed(critic.reduce_metrics(critic.call("train", batch, mbs, dens, algo)), "critic/"))
+                metrics.update(_prefixed(critic.train(batch, mbs, dens, algo, ("old_values", "returns")), "critic/"))
         times["train"] = time.time() - t
-        if a.kl.mode != "none" and "ref_logprobs" in batch.tensors:
-            kl_now = float(((batch.tensors["old_logprobs"] - batch.tensors["ref_logprobs"]) * mask).sum() / mask.sum())
+        if a.kl.mode != "none" and "ref_logprobs" in fields:
+            kl_now = float((fields["old_logprobs"] - fields["ref_logprobs"]).sum() / mask.sum())
             metrics["kl/actor_ref_k1"] = kl_now
             self.kl_ctl.update(kl_now, len(batch))
             metrics["kl/coef"] = self.kl_ctl.value
@@ -541,6 +535,8 @@ class Trainer:
     def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
+        if getattr(self, "reward_pool", None) is not None:
+            self.reward_pool.close()
         if "actor" in self.groups:
             from megarl.sync.rank import close_pusher
 

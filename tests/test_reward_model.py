@@ -55,7 +55,7 @@ def test_bradley_terry_learns_and_exports_and_feeds_ppo(model, tmp_path):
     pairs = load_preferences(tmp_path / "eval.jsonl")
     batch = trainer.encode(pairs)
     with torch.no_grad():
-        scores = torch.tensor([hf(torch.tensor([seq])).logits[0, 0].item() for seq in batch.sequences])
+        scores = torch.tensor([hf(torch.tensor([seq])).logits[0, 0].item() for seq in (batch.sequence(i).tolist() for i in range(len(batch)))])
     margin = scores[0::2] - scores[1::2]
     assert abs(float(margin.mean()) - after["eval/margin_mean"]) < 1e-3
     assert abs(float((margin > 0).float().mean()) - after["eval/pair_accuracy"]) < 1e-6

@@ -1,4 +1,4 @@
-"""Worker building blocks: batch layout, token-budget micro-batches, vocab-parallel logprobs
+"""Worker building blocks (packed/padded inputs and shards are in test_packing.py): token-budget micro-batches, vocab-parallel logprobs
 against a full-vocabulary reference (TP2 on 2 gloo ranks), mini-batching, pools."""
 from __future__ import annotations
 
@@ -8,20 +8,8 @@ import torch
 from megarl.config import load_config
 from megarl.placement import plan_pools
 from megarl.trainer import denominators, minibatches
-from megarl.workers.batch import SequenceBatch, pad_inputs, response_positions, split_by_token_budget
+from megarl.data.packing import split_by_token_budget
 from tests.helpers.runs import DEFAULT
-
-
-def test_response_positions_point_at_the_predicting_token():
-    batch = SequenceBatch([[5, 6, 7, 8], [1, 2, 3]], [2, 1])
-    pos, tgt = response_positions(batch)
-    assert pos.tolist() == [[1, 2], [0, 1]]
-    assert tgt.tolist() == [[7, 8], [2, 3]]
-    ids, positions = pad_inputs(batch)
-    assert ids.tolist() == [[5, 6, 7, 8], [1, 2, 3, 0]]
-    assert batch.response_mask().tolist() == [[1.0, 1.0], [1.0, 1.0]]
-    sub = SequenceBatch([[1, 2, 3, 4, 5], [1, 2]], [1, 1], {"x": torch.arange(8.0).view(2, 4)}).select([1])
-    assert sub.tensors["x"].tolist() == [[4.0]]  # cut to the sub-batch's longest response
 
 
 def test_token_budget_split_respects_budget_and_covers_all():

@@ -100,7 +100,11 @@ class RoleConfig:
     optim: OptimConfig = section(OptimConfig, "optimizer (trained roles only)")
     model_path: Optional[str] = opt(None, "weights for this role if not the policy's (critic/reward model)")
     micro_batch_size: int = opt(1, "sequences per micro-batch (when max_tokens_per_micro_batch = 0)")
-    max_tokens_per_micro_batch: int = opt(0, "token budget per micro-batch (dynamic batching; 0 = off)")
+    max_tokens_per_micro_batch: int = opt(0, "token budget per micro-batch (packed: tokens laid end to end; padded: "
+                                             "samples x longest); 0 = packed: micro_batch_size x (max_prompt_len + "
+                                             "max_new_tokens), padded: micro_batch_size samples")
+    packing: bool = opt(True, "pack whole sequences end to end into THD micro-batches (no padding compute); "
+                              "false = pad each micro-batch to its longest sample")
 
 
 @dataclass
@@ -232,6 +236,10 @@ class RewardConfig:
     function: Optional[str] = opt(None, "dotted path module:function(sample) -> float for kind=function")
     rule: Literal["math_answer", "exact"] = opt("math_answer", "rule for kind=rule")
     format_reward: float = opt(0.0, "added when the answer is found in the expected format")
+    workers: int = opt(8, "parallel reward workers scoring a batch, order kept (0 = score in the trainer's thread)")
+    executor: Literal["thread", "process"] = opt("thread", "thread: any function, parallel while it waits (I/O, "
+                                                 "subprocess, sandbox); process: CPU-bound Python scorers "
+                                                 "(function and records must pickle)")
 
 
 @dataclass

@@ -26,7 +26,7 @@ HF_ARCH_KEYS: dict[str, tuple[str, ...]] = {
     "num_kv_heads": ("num_key_value_heads", "num_attention_heads"),
     "head_dim": ("head_dim",),
     "vocab_size": ("vocab_size",),
-    "num_experts": ("num_experts", "n_routed_experts"),
+    "num_experts": ("num_experts", "n_routed_experts", "num_local_experts"),  # transformers 5: num_local_experts
     "moe_ffn_hidden_size": ("moe_intermediate_size",),
     "moe_top_k": ("num_experts_per_tok",),
     "num_shared_experts": ("n_shared_experts",),
@@ -129,6 +129,9 @@ def _check_parallel(name: str, role: RoleConfig, arch: ModelArch, device: str, p
         problems.append(f"{name}.parallel.sequence_parallel: not supported on CPU (torch norms refuse it)")
     if p.cp > 1 and device == "cpu":
         problems.append(f"{name}.parallel.cp: context parallel needs CUDA")
+    if p.cp > 1 and role.packing:
+        problems.append(f"{name}.packing: packed sequences with context parallel (cp = {p.cp}) need Transformer "
+                        f"Engine's THD attention, which megarl's SDPA attention does not replace; set packing: false")
     if role.max_tokens_per_micro_batch < 0:
         problems.append(f"{name}.max_tokens_per_micro_batch: must be >= 0")
     if role.micro_batch_size < 1:
@@ -151,7 +154,8 @@ def _check_batches(cfg: RunConfig, problems: list[str]) -> None:
         dp = dp_size(role)
         if not dp:
             continue
-        if role.max_tokens_per_micro_batch == 0 and b.global_batch_size % (role.micro_batch_size * dp):
+        fixed_size = not role.packing and role.max_tokens_per_micro_batch == 0  # padded, micro_batch_size each
+        if fixed_size and b.global_batch_size % (role.micro_batch_size * dp):
             problems.append(f"batch.global_batch_size: {b.global_batch_size} is not divisible by {name}.micro_batch_size*dp "
                             f"= {role.micro_batch_size}*{dp} = {role.micro_batch_size * dp}")
         elif b.global_batch_size % dp:
@@ -273,6 +277,8 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"reward.function: {rw.function!r} must look like package.module:function")
     if rw.kind == "model" and not cfg.reward_model.enabled:
         problems.append("reward_model.enabled: reward.kind = 'model' needs the reward model role")
+    if rw.workers < 0:
+        problems.append(f"reward.workers: must be >= 0, got {rw.workers}")
     if rw.kind == "reasoning_gym" and d.source != "reasoning_gym":
         problems.append(f"reward.kind: 'reasoning_gym' scores reasoning-gym tasks but data.source = {d.source!r}")
     if cfg.sync.bucket_mb < 1:

@@ -10,6 +10,10 @@ signature; works for GQA (``enable_gqa``) and MLA (different q/k and v head size
 where ``True`` means *masked out*. With a causal ``attn_mask_type`` the causal mask is combined
 with it. Rows that would be fully masked (e.g. left-padding) attend to themselves so no NaNs
 appear (those positions are padding and must be ignored by the caller).
+
+Packed sequences (``packed_seq_params.qkv_format == "thd"``): q/k/v arrive as ``[T, heads, dim]``
+and each token attends causally within its own sequence only
+(:func:`megarl.models.packed_attention.packed_causal_attention`); output ``[T, 1, heads * v_dim]``.
 """
 from __future__ import annotations
 
@@ -45,12 +49,12 @@ class SDPAttention(MegatronModule):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params=None, **kwargs) -> Tensor:
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences need Transformer Engine attention")
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by SDPAttention")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, attention_mask, causal, packed_seq_params)
         sq, b, nq, _ = query.shape
         sk, nk = key.shape[0], key.shape[2]
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
@@ -78,3 +82,20 @@ class SDPAttention(MegatronModule):
                                                  scale=self.softmax_scale, enable_gqa=gqa)
         # [b, np, sq, hv] -> [sq, b, np*hv]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], causal: bool,
+                params) -> Tensor:
+        from .packed_attention import packed_causal_attention
+
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"SDPAttention: packed qkv_format {params.qkv_format!r} (only 'thd')")
+        if attention_mask is not None or not causal:
+            raise NotImplementedError("SDPAttention: packed sequences take no attention mask and are causal")
+        if self.training and self.dropout_p > 0:
+            raise NotImplementedError("SDPAttention: attention dropout with packed sequences")
+        if query.dim() == 4:  # [T, 1, h, d] (not squeezed by the caller)
+            query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+        out = packed_causal_attention(query, key, value, params.cu_seqlens_q, params.cu_seqlens_kv,
+                                      params.max_seqlen_q, params.max_seqlen_kv, self.softmax_scale,
+                                      getattr(params, "seq_lens", None))
+        return out.reshape(out.shape[0], 1, -1)

@@ -40,6 +40,7 @@ def layer_block_spec(config, vp_stage: Optional[int] = None, attention_backend: 
                                           normalization="RMSNorm", vp_stage=vp_stage)
     from .attention import SDPAttention
     from .fusions import fusions_enabled, install_rope_fusion, use_compiled_norms
+    from .packed import install_thd_rope
 
     if getattr(config, "multi_latent_attention", False):
         _fix_mla_without_te()
@@ -50,6 +51,7 @@ def layer_block_spec(config, vp_stage: Optional[int] = None, attention_backend: 
     if fusions_enabled():
         use_compiled_norms(spec)
         install_rope_fusion()
+    install_thd_rope()  # packed (THD) micro-batches: per-sequence RoPE positions without a host sync
     return spec
 
 
@@ -181,7 +183,7 @@ def unwrap(model):
 
 
 def forward_logits(chunks, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                   attention_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                   attention_mask: Optional[torch.Tensor] = None, packed_seq_params=None) -> Optional[torch.Tensor]:
     """Forward only. Returns ``[b, s, vocab]`` logits (TP-gathered, vocab padding removed; for a
     critic ``[b, s]`` values) on the last pipeline stage and ``None`` on other stages.
 
@@ -190,6 +192,8 @@ def forward_logits(chunks, input_ids: torch.Tensor, position_ids: Optional[torch
     one micro-batch, so activations travel between stages through megatron's p2p schedule.
     Every rank of the model-parallel group must call it with the same ``input_ids``.
     ``attention_mask``: bool, True = masked, broadcastable to [b, 1, s, s] (None = causal).
+    ``packed_seq_params``: sequences packed into ``input_ids [1, T]`` (see
+    :func:`megarl.models.packed.pack_sequences`); logits are then ``[1, T, vocab]``.
     """
 
     chunks = [unwrap(c) for c in (chunks if isinstance(chunks, (list, tuple)) else [chunks])]
@@ -197,13 +201,13 @@ def forward_logits(chunks, input_ids: torch.Tensor, position_ids: Optional[torch
     for c in chunks:
         c.eval()  # megatron refuses MoE+TP without sequence parallel in training mode
     try:
-        return _forward_logits(chunks, input_ids, position_ids, attention_mask)
+        return _forward_logits(chunks, input_ids, position_ids, attention_mask, packed_seq_params)
     finally:
         for c, m in zip(chunks, modes):
             c.train(m)
 
 
-def _forward_logits(chunks, input_ids, position_ids, attention_mask):
+def _forward_logits(chunks, input_ids, position_ids, attention_mask, packed_seq_params=None):
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
@@ -222,12 +226,13 @@ def _forward_logits(chunks, input_ids, position_ids, attention_mask):
 
     if len(chunks) == 1 and mpu.get_pipeline_model_parallel_world_size() == 1:
         with torch.no_grad():
-            out = chunks[0](input_ids, position_ids, attention_mask)
+            out = chunks[0](input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
         return post(out)
 
     def step(data_iter, model):
         batch = next(data_iter)
-        out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
+        out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                    packed_seq_params=packed_seq_params)
 
         def collect(output_tensor, non_loss_data=True):
             return post(output_tensor)
@@ -236,7 +241,7 @@ def _forward_logits(chunks, input_ids, position_ids, attention_mask):
     # interleaved (vpp) schedules need >= pp micro-batches: split the batch when it divides,
     # else run the whole batch pp times and keep the first result.
     m = mpu.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
-    if m > 1 and b % m == 0:
+    if m > 1 and b % m == 0 and packed_seq_params is None:
         mbs, reps = b // m, None
         batches = [{"input_ids": input_ids[i * mbs:(i + 1) * mbs],
                     "position_ids": position_ids[i * mbs:(i + 1) * mbs],

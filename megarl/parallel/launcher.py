@@ -51,11 +51,13 @@ def _worker(fn, rank, world_size, port, args, q, backend, timeout_s, init):
             from .dist import init_distributed
             init_distributed(backend=backend, timeout_s=timeout_s)
         result = fn(rank, world_size, *args)
+        # plain pickle bytes: through the queue's own pickler torch tensors would travel as
+        # shared-memory handles that die with this process, and the parent could not read them
         try:
-            pickle.dumps(result)
+            data = pickle.dumps(result)
         except Exception:
-            result = repr(result)
-        q.put((rank, True, result))
+            data = pickle.dumps(repr(result))
+        q.put((rank, True, data))
     except BaseException:  # noqa: BLE001 - report everything, incl. SystemExit
         q.put((rank, False, traceback.format_exc()))
     finally:
@@ -128,7 +130,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: Optional[str]
                 dead = [r for r, p in enumerate(procs)
                         if p.exitcode is not None and r not in results]
                 if dead:
-                    time.sleep(0.5)  # give its message a chance to arrive
+                    # give its message a chance to arrive (a rank that exited cleanly has sent it; on a
+                    # loaded machine the parent may see the exit before the queue's data)
+                    wait_until = time.time() + (10.0 if all(procs[r].exitcode == 0 for r in dead) else 0.5)
+                    while q.empty() and time.time() < wait_until:
+                        time.sleep(0.1)
                     if q.empty():
                         r = dead[0]
                         failure = SpawnError(r, f"process exited with code {procs[r].exitcode} "
@@ -139,7 +145,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: Optional[str]
                                                      f"ranks {missing} did not finish")
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failure = SpawnError(rank, payload)
     finally:

@@ -5,6 +5,7 @@ scores samples the same way whatever the kind; model-based rewards score batches
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any, Callable
 
@@ -37,13 +38,17 @@ def load_user_function(dotted: str) -> RewardFn:
     return fn
 
 
+def _rule_reward(rule: Callable[[str, Any], float], response: str, record: PromptRecord) -> float:
+    return rule(response, record.answer)
+
+
 def build_reward_fn(reward_cfg: Any) -> RewardFn:
     """The per-sample reward for a ``RewardConfig`` (kind=model is scored by the reward-model worker)."""
     if reward_cfg.kind == "reasoning_gym":
         return reasoning_gym_reward
     if reward_cfg.kind == "rule":
         rule = math_answer_reward if reward_cfg.rule == "math_answer" else exact_reward
-        return lambda response, record: rule(response, record.answer)
+        return functools.partial(_rule_reward, rule)  # picklable: reward.executor=process
     if reward_cfg.kind == "function":
         return load_user_function(reward_cfg.function)
     raise ValueError(f"reward.kind {reward_cfg.kind!r} is scored by a worker, not a function")

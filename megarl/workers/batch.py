@@ -1,97 +1,131 @@
-"""The batch a Megatron worker sees: token sequences plus response-aligned tensors.
+"""Model inputs of one micro-batch, packed (THD) or padded, and where its outputs are read.
 
-A sample is ``prompt_ids + response_ids``; every per-token quantity of RL (logprobs, advantages,
-values, masks) is indexed by *response* position and right-padded to ``[B, R]``. Keeping sequences
-as lists and only padding inside a micro-batch is what makes token-budget (dynamic) batching cheap:
-a micro-batch pads to its own longest sample, not the batch's.
+A micro-batch is a :class:`~megarl.data.batch.TokenBatch` of whole samples. Packed: the sequences
+are laid end to end in one row ``[1, T]`` with per-sequence positions and
+:class:`~megarl.models.packed.PackedSeqs` (no padding compute at all). Padded (``packing: false``):
+``[b, L]`` right-padded to the micro-batch's longest sample (causal attention means right padding
+never changes a real token's output).
+
+Either way the model's output is read through *flat row* indices into ``output.reshape(rows, ...)``:
+``pred_index[i, j]`` is the row whose output predicts response token ``j`` of sample ``i`` (the
+token before it), ``next_ids[row]`` the token that follows each row, ``last_index[i]`` the row of
+sample ``i``'s last token. Losses then see the same ``[b, R]`` response-aligned tensors in both
+layouts, which is what makes packed and padded results agree to rounding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from torch import Tensor
+
+from megarl.data.batch import TokenBatch, ranges
 
 
 @dataclass
-class SequenceBatch:
-    sequences: list[list[int]]
-    prompt_lens: list[int]
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # each [B, R], response-aligned
-
-    def __post_init__(self) -> None:
-        if len(self.sequences) != len(self.prompt_lens):
-            raise ValueError("sequences and prompt_lens differ in length")
-        for i, (seq, plen) in enumerate(zip(self.sequences, self.prompt_lens)):
-            if not 0 < plen < len(seq) + 1:
-                raise ValueError(f"sample {i}: prompt length {plen} outside sequence of {len(seq)} tokens")
-
-    def __len__(self) -> int:
-        return len(self.sequences)
+class MicroInputs:
+    batch: TokenBatch
+    input_ids: Tensor            # [1, T] packed | [b, L] padded
+    position_ids: Tensor
+    packed: Optional[object]     # megarl.models.packed.PackedSeqs when packed
+    pred_index: Tensor           # [b, R] flat output row predicting each response token (0 where padding)
+    next_ids: Tensor             # [rows] token following each flat row (targets of logprobs)
+    last_index: Tensor           # [b] flat row of each sample's last token
+    mask: Tensor                 # [b, R] float response mask
 
     @property
-    def response_lens(self) -> list[int]:
-        return [len(s) - p for s, p in zip(self.sequences, self.prompt_lens)]
+    def empty(self) -> bool:
+        """A placeholder micro-batch (see megarl.data.packing.equalize): forward runs, loss adds 0."""
+        return len(self.batch) == 0
 
-    @property
-    def max_response_len(self) -> int:
-        return max(self.response_lens, default=0)
+    def padded(self, name: str) -> Tensor:
+        """Token field ``name`` of this micro-batch as ``[b, R]``."""
+        return self.batch.padded(self.batch.token_fields[name])
 
-    def response_mask(self) -> torch.Tensor:
-        lens = torch.tensor(self.response_lens)
-        return (torch.arange(self.max_response_len).unsqueeze(0) < lens.unsqueeze(1)).float()
+    def to(self, device: torch.device) -> "MicroInputs":
+        packed = self.packed
+        if packed is not None and packed.cu_seqlens_q.device != device:
+            from dataclasses import replace
 
-    def select(self, index: list[int]) -> "SequenceBatch":
-        """A sub-batch; response tensors are cut to the sub-batch's own longest response."""
-        seqs = [self.sequences[i] for i in index]
-        plens = [self.prompt_lens[i] for i in index]
-        width = max((len(s) - p for s, p in zip(seqs, plens)), default=0)
-        idx = torch.tensor(index, dtype=torch.long)
-        return SequenceBatch(seqs, plens, {k: v.index_select(0, idx)[:, :width] for k, v in self.tensors.items()})
-
-
-def pad_inputs(batch: SequenceBatch, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[b, L]`` right-padded input ids and position ids. Causal attention means right padding
-    never changes the logits of real tokens, so no attention mask is needed."""
-    length = max(len(s) for s in batch.sequences)
-    ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-    for i, seq in enumerate(batch.sequences):
-        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-    positions = torch.arange(length).unsqueeze(0).expand(len(batch), length).contiguous()
-    return ids, positions
+            cu = packed.cu_seqlens_q.to(device)
+            packed = replace(packed, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        return MicroInputs(self.batch, self.input_ids.to(device), self.position_ids.to(device), packed,
+                           self.pred_index.to(device), self.next_ids.to(device), self.last_index.to(device),
+                           self.mask.to(device))
 
 
-def response_positions(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """For response token j of sample i: the position whose output predicts it (``P_i + j - 1``)
-    and the token id itself, both ``[b, R]`` (padding points at position 0 / token 0)."""
-    width = batch.max_response_len
-    pos = torch.zeros(len(batch), width, dtype=torch.long)
-    tgt = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, (seq, plen) in enumerate(zip(batch.sequences, batch.prompt_lens)):
-        n = len(seq) - plen
-        pos[i, :n] = torch.arange(plen - 1, plen - 1 + n)
-        tgt[i, :n] = torch.tensor(seq[plen:], dtype=torch.long)
-    return pos, tgt
+def _response_layout(batch: TokenBatch, row_of_seq_start: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(pred_index [b, R], last_index [b], mask [b, R]) given each sample's first flat row."""
+    mask = batch.response_mask()
+    pred = torch.zeros(mask.shape, dtype=torch.int64)
+    first_pred = row_of_seq_start + batch.prompt_lens - 1  # row of the last prompt token
+    pred[mask.bool()] = ranges(first_pred, batch.response_lens)
+    last = row_of_seq_start + batch.seq_lens - 1
+    return pred, last, mask
 
 
-def split_by_token_budget(lengths: list[int], max_tokens: int, max_samples: int = 0) -> list[list[int]]:
-    """Dynamic batching: group sample indices so each micro-batch's padded size
-    (samples x longest) stays within ``max_tokens``. Samples are taken longest-first so similar
-    lengths share a micro-batch (little padding); the grouping is deterministic. A sample longer
-    than the budget gets a micro-batch of its own."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    groups: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = max([lengths[j] for j in current] + [lengths[i]])
-        too_many = max_samples and len(current) >= max_samples
-        if current and (longest * (len(current) + 1) > max_tokens or too_many):
-            groups.append(current)
-            current = []
-        current.append(i)
-    if current:
-        groups.append(current)
-    return groups
+def packed_inputs(batch: TokenBatch, pad_to_multiple: int = 1, length: int = 0) -> MicroInputs:
+    """Sequences end to end in ``[1, T]``; one padding sequence is appended to reach ``length``
+    tokens (interleaved pipeline schedules need one shape for all micro-batches) and then a
+    multiple of ``pad_to_multiple`` (sequence parallelism splits the row over TP ranks)."""
+    from megarl.models.packed import pack_params, packed_positions
+
+    if len(batch) == 0:
+        return placeholder_inputs(packed=True, length=length)
+    lens = batch.seq_lens.tolist()
+    ids = batch.tokens
+    target = max(length, ids.numel())
+    pad = target - ids.numel() + (-target) % pad_to_multiple
+    if pad:
+        lens = lens + [pad]
+        ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)])
+    params = pack_params(lens)
+    pos = packed_positions(params.cu_seqlens_q, ids.numel())
+    pred, last, mask = _response_layout(batch, batch.seq_offsets[:-1])
+    next_ids = torch.roll(ids, -1)
+    return MicroInputs(batch, ids.unsqueeze(0).long(), pos.unsqueeze(0), params, pred, next_ids.long(), last, mask)
 
 
-def split_fixed(num: int, micro_batch_size: int) -> list[list[int]]:
-    return [list(range(i, min(i + micro_batch_size, num))) for i in range(0, num, micro_batch_size)]
+def padded_inputs(batch: TokenBatch, pad_id: int = 0, length: int = 0, rows: int = 0) -> MicroInputs:
+    """``[b, L]`` right-padded to the longest sample, or to at least ``rows x length`` (padding rows
+    at the end: one shape for all micro-batches of an interleaved pipeline schedule)."""
+    if len(batch) == 0:
+        return placeholder_inputs(packed=False, length=length, rows=rows)
+    lens = batch.seq_lens
+    width = max(int(lens.max()), length)
+    b = max(len(batch), rows)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    keep = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
+    ids[: len(batch)][keep] = batch.tokens.long()
+    pos = torch.arange(width).unsqueeze(0).expand(b, width).contiguous()
+    pred, last, mask = _response_layout(batch, torch.arange(len(batch)) * width)
+    return MicroInputs(batch, ids, pos, None, pred, torch.roll(ids.reshape(-1), -1), last, mask)
+
+
+def placeholder_inputs(packed: bool, length: int = 0, rows: int = 0) -> MicroInputs:
+    """A forward of padding tokens for an empty micro-batch (keeps per-micro-batch collectives
+    matched); one token unless a common shape is asked for."""
+    from megarl.models.packed import pack_params
+
+    empty = TokenBatch(torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                       torch.zeros(0, dtype=torch.long))
+    length = max(1, length)
+    ids = torch.zeros(1 if packed else max(1, rows), length, dtype=torch.long)
+    pos = torch.arange(length).unsqueeze(0).expand(ids.shape[0], length).contiguous()
+    zeros = torch.zeros(0, 0, dtype=torch.int64)
+    return MicroInputs(empty, ids, pos, pack_params([length]) if packed else None, zeros,
+                       torch.zeros(ids.numel(), dtype=torch.long), torch.zeros(0, dtype=torch.int64), zeros.float())
+
+
+def micro_inputs(batch: TokenBatch, packed: bool, pad_to_multiple: int = 1, length: int = 0,
+                 rows: int = 0) -> MicroInputs:
+    return packed_inputs(batch, pad_to_multiple, length) if packed else padded_inputs(batch, length=length, rows=rows)
+
+
+def common_shape(batches: list[TokenBatch], packed: bool) -> tuple[int, int]:
+    """``(length, rows)`` every micro-batch fits in: packed ``(max T, 1)``, padded ``(max L, max b)``."""
+    if packed:
+        return max((b.num_tokens for b in batches), default=1), 1
+    return (max((int(b.seq_lens.max()) for b in batches if len(b)), default=1),
+            max((len(b) for b in batches), default=1))

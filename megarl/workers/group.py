@@ -1,10 +1,13 @@
 """A role's ranks, called together.
 
 ``WorkerGroup.call("method", ...)`` runs the method on every rank at once (megatron collectives
-need all of them) and returns the per-rank results; ``gather`` reassembles the data-parallel
-shares returned by output ranks into the batch's original order. Backend ``ray`` makes one Ray
-actor per rank inside the role's placement group; backend ``local`` runs a single rank in this
-process (tests, one-GPU boxes without Ray).
+need all of them) and returns the per-rank results. Batches go through ``forward`` / ``train``:
+the group plans data-parallel shards and micro-batches (:mod:`megarl.data.packing`), puts each
+shard into Ray's object store once and hands that one reference to every rank of the shard's
+data-parallel group (:meth:`call_sharded`), then puts the output ranks' flat results back into
+batch order (:mod:`megarl.workers.dispatch`). Backend ``ray`` makes one Ray actor per rank inside
+the role's placement group; backend ``local`` runs a single rank in this process (tests, one-GPU
+boxes without Ray) through the same planning and sharding code, without the object store.
 """
 from __future__ import annotations
 
@@ -12,8 +15,11 @@ from typing import Any, Optional
 
 import torch
 
+from megarl.data.batch import TokenBatch
+from megarl.data.packing import ShardPlan, plan_shards
 from megarl.parallel.launcher import free_port
 from megarl.placement.addresses import node_address
+from megarl.workers.dispatch import make_shards, unshard
 from megarl.workers.megatron_worker import MegatronWorker, WorkerSpec
 
 
@@ -35,6 +41,9 @@ class WorkerGroup:
     def __init__(self, role: str, cfg: Any, *, backend: str, trainable: bool, value_head: bool,
                  placement_group: Any = None, share: float = 1.0):
         self.role = role
+        self.cfg = cfg
+        self.role_cfg = getattr(cfg, role)
+        self._topology: Optional[list[dict[str, int]]] = None
         self.world_size = getattr(cfg, role).gpus
         self.backend = backend
         spec_args = dict(role=role, cfg=cfg, world_size=self.world_size, trainable=trainable, value_head=value_head)
@@ -70,22 +79,81 @@ class WorkerGroup:
 
         return ray.get([w.execute.remote(method, *args, **kwargs) for w in self.workers])
 
-    def gather(self, method: str, batch_size: int, *args, **kwargs) -> list[list[Optional[torch.Tensor]]]:
-        """Per-sample results of a forward-only method, in batch order: a list over samples of the
-        tuple each micro-batch produced (e.g. (logprobs, entropy))."""
-        slots: list[Any] = [None] * batch_size
-        for result in self.call(method, *args, **kwargs):
-            if not result:
-                continue
-            index = iter(result["index"])
-            for micro_out in result["results"]:
-                rows = next((t.shape[0] for t in micro_out if t is not None), 0)
-                for r in range(rows):
-                    slots[next(index)] = tuple(t[r] if t is not None else None for t in micro_out)
-        missing = [i for i, s in enumerate(slots) if s is None]
-        if missing:
-            raise RuntimeError(f"{self.role}: no result for samples {missing[:8]}")
-        return slots
+    # ------------------------------------------------------------------ sharded data path
+    def topology(self) -> list[dict[str, int]]:
+        """Per rank: dp_rank, dp, tp_rank, pp_rank, is_output (asked once, after ``setup``)."""
+        if getattr(self, "_topology", None) is None:
+            self._topology = self.call("topology")
+        return self._topology
+
+    @property
+    def dp(self) -> int:
+        return int(self.topology()[0]["dp"])
+
+    def plan(self, batch: TokenBatch, minibatches: Optional[list[list[int]]] = None,
+             pairs: bool = False) -> ShardPlan:
+        """Data-parallel shards and micro-batches of this role for ``batch`` (all samples in one
+        mini-batch when ``minibatches`` is None). ``pairs``: plan over adjacent sample pairs
+        (2i, 2i + 1), which then always share a micro-batch (reward-model training)."""
+        role = self.role_cfg
+        p = role.parallel
+        lengths = batch.seq_lens.tolist()
+        if minibatches is None:
+            minibatches = [list(range(len(lengths) // (2 if pairs else 1)))]
+        if pairs:
+            lengths = [lengths[2 * i] + lengths[2 * i + 1] for i in range(len(lengths) // 2)]
+        plan = plan_shards(lengths, minibatches, self.dp, packed=role.packing,
+                           max_tokens=token_budget(self.cfg, self.role),
+                           micro_batch_size=max(1, role.micro_batch_size // (2 if pairs else 1)),
+                           micro_multiple=p.pp if p.vpp > 1 else 1)
+        if pairs:  # pair k -> sequences 2k, 2k + 1
+            plan = ShardPlan([[j for k in s for j in (2 * k, 2 * k + 1)] for s in plan.samples],
+                             [[[2 * n for n in sizes] for sizes in mb] for mb in plan.micro_sizes])
+        return plan
+
+    def call_sharded(self, method: str, shards: list[Any], *args, **kwargs) -> list[Any]:
+        """Run ``method(shard, *args)`` on every rank, each rank getting its data-parallel group's
+        shard. Under Ray each shard is put into the object store once (numpy buffers: read from
+        shared memory on the shard's node) and all ranks of the group receive that reference."""
+        topo = self.topology()
+        if len(shards) != self.dp:
+            raise ValueError(f"{self.role}: {len(shards)} shards for data-parallel size {self.dp}")
+        if self.backend == "local":
+            return [getattr(self.workers[0], method)(shards[0], *args, **kwargs)]
+        import ray
+
+        refs = [ray.put(s.to_payload()) for s in shards]
+        return ray.get([w.execute.remote(method, refs[t["dp_rank"]], *args, **kwargs)
+                        for w, t in zip(self.workers, topo)])
+
+    def forward(self, method: str, batch: TokenBatch, *args, fields: tuple[str, ...] = (),
+                **kwargs) -> dict[str, torch.Tensor]:
+        """A forward-only method over ``batch``: flat results in batch order, per response token
+        (``compute_logprobs`` -> logprobs/entropy, ``compute_values`` -> values) or per sample
+        (``compute_scores`` -> scores)."""
+        plan = self.plan(batch)
+        results = self.call_sharded(method, make_shards(batch, plan, fields), *args, **kwargs)
+        by_dp: dict[int, dict] = {}
+        for res, t in zip(results, self.topology()):
+            if res:
+                by_dp[int(t["dp_rank"])] = res
+        if sorted(by_dp) != list(range(plan.dp)):
+            raise RuntimeError(f"{self.role}: no result from data-parallel ranks "
+                               f"{sorted(set(range(plan.dp)) - set(by_dp))}")
+        out: dict[str, torch.Tensor] = {}
+        for per in ("token", "sample"):
+            keys = {k for r in by_dp.values() for k in r.get(per, {})}
+            for key in sorted(keys):
+                parts = [torch.as_tensor(by_dp[d].get(per, {}).get(key, torch.zeros(0))) for d in range(plan.dp)]
+                out[key] = unshard(batch, plan, parts, per)
+        return out
+
+    def train(self, batch: TokenBatch, minibatches: list[list[int]], denominators: list[dict[str, float]],
+              algo: dict[str, Any], fields: tuple[str, ...]) -> dict[str, float]:
+        """One optimizer step per mini-batch (sample indices of ``batch``); metrics merged over ranks."""
+        plan = self.plan(batch, minibatches)
+        shards = make_shards(batch, plan, fields, denominators)
+        return self.reduce_metrics(self.call_sharded("train", shards, algo))
 
     def reduce_metrics(self, per_rank: list[dict[str, float]]) -> dict[str, float]:
         """Add ``*_sum`` metrics over output ranks (they carry global denominators), average the rest;
@@ -113,3 +181,16 @@ class WorkerGroup:
             pass
         for w in self.workers:
             ray.kill(w)
+
+
+def token_budget(cfg: Any, role: str) -> int:
+    """Tokens per micro-batch of ``role``: ``max_tokens_per_micro_batch``, or (0) for packed
+    micro-batches ``micro_batch_size`` longest possible samples (prompt + response), the memory a
+    padded micro-batch of that size could need at most."""
+    r = getattr(cfg, role)
+    if r.max_tokens_per_micro_batch:
+        return int(r.max_tokens_per_micro_batch)
+    if not r.packing:
+        return 0
+    longest = cfg.rollout.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    return max(1, r.micro_batch_size) * longest

@@ -2,9 +2,10 @@
 
 The same class runs as a Ray actor (one per GPU/CPU rank) or in-process (backend ``local``).
 Every public method is called on *all* ranks of the role at once by a ``WorkerGroup``; each rank
-takes its data-parallel share of the batch, runs megatron's pipeline schedule over micro-batches
-(fixed size or a token budget), and ranks on the last pipeline stage with tp_rank 0 return the
-results for their share, which the group reassembles in the original order.
+receives only its data-parallel group's :class:`~megarl.workers.dispatch.Shard` (the samples, their
+micro-batch sizes and the global loss denominators, planned on the driver), runs megatron's
+pipeline schedule over packed (THD) or padded micro-batches, and ranks on the last pipeline stage
+with tp_rank 0 return flat result tensors in shard order, which the group puts back in batch order.
 
 Loss scaling: megatron's schedule divides each micro-batch loss by the number of micro-batches and
 DDP averages gradients over data-parallel ranks. RL losses need *global* denominators (tokens or
@@ -29,8 +30,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from megarl.models.builder import unwrap
-from megarl.workers.batch import (SequenceBatch, pad_inputs, response_positions, split_by_token_budget,
-                                  split_fixed)
+from megarl.data.batch import TokenBatch
+from megarl.workers.batch import MicroInputs, common_shape, micro_inputs
+from megarl.workers.dispatch import Shard
 from megarl.workers.vocab_parallel import logprobs_and_entropy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,7 +92,7 @@ class MegatronWorker:
         if self.cfg.cluster.device == "cuda":
             self.chunks = [c.cuda() for c in self.chunks]
         for chunk in self.chunks:
-            chunk.config.variable_seq_lengths = True  # micro-batches pad to their own length
+            chunk.config.variable_seq_lengths = True  # every micro-batch has its own length (packed or padded)
         if self.cfg.model.megatron_checkpoint and self.spec.role in ("actor", "ref"):
             from megarl.checkpoint import load_megatron
 
@@ -165,136 +167,138 @@ class MegatronWorker:
         return (mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
                 and mpu.get_context_parallel_rank() == 0)
 
-    def _dp_share(self, n: int) -> list[int]:
-        from megatron.core import parallel_state as mpu
+    # ------------------------------------------------------------------ micro-batches
+    def _packed(self) -> bool:
+        return bool(getattr(self.role_cfg, "packing", False))
 
-        dp, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-        return list(range(rank, n, dp))
+    def _inputs(self, micro: list[TokenBatch], device: torch.device) -> list[MicroInputs]:
+        """Model inputs of each micro-batch (packed row or padded block) on ``device``. megatron's
+        interleaved (virtual pipeline) schedule exchanges activations of one fixed shape, so there
+        every micro-batch is padded to a common one (packed: one padding sequence at the end)."""
+        config = unwrap(self.chunks[0]).config
+        multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        length, rows = common_shape(micro, self._packed()) if len(self.chunks) > 1 else (0, 0)
+        return [micro_inputs(mb, self._packed(), multiple, length, rows).to(device) for mb in micro]
 
-    @staticmethod
-    def _filler(batch: SequenceBatch, index: list[int]) -> SequenceBatch:
-        """One real sample for a rank whose share is empty: it runs through the schedule (so the
-        rank joins the collectives) and its loss is multiplied by zero."""
-        return batch.select(index[:1])
-
-    def _micro_batches(self, batch: SequenceBatch) -> list[list[int]]:
-        budget = self.role_cfg.max_tokens_per_micro_batch
-        if budget:
-            return split_by_token_budget([len(s) for s in batch.sequences], budget)
-        return split_fixed(len(batch), self.role_cfg.micro_batch_size)
+    def _device(self) -> torch.device:
+        return torch.device("cuda") if self.cfg.cluster.device == "cuda" else torch.device("cpu")
 
     # ------------------------------------------------------------------ schedule
-    def _run_schedule(self, micro: list[SequenceBatch], per_output: Callable, forward_only: bool) -> list[Any]:
-        """Run megatron's forward(-backward) schedule; ``per_output(output, mb) -> (loss, data)``."""
+    def _run_schedule(self, micro: list[MicroInputs], per_output: Callable, forward_only: bool) -> list[Any]:
+        """Run megatron's forward(-backward) schedule; ``per_output(output, mi) -> (loss, data)``."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        device = torch.device("cuda") if self.cfg.cluster.device == "cuda" else torch.device("cpu")
-        prepared = []
-        for mb in micro:
-            ids, pos = pad_inputs(mb)
-            prepared.append((mb, ids.to(device), pos.to(device)))
+        device = self._device()
 
         def step(data_iter, model):
-            mb, ids, pos = next(data_iter)
-            output = model(ids, pos, None)
+            mi = next(data_iter)
+            output = model(mi.input_ids, mi.position_ids, None, packed_seq_params=mi.packed)
 
             def loss_func(output_tensor, non_loss_data=False):
-                loss, data = per_output(output_tensor, mb)
+                if mi.empty:  # placeholder micro-batch: connected to the graph, adds nothing
+                    zero = output_tensor.sum() * 0.0
+                    return zero if non_loss_data else (zero, {})
+                loss, data = per_output(output_tensor, mi)
                 if forward_only:
                     return data if non_loss_data else (torch.zeros((), device=device), data)
                 return loss, data
             return output, loss_func
 
         chunks = self.chunks
-        iters = [iter(prepared) for _ in chunks] if len(chunks) > 1 else iter(prepared)
-        seq_len = max(ids.shape[1] for _, ids, _ in prepared)
+        iters = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
+        seq_len = max(mi.input_ids.shape[1] for mi in micro)
+        rows = max(mi.input_ids.shape[0] for mi in micro)
         fb = get_forward_backward_func()
-        return fb(forward_step_func=step, data_iterator=iters, model=chunks if len(chunks) > 1 else chunks[0],
-                  num_microbatches=len(prepared), seq_length=seq_len, micro_batch_size=1,
-                  forward_only=forward_only, collect_non_loss_data=forward_only)
+        out = fb(forward_step_func=step, data_iterator=iters, model=chunks if len(chunks) > 1 else chunks[0],
+                 num_microbatches=len(micro), seq_length=seq_len, micro_batch_size=rows,
+                 forward_only=forward_only, collect_non_loss_data=forward_only)
+        # one entry per micro-batch on the last stage; placeholders carry no data
+        return [d for d, mi in zip(out, micro) if not mi.empty] if len(out) == len(micro) else out
 
-    def _token_outputs(self, output: torch.Tensor, mb: SequenceBatch, with_entropy: bool):
-        """Per response token: (logprob, entropy) for a policy, value for a critic; ``[b, R]``."""
-        pos, tgt = response_positions(mb)
-        pos, tgt = pos.to(output.device), tgt.to(output.device)
-        rows = torch.arange(len(mb), device=output.device).unsqueeze(1)
+    def _token_outputs(self, output: torch.Tensor, mi: MicroInputs, with_entropy: bool):
+        """Per response token ``[b, R]``: (logprob, entropy or None) for a policy, (value, None) for a
+        critic. Computed on every output row (one fused pass, no gathered copy of the logits), then
+        read at ``pred_index``."""
+        pred = mi.pred_index
         if self.spec.value_head:
             values = output[..., 0] if output.dim() == 3 else output
-            return values[rows, pos].float(), None
-        selected = output[rows, pos]  # [b, R, V/tp]
+            return values.reshape(-1)[pred].float(), None
         vocab = unwrap(self.chunks[-1]).vocab_size
-        return logprobs_and_entropy(selected, tgt, vocab, with_entropy=with_entropy)
-
-    def _gather_results(self, n: int, share: list[int], micro: list[list[int]], results: list[Any]) -> Optional[dict]:
-        """Results of this rank's share in original order (output ranks only)."""
-        if not self._is_output_rank():
-            return None
-        order = [share[i] for mb in micro for i in mb]
-        return {"index": order, "results": results}
+        rows = output.reshape(-1, output.shape[-1])
+        lp, ent = logprobs_and_entropy(rows, mi.next_ids, vocab, with_entropy=with_entropy)
+        return lp[pred], (ent[pred] if ent is not None else None)
 
     # ------------------------------------------------------------------ forward-only
     @torch.no_grad()
-    def compute_logprobs(self, batch: SequenceBatch, with_entropy: bool = False) -> Optional[dict]:
-        """Log p(response tokens) (and entropy) under the current weights, for this rank's share."""
-        return self._forward_only(batch, lambda out, mb: self._token_outputs(out, mb, with_entropy))
+    def compute_logprobs(self, shard: Any, with_entropy: bool = False) -> Optional[dict]:
+        """Log p(response tokens) (and entropy) under the current weights for this data-parallel
+        group's shard: ``{"token": {"logprobs": [sum R], "entropy": ...}}`` in shard order."""
+        def fn(out, mi):
+            lp, ent = self._token_outputs(out, mi, with_entropy)
+            keep = mi.mask.bool()
+            res = {"logprobs": lp[keep]}
+            if ent is not None:
+                res["entropy"] = ent[keep]
+            return res
+        return self._forward_only(shard, fn, "token")
 
     @torch.no_grad()
-    def compute_values(self, batch: SequenceBatch) -> Optional[dict]:
-        return self._forward_only(batch, lambda out, mb: self._token_outputs(out, mb, False))
+    def compute_values(self, shard: Any) -> Optional[dict]:
+        def fn(out, mi):
+            values, _ = self._token_outputs(out, mi, False)
+            return {"values": values[mi.mask.bool()]}
+        return self._forward_only(shard, fn, "token")
 
     @torch.no_grad()
-    def compute_scores(self, batch: SequenceBatch) -> Optional[dict]:
+    def compute_scores(self, shard: Any) -> Optional[dict]:
         """Reward-model score of each whole sequence: the scalar head at its last token."""
-        return self._forward_only(batch, lambda out, mb: (self._last_token_values(out, mb),))
+        return self._forward_only(shard, lambda out, mi: {"scores": self._last_token_values(out, mi)}, "sample")
 
-    def _last_token_values(self, output: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
+    def _last_token_values(self, output: torch.Tensor, mi: MicroInputs) -> torch.Tensor:
         values = output[..., 0] if output.dim() == 3 else output
-        last = torch.tensor([len(s) - 1 for s in mb.sequences], device=values.device)
-        return values[torch.arange(len(mb), device=values.device), last].float()
+        return values.reshape(-1)[mi.last_index].float()
 
-    def _forward_only(self, batch: SequenceBatch, fn: Callable) -> Optional[dict]:
+    def _forward_only(self, shard: Any, fn: Callable, per: str) -> Optional[dict]:
         for chunk in self.chunks:
             chunk.eval()
-        share = self._dp_share(len(batch))
-        if not share:  # fewer samples than dp ranks: join the collectives, return nothing
-            self._run_schedule([self._filler(batch, list(range(len(batch))))], lambda out, mb: (None, []),
-                               forward_only=True)
-            return None
-        local = batch.select(share)
-        micro = self._micro_batches(local)
-        results = self._run_schedule([local.select(m) for m in micro],
-                                     lambda out, mb: (None, [t.cpu() if t is not None else None for t in fn(out, mb)]),
+        shard = Shard.from_payload(shard)
+        micro = [mb for minibatch in shard.minibatches() for mb in minibatch]
+        results = self._run_schedule(self._inputs(micro, self._device()),
+                                     lambda out, mi: (None, {k: v.cpu() for k, v in fn(out, mi).items()}),
                                      forward_only=True)
-        return self._gather_results(len(batch), share, micro, results)
+        if not self._is_output_rank():
+            return None
+        keys = results[0].keys() if results else ()
+        out = {}
+        for k in keys:  # execution order -> shard order; numpy: Ray returns it through shared memory
+            out[k] = shard.to_batch_order(torch.cat([r[k] for r in results]), per).numpy()
+        return {per: out}
 
     # ------------------------------------------------------------------ training
-    def train(self, batch: SequenceBatch, minibatches: list[list[int]], denominators: list[dict[str, float]],
-              algo: dict[str, Any]) -> dict[str, float]:
-        """One pass of optimizer steps, one per mini-batch (indices into ``batch``)."""
+    def train(self, shard: Any, algo: dict[str, Any]) -> dict[str, float]:
+        """One pass of optimizer steps, one per mini-batch of the shard (with its global denominators)."""
         from megatron.core import parallel_state as mpu
 
         for chunk in self.chunks:
             chunk.train()
+        shard = Shard.from_payload(shard)
         dp = mpu.get_data_parallel_world_size()
         totals: dict[str, float] = {}   # "*_sum" metrics: add up over micro-batches (global denominators)
         means: dict[str, list[float]] = {}
-        for mb_index, denom in zip(minibatches, denominators):
-            share = [mb_index[i] for i in self._dp_share(len(mb_index))]
-            local = batch.select(share) if share else self._filler(batch, mb_index)
-            micro = self._micro_batches(local)
+        minibatches = shard.minibatches()
+        device = self._device()
+        loss_fn = self._critic_loss if self.spec.value_head else self._actor_loss
+        for micro, denom in zip(minibatches, shard.denominators):
             scale = len(micro) * dp
-            loss_fn = self._critic_loss if self.spec.value_head else self._actor_loss
 
-            def per_output(out, mb, _denom=denom, _scale=scale, _filler=not share):
-                loss, metrics = loss_fn(out, mb, _denom, algo)
-                if _filler:
-                    return loss * 0.0, {}
+            def per_output(out, mi, _denom=denom, _scale=scale):
+                loss, metrics = loss_fn(out, mi, _denom, algo)
                 return loss * _scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
 
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
-            outputs = self._run_schedule([local.select(m) for m in micro], per_output, forward_only=False)
+            outputs = self._run_schedule(self._inputs(micro, device), per_output, forward_only=False)
             ok, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
             self.steps += 1
@@ -312,43 +316,36 @@ class MegatronWorker:
         # The group adds "*_sum" metrics over data-parallel output ranks and averages the rest.
         return out if self._is_output_rank() else {}
 
-    def train_reward_model(self, pairs: SequenceBatch, minibatches: list[list[int]]) -> dict[str, float]:
+    def train_reward_model(self, shard: Any) -> dict[str, float]:
         """Bradley-Terry (Ouyang et al. 2022, InstructGPT eq. 1): ``-log sigmoid(r_chosen - r_rejected)``,
-        averaged over the pairs of each mini-batch. ``pairs`` holds pair ``i`` as sequences
-        ``2i`` (chosen) and ``2i + 1`` (rejected); mini-batches, data-parallel shares and
-        micro-batches are cut along pairs so a pair is always scored in one forward."""
+        averaged over the pairs of each mini-batch. The shard holds pair ``i`` as sequences ``2i``
+        (chosen) and ``2i + 1`` (rejected); its micro-batches are cut along pairs so a pair is always
+        scored in one forward; ``denominators[k]["num_pairs"]`` is mini-batch k's global pair count."""
         from megatron.core import parallel_state as mpu
 
         for chunk in self.chunks:
             chunk.train()
+        shard = Shard.from_payload(shard)
         dp = mpu.get_data_parallel_world_size()
         totals: dict[str, float] = {}
         grad_norms = []
-        for mb_pairs in minibatches:
-            share = [mb_pairs[i] for i in self._dp_share(len(mb_pairs))]
-            filler = not share  # fewer pairs than dp ranks: one real pair, loss times zero
-            if filler:
-                share = mb_pairs[:1]
-            micro = split_fixed(len(share), max(1, self.role_cfg.micro_batch_size // 2))
+        minibatches = shard.minibatches()
+        for micro, denom in zip(minibatches, shard.denominators):
             scale = len(micro) * dp
-            num_pairs = float(len(mb_pairs))
+            num_pairs = float(denom["num_pairs"])
 
-            def per_output(out, mb, _n=num_pairs, _scale=scale, _filler=filler):
-                scores = self._last_token_values(out, mb)
+            def per_output(out, mi, _n=num_pairs, _scale=scale):
+                scores = self._last_token_values(out, mi)
                 margin = scores[0::2] - scores[1::2]
                 loss = -torch.nn.functional.logsigmoid(margin).sum() / _n
-                if _filler:
-                    return loss * 0.0, {}
                 metrics = {"loss_sum": loss.detach(), "accuracy_sum": (margin > 0).float().sum() / _n,
                            "margin_sum": margin.detach().sum() / _n}
                 return loss * _scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
 
-            micro_batches = [pairs.select([j for p in (share[i] for i in m) for j in (2 * p, 2 * p + 1)])
-                             for m in micro]
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
-            outputs = self._run_schedule(micro_batches, per_output, forward_only=False)
+            outputs = self._run_schedule(self._inputs(micro, self._device()), per_output, forward_only=False)
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
             self.steps += 1
@@ -356,27 +353,28 @@ class MegatronWorker:
             for metrics in outputs:
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + float(v) / len(minibatches)
-        out = dict(totals, grad_norm=sum(grad_norms) / len(grad_norms), lr=self.optimizer.param_groups[0]["lr"])
+        out = dict(totals, grad_norm=sum(grad_norms) / max(1, len(grad_norms)), lr=self.optimizer.param_groups[0]["lr"])
         return out if self._is_output_rank() else {}
 
-    def _actor_loss(self, output: torch.Tensor, mb: SequenceBatch, denom: dict[str, float], algo: dict[str, Any]):
+    def _actor_loss(self, output: torch.Tensor, mi: MicroInputs, denom: dict[str, float], algo: dict[str, Any]):
         from megarl.algos import PolicyLossConfig, entropy_bonus, get_policy_loss, kl_loss
 
         need_entropy = algo["entropy_coef"] != 0.0
-        logprobs, entropy = self._token_outputs(output, mb, with_entropy=True)
-        t = mb.tensors
-        mask = t["response_mask"].to(logprobs.device)
+        logprobs, entropy = self._token_outputs(output, mi, with_entropy=True)
+        fields = mi.batch.token_fields
+        dev = logprobs.device
+        mask = mi.mask.to(dev)
         agg = dict(num_tokens=denom["num_tokens"], num_seqs=denom["num_seqs"])
         pcfg = PolicyLossConfig(**algo["policy_loss_cfg"])
-        rollout_lp = t.get("rollout_logprobs")
+        rollout_lp = mi.padded("rollout_logprobs").to(dev) if "rollout_logprobs" in fields else None
         pg_loss, metrics = get_policy_loss(algo["policy_loss"])(
-            logprobs, t["old_logprobs"].to(logprobs.device), t["advantages"].to(logprobs.device), mask, pcfg,
-            rollout_logprobs=rollout_lp.to(logprobs.device) if rollout_lp is not None else None, **agg)
+            logprobs, mi.padded("old_logprobs").to(dev), mi.padded("advantages").to(dev), mask, pcfg,
+            rollout_logprobs=rollout_lp, **agg)
         loss = pg_loss
         out = {f"actor/{k}": v for k, v in metrics.items()}
         out["actor/pg_loss_sum"] = pg_loss.detach()
-        if algo["kl_loss_coef"] and "ref_logprobs" in t:
-            kl = kl_loss(logprobs, t["ref_logprobs"].to(logprobs.device), mask, algo["kl_estimator"],
+        if algo["kl_loss_coef"] and "ref_logprobs" in fields:
+            kl = kl_loss(logprobs, mi.padded("ref_logprobs").to(dev), mask, algo["kl_estimator"],
                          agg_mode=pcfg.agg_mode, **agg)
             loss = loss + algo["kl_loss_coef"] * kl
             out["actor/kl_loss_sum"] = kl.detach()
@@ -387,14 +385,13 @@ class MegatronWorker:
         out["actor/loss_sum"] = loss.detach()
         return loss, out
 
-    def _critic_loss(self, output: torch.Tensor, mb: SequenceBatch, denom: dict[str, float], algo: dict[str, Any]):
+    def _critic_loss(self, output: torch.Tensor, mi: MicroInputs, denom: dict[str, float], algo: dict[str, Any]):
         from megarl.algos import value_loss
 
-        values, _ = self._token_outputs(output, mb, with_entropy=False)
-        t = mb.tensors
-        mask = t["response_mask"].to(values.device)
-        loss, metrics = value_loss(values, t["old_values"].to(values.device), t["returns"].to(values.device), mask,
-                                   clip_range=algo["value_clip"], agg_mode=algo["agg_mode"],
+        values, _ = self._token_outputs(output, mi, with_entropy=False)
+        dev = values.device
+        loss, metrics = value_loss(values, mi.padded("old_values").to(dev), mi.padded("returns").to(dev),
+                                   mi.mask.to(dev), clip_range=algo["value_clip"], agg_mode=algo["agg_mode"],
                                    num_tokens=denom["num_tokens"], num_seqs=denom["num_seqs"])
         out = {f"critic/{k}": v for k, v in metrics.items()}
         out["critic/vf_loss_sum"] = loss.detach()

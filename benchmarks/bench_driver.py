@@ -1,0 +1,208 @@
+"""Driver cost of one RL step's data path: CPU seconds on the driver and bytes each data-parallel
+rank receives, for a synthetic batch (default 100k samples x 1k tokens) over Ray actors standing
+in for data-parallel ranks (default 8). One JSON line per mode.
+
+    python benchmarks/bench_driver.py                         # 100k x 1k over 8 actors
+    python benchmarks/bench_driver.py --samples 20000 --dp 4  # smaller
+
+What a step moves (megarl's real code: TokenBatch, plan_shards, make_shards, Shard payloads, unshard):
+  forward : plan token-balanced shards + packed micro-batches, put one shard per rank (token ids,
+            offsets, prompt lengths), each rank returns one logprob per response token, the driver
+            puts them back in batch order (as ``WorkerGroup.forward``);
+  train   : shards with old logprobs, advantages and rollout logprobs per response token and the
+            mini-batches' micro-batch plan (as ``WorkerGroup.train``); ranks return metrics.
+Modes, measured in the same run:
+  sharded   : the above (each rank gets ~1/dp of the batch);
+  broadcast : the same flat batch put once and sent whole to every rank, each rank slicing its share
+              (what workers/group.py did before, minus its per-sample Python lists).
+The actors only touch the bytes they receive (sum of the token ids) and return results of the right
+size: the benchmark measures the data path, not a model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def payload_bytes(obj) -> int:
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v) for v in obj)
+    return 8
+
+
+def synthetic_batch(samples: int, tokens: int, prompt: int, seed: int):
+    """``samples`` sequences of ~``tokens`` tokens (+-25%, uniform), prompts of ``prompt`` tokens."""
+    from megarl.data.batch import TokenBatch, lengths_to_offsets
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(int(tokens * 0.75), int(tokens * 1.25) + 1, (samples,), generator=g)
+    total = int(lens.sum())
+    toks = torch.randint(0, 150_000, (total,), generator=g, dtype=torch.int32)
+    plens = torch.full((samples,), prompt, dtype=torch.int64)
+    n_resp = int((lens - plens).sum())
+    fields = {name: torch.randn(n_resp, generator=g) for name in ("rollout_logprobs", "old_logprobs", "advantages")}
+    return TokenBatch(toks, lengths_to_offsets(lens), plens, fields)
+
+
+def make_actor_cls():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        """Stands in for one data-parallel rank: reads its shard, returns results of the right size."""
+
+        def forward(self, payload, dp_rank=None):
+            from megarl.workers.dispatch import Shard
+
+            if dp_rank is not None:  # broadcast: the whole batch, slice this rank's share
+                payload = _slice(payload, dp_rank)
+            shard = Shard.from_payload(payload)
+            checksum = int(shard.batch.tokens.sum())
+            n = int(shard.batch.response_lens.sum())  # results in shard batch order, as the worker returns them
+            return {"token": {"logprobs": np.zeros(n, dtype=np.float32)}, "checksum": checksum}
+
+        def train(self, payload, dp_rank=None):
+            from megarl.workers.dispatch import Shard
+
+            if dp_rank is not None:
+                payload = _slice(payload, dp_rank)
+            shard = Shard.from_payload(payload)
+            return {"loss_sum": float(shard.batch.token_fields["advantages"].sum()),
+                    "micro_batches": sum(len(m) for m in shard.micro_sizes)}
+
+    return Rank
+
+
+def _slice(payload, dp_rank):
+    """Broadcast mode: a rank's own share from the whole batch (the plan travels with it)."""
+    from megarl.data.batch import TokenBatch
+    from megarl.workers.dispatch import shard_of
+
+    batch = TokenBatch.from_payload(payload["batch"])
+    plan = payload["plan"][dp_rank]
+    return shard_of(batch, plan["samples"], plan["micro_sizes"], payload["denominators"])
+
+
+def step(batch, actors, mode: str, budget: int, global_batch: int):
+    """One step's data path (forward + train); returns per-rank bytes and driver seconds by phase."""
+    import ray
+
+    from megarl.data.packing import plan_shards
+    from megarl.workers.dispatch import make_shards, unshard
+
+    dp = len(actors)
+    lengths = batch.seq_lens.tolist()
+    out = {}
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    # ---- forward (old logprobs)
+    plan = plan_shards(lengths, [list(range(len(batch)))], dp, packed=True, max_tokens=budget)
+    out["plan_s"] = time.perf_counter() - t0
+    if mode == "sharded":
+        shards = make_shards(batch, plan)
+        refs = [ray.put(s.to_payload()) for s in shards]
+        out["forward_bytes_per_rank"] = max(payload_bytes(s.to_payload()) for s in shards)
+        results = ray.get([a.forward.remote(refs[r]) for r, a in enumerate(actors)])
+    else:
+        whole = {"batch": batch.with_fields(()).to_payload(), "denominators": [],
+                 "plan": [{"samples": plan.samples[r], "micro_sizes": plan.micro_sizes[r]} for r in range(dp)]}
+        ref = ray.put(whole)
+        out["forward_bytes_per_rank"] = payload_bytes(whole["batch"])
+        results = ray.get([a.forward.remote(ref, r) for r, a in enumerate(actors)])
+    logprobs = unshard(batch, plan, [torch.as_tensor(np.asarray(r["token"]["logprobs"])) for r in results])
+    assert logprobs.numel() == int(batch.response_lens.sum())
+    out["forward_s"] = time.perf_counter() - t0
+    # ---- train (one epoch of mini-batches)
+    t1 = time.perf_counter()
+    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(0)).tolist()
+    mbs = [order[i:i + global_batch] for i in range(0, len(order), global_batch)]
+    rl = batch.response_lens
+    dens = [{"num_tokens": float(rl[m].sum()), "num_seqs": float(len(m))} for m in mbs]
+    tplan = plan_shards(lengths, mbs, dp, packed=True, max_tokens=budget)
+    fields = ("old_logprobs", "advantages", "rollout_logprobs")
+    if mode == "sharded":
+        shards = make_shards(batch, tplan, fields, dens)
+        payloads = [s.to_payload() for s in shards]
+        refs = [ray.put(p) for p in payloads]
+        out["train_bytes_per_rank"] = max(payload_bytes(p["batch"]) for p in payloads)
+        metrics = ray.get([a.train.remote(refs[r]) for r, a in enumerate(actors)])
+    else:
+        whole = {"batch": batch.with_fields(fields).to_payload(), "denominators": dens,
+                 "plan": [{"samples": tplan.samples[r], "micro_sizes": tplan.micro_sizes[r]} for r in range(dp)]}
+        ref = ray.put(whole)
+        out["train_bytes_per_rank"] = payload_bytes(whole["batch"])
+        metrics = ray.get([a.train.remote(ref, r) for r, a in enumerate(actors)])
+    assert len(metrics) == dp
+    out["train_s"] = time.perf_counter() - t1
+    out["driver_wall_s"] = time.perf_counter() - t0
+    out["driver_cpu_s"] = time.process_time() - cpu0
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=100_000)
+    ap.add_argument("--tokens", type=int, default=1000, help="mean tokens per sample (prompt + response)")
+    ap.add_argument("--prompt", type=int, default=200)
+    ap.add_argument("--dp", type=int, default=8, help="Ray actors standing in for data-parallel ranks")
+    ap.add_argument("--budget", type=int, default=16384, help="tokens per packed micro-batch")
+    ap.add_argument("--global-batch", type=int, default=4096, help="samples per mini-batch (optimizer step)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--modes", default="sharded,broadcast")
+    ap.add_argument("--object-store-gb", type=float, default=6.0)
+    a = ap.parse_args()
+    import ray
+
+    torch.set_num_threads(2)
+    t = time.perf_counter()
+    batch = synthetic_batch(a.samples, a.tokens, a.prompt, seed=0)
+    build_s = time.perf_counter() - t
+    whole_bytes = payload_bytes(batch.to_payload())
+    ray.init(num_cpus=2, object_store_memory=int(a.object_store_gb * 2**30), include_dashboard=False,
+             log_to_driver=False)
+    try:
+        Rank = make_actor_cls()
+        actors = [Rank.remote() for _ in range(a.dp)]
+        # warm-up: actor processes import torch and megarl once (not part of a step)
+        tiny = synthetic_batch(4 * a.dp, 16, 4, seed=1)
+        step(tiny, actors, "sharded", a.budget, 4)
+        step(tiny, actors, "broadcast", a.budget, 4)
+        lines = {}
+        for mode in a.modes.split(","):
+            runs = [step(batch, actors, mode, a.budget, a.global_batch) for _ in range(a.steps)]
+            best = min(runs, key=lambda r: r["driver_wall_s"])
+            line = {"bench": "driver_step", "mode": mode, "samples": a.samples, "tokens_per_sample": a.tokens,
+                    "dp": a.dp, "batch_tokens": batch.num_tokens, "batch_bytes_all_fields": whole_bytes,
+                    "cores": os.cpu_count(), "steps": a.steps,
+                    **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in best.items()},
+                    "driver_wall_s_all": [round(r["driver_wall_s"], 3) for r in runs],
+                    "driver_cpu_s_all": [round(r["driver_cpu_s"], 3) for r in runs]}
+            lines[mode] = line
+        if "sharded" in lines and "broadcast" in lines:
+            s, b = lines["sharded"], lines["broadcast"]
+            s["train_bytes_per_rank_vs_broadcast"] = round(s["train_bytes_per_rank"] / b["train_bytes_per_rank"], 4)
+            s["forward_bytes_per_rank_vs_broadcast"] = round(s["forward_bytes_per_rank"] / b["forward_bytes_per_rank"], 4)
+            s["driver_cpu_vs_broadcast"] = round(s["driver_cpu_s"] / max(b["driver_cpu_s"], 1e-9), 3)
+            s["driver_wall_vs_broadcast"] = round(s["driver_wall_s"] / max(b["driver_wall_s"], 1e-9), 3)
+        for line in lines.values():
+            line["synthetic_batch_build_s"] = round(build_s, 3)
+            line["driver_max_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+            print(json.dumps(line), flush=True)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Which samples each data-parallel rank gets, and how it groups them into micro-batches.
+
+Pure functions over sequence lengths (no torch.distributed, no Ray), computed once on the driver:
+
+* :func:`split_contiguous` splits a mini-batch (in its given, shuffled order) over data-parallel
+  ranks at token-count boundaries, so every rank has the same number of tokens to within one
+  sample: ranks finish together instead of all waiting for the one that drew the long responses.
+  Contiguous pieces keep a forward pass's shards zero-copy views of the batch on the driver.
+* :func:`pack_bins` groups one rank's samples into packed micro-batches of at most ``max_tokens``
+  tokens (best-fit decreasing; a sample longer than the budget gets a micro-batch of its own).
+* :func:`split_by_token_budget` / :func:`split_fixed` group samples for *padded* micro-batches
+  (``packing: false``), where a micro-batch costs ``samples x longest``.
+* :func:`plan_shards` puts these together per mini-batch and gives every rank the same number of
+  micro-batches: megatron's expert-parallel all-to-all and the pipeline schedule run one exchange
+  per micro-batch, so a rank with fewer micro-batches would leave the others waiting forever. Ranks
+  short of micro-batches split their largest one; a rank with too few samples gets empty ones
+  (the worker runs them as a one-token forward that adds nothing to the loss).
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+def balance(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of ``lengths`` split into ``parts`` lists with near-equal token sums (LPT)."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    heap = [(0, p) for p in range(parts)]
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in order:
+        load, p = heapq.heappop(heap)
+        out[p].append(i)
+        heapq.heappush(heap, (load + int(lengths[i]), p))
+    return out
+
+
+def split_contiguous(lengths: Sequence[int], parts: int) -> list[range]:
+    """``parts`` consecutive index ranges with near-equal token sums (cut where the running total
+    crosses each ``k / parts`` of the whole; every piece is within one sample of ``total / parts``)."""
+    import numpy as np
+
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    cum = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    total = int(cum[-1]) if len(cum) else 0
+    targets = [total * k / parts for k in range(1, parts)]
+    # cut after the sample whose running total is closest to each target
+    cuts = []
+    for t in targets:
+        j = int(np.searchsorted(cum, t))
+        if j < len(cum) and j > 0 and abs(cum[j - 1] - t) <= abs(cum[j] - t):
+            j -= 1
+        cuts.append(min(len(cum), j + 1) if len(cum) else 0)
+    bounds = [0] + [max(c, 0) for c in cuts] + [len(cum)]
+    for k in range(1, len(bounds)):
+        bounds[k] = max(bounds[k], bounds[k - 1])
+    return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+def pack_bins(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group indices into bins of at most ``max_tokens`` tokens (best-fit decreasing)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (room left, bin id)
+    for i in order:
+        n = int(lengths[i])
+        k = bisect.bisect_left(free, (n, -1))
+        if n <= max_tokens and k < len(free):
+            room, b = free.pop(k)
+            bins[b].append(i)
+            if room - n > 0:
+                bisect.insort(free, (room - n, b))
+        else:
+            bins.append([i])
+            if max_tokens - n > 0:
+                bisect.insort(free, (max_tokens - n, len(bins) - 1))
+    return bins
+
+
+def split_by_token_budget(lengths: Sequence[int], max_tokens: int, max_samples: int = 0) -> list[list[int]]:
+    """Padded micro-batches: group indices so each micro-batch's padded size (samples x longest)
+    stays within ``max_tokens``. Longest first so similar lengths share a micro-batch; a sample
+    longer than the budget gets a micro-batch of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = max([lengths[j] for j in current] + [lengths[i]])
+        too_many = max_samples and len(current) >= max_samples
+        if current and (longest * (len(current) + 1) > max_tokens or too_many):
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def split_fixed(num: int, micro_batch_size: int) -> list[list[int]]:
+    return [list(range(i, min(i + micro_batch_size, num))) for i in range(0, num, micro_batch_size)]
+
+
+def equalize(groups: list[list[list[int]]], lengths: Sequence[int], count: int) -> None:
+    """Make every rank's list of micro-batches exactly ``count`` long (in place): split the one with
+    the most tokens in two (longest-first alternation), or add empty ones when nothing splits."""
+    for micro in groups:
+        while len(micro) < count:
+            splittable = [(sum(lengths[i] for i in mb), j) for j, mb in enumerate(micro) if len(mb) > 1]
+            if not splittable:
+                micro.append([])
+                continue
+            _, j = max(splittable)
+            halves = balance([lengths[i] for i in micro[j]], 2)
+            mb = micro[j]
+            micro[j] = [mb[k] for k in halves[0]]
+            micro.insert(j + 1, [mb[k] for k in halves[1]])
+
+
+@dataclass
+class ShardPlan:
+    """Per data-parallel rank: its samples in execution order, and per mini-batch the size of each
+    micro-batch (``0`` = an empty micro-batch). Every rank has the same number of micro-batches in
+    every mini-batch."""
+
+    samples: list[list[int]] = field(default_factory=list)
+    micro_sizes: list[list[list[int]]] = field(default_factory=list)
+
+    @property
+    def dp(self) -> int:
+        return len(self.samples)
+
+
+def plan_shards(lengths: Sequence[int], minibatches: Sequence[Sequence[int]], dp: int, *, packed: bool,
+                max_tokens: int, micro_batch_size: int = 1, micro_multiple: int = 1) -> ShardPlan:
+    """Data-parallel shards and micro-batches of a pass over ``minibatches`` (lists of sample indices).
+
+    ``packed``: micro-batches of at most ``max_tokens`` tokens laid end to end. Otherwise padded
+    micro-batches: ``max_tokens`` (> 0) bounds samples x longest, else ``micro_batch_size`` samples.
+    ``micro_multiple``: micro-batch counts are rounded up to a multiple of it (interleaved pipeline
+    schedules want a multiple of the pipeline size)."""
+    if packed and max_tokens < 1:
+        raise ValueError("packed micro-batches need a token budget (max_tokens >= 1)")
+    plan = ShardPlan([[] for _ in range(dp)], [[] for _ in range(dp)])
+    for mb in minibatches:
+        mb = list(mb)
+        shares = split_contiguous([lengths[i] for i in mb], dp)
+        groups: list[list[list[int]]] = []
+        for share in shares:
+            ids = [mb[k] for k in share]
+            share_lens = [lengths[i] for i in ids]
+            if packed:
+                local = pack_bins(share_lens, max_tokens)
+            elif max_tokens:
+                local = split_by_token_budget(share_lens, max_tokens)
+            else:
+                local = split_fixed(len(ids), micro_batch_size)
+            groups.append([[ids[k] for k in g] for g in local])
+        count = max(1, max(len(g) for g in groups))
+        count = -(-count // micro_multiple) * micro_multiple
+        equalize(groups, lengths, count)
+        for r, micro in enumerate(groups):
+            plan.micro_sizes[r].append([len(m) for m in micro])
+            for m in micro:
+                plan.samples[r].extend(m)
+    return plan

@@ -1,0 +1,107 @@
+"""Packed (THD) sequences for megatron's local layers: the parameters megatron passes around, and
+the RoPE it applies to them.
+
+Why: RL batches mix response lengths from a few tokens to the maximum; padding each micro-batch to
+its longest sample wastes most of the compute. Packing concatenates the sequences of a micro-batch
+into one row of ``T`` tokens (``[1, T]``) and tells megatron where each starts
+(``PackedSeqParams(qkv_format="thd", cu_seqlens=...)``). megatron then squeezes q/k/v to
+``[T, heads, dim]``, applies RoPE per sequence and hands them to the core attention, which must
+keep each token inside its own sequence (:mod:`megarl.models.packed_attention`).
+
+RoPE: megatron's local (no Transformer Engine) path ignores ``position_ids``; for ``thd`` inputs
+it calls ``rope_utils._apply_rotary_pos_emb_thd``, which restarts positions at each ``cu_seqlens``
+boundary -- correct, but in megatron-core 0.16.1 it reads ``cu_seqlens`` back to the host
+(``.tolist()``: a device sync for q and for k in every layer) and splits/concatenates per
+sequence. :func:`install_thd_rope` swaps it (at run time, like
+:func:`megarl.models.fusions.install_rope_fusion`; megatron looks the function up at call time)
+for :func:`apply_rotary_pos_emb_thd`: the same per-sequence positions computed on the device
+(``searchsorted``), one gather of the frequencies, one elementwise RoPE, no sync. Context
+parallelism keeps megatron's own function (its per-rank zig-zag slicing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+try:  # megatron's dataclass: TE, MLA and the attention modules test ``qkv_format`` on it
+    from megatron.core.packed_seq_params import PackedSeqParams as _Base
+except ImportError:  # pragma: no cover - megatron-core is a hard dependency of megarl.models
+    _Base = object
+
+
+@dataclass
+class PackedSeqs(_Base):
+    """megatron's ``PackedSeqParams`` (``qkv_format="thd"``) plus the sequence lengths on the host,
+    so attention backends that loop over sequences need no device->host copy."""
+
+    seq_lens: tuple = ()
+
+
+def pack_params(seq_lens: Sequence[int], device: torch.device | str = "cpu") -> PackedSeqs:
+    """Packed-sequence parameters for sequences of ``seq_lens`` tokens laid end to end."""
+    lens = [int(n) for n in seq_lens]
+    if not lens or min(lens) < 1:
+        raise ValueError(f"packed sequences need at least one token each, got lengths {lens[:8]}")
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
+    cu = cu.to(device)
+    longest = max(lens)
+    return PackedSeqs(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                      max_seqlen_kv=longest, seq_lens=tuple(lens))
+
+
+def packed_positions(cu_seqlens: Tensor, total: int) -> Tensor:
+    """Position of each of ``total`` packed tokens inside its own sequence (0 at every start),
+    computed on ``cu_seqlens``' device without reading it back."""
+    cu = cu_seqlens.to(torch.int64)
+    idx = torch.arange(total, device=cu.device, dtype=torch.int64)
+    seq = torch.searchsorted(cu, idx, right=True) - 1
+    return idx - cu[seq.clamp(min=0)]
+
+
+def pack_sequences(sequences: Sequence[Sequence[int] | Tensor], device: torch.device | str = "cpu"
+                   ) -> tuple[Tensor, Tensor, PackedSeqs]:
+    """``(input_ids [1, T], position_ids [1, T], params)`` for token sequences packed end to end."""
+    tensors = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
+    params = pack_params([t.numel() for t in tensors], device)
+    ids = torch.cat(tensors).to(device).unsqueeze(0)
+    pos = packed_positions(params.cu_seqlens_q, ids.shape[1]).unsqueeze(0)
+    return ids, pos, params
+
+
+_ORIGINAL_THD = None
+
+
+def apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotary_interleaved: bool = False,
+                             multi_latent_attention: bool = False, mscale: float = 1.0,
+                             cp_group: Optional[torch.distributed.ProcessGroup] = None) -> Tensor:
+    """Drop-in for megatron's ``_apply_rotary_pos_emb_thd`` (same arguments, same result).
+
+    ``t`` is ``[T, heads, dim]``; ``freqs`` either ``[max_seqlen, 1, 1, d]`` (positions restart per
+    sequence) or ``[T, 1, 1, d]`` (one row per packed token, megatron's "exact mapping" case)."""
+    if cp_group is not None and cp_group.size() > 1:
+        return _ORIGINAL_THD(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                             multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+    from megatron.core.models.common.embeddings import rope_utils
+
+    total = t.size(0)
+    if freqs.size(0) != total:  # one row per position inside a sequence
+        freqs = freqs.index_select(0, packed_positions(cu_seqlens, total).to(freqs.device))
+    # looked up at call time: the compiled copy when fusions are on (fusions.install_rope_fusion)
+    return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs, rotary_interleaved=rotary_interleaved,
+                                                 multi_latent_attention=multi_latent_attention,
+                                                 mscale=mscale).squeeze(1)
+
+
+def install_thd_rope() -> None:
+    """Route megatron's unfused THD RoPE through :func:`apply_rotary_pos_emb_thd` (idempotent)."""
+    global _ORIGINAL_THD
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils._apply_rotary_pos_emb_thd is apply_rotary_pos_emb_thd:
+        return
+    _ORIGINAL_THD = rope_utils._apply_rotary_pos_emb_thd
+    rope_utils._apply_rotary_pos_emb_thd = apply_rotary_pos_emb_thd
