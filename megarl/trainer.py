@@ -430,13 +430,26 @@ class Trainer:
         from megarl.sync.rank import PushTarget, checkpoint_names, resolve_transport
 
         cfg = self.cfg
+        transport = resolve_transport(cfg.sync.transport, cfg.cluster.device, cfg.placement.mode == "colocated")
         return PushTarget(urls=tuple(self.servers.urls), server_tp_sizes=tuple(self.servers.tp_sizes),
-                          transport=resolve_transport(cfg.sync.transport, cfg.cluster.device,
-                                                      cfg.placement.mode == "colocated"),
+                          transport=transport,
                           backend="nccl" if cfg.cluster.device == "cuda" else "gloo", bucket_mb=cfg.sync.bucket_mb,
                           verify_checksum=cfg.sync.verify_checksum, disk_dir=str(self.servers.weights_dir),
                           api_key=self.servers.api_key, timeout_s=cfg.rollout.request_timeout_s,
-                          known_names=checkpoint_names(str(self.model_dir)))
+                          known_names=checkpoint_names(str(self.model_dir)), ipc_groups=self._ipc_groups(transport))
+
+    def _ipc_groups(self, transport: str) -> Optional[tuple]:
+        """Colocated tensor transport into servers megarl started on the actor's own bundles: which
+        actor ranks hand each server TP rank a copy on its GPU (None: the sender's memory, e.g.
+        servers given by URL)."""
+        from megarl.sync.colocated import ipc_groups
+
+        r = self.cfg.rollout
+        if transport != "tensor" or self.cfg.placement.mode != "colocated" or r.server_urls:
+            return None
+        if r.num_servers * r.tp != self.cfg.actor.gpus:
+            return None
+        return ipc_groups(r.num_servers, r.tp)
 
     def _push_weights(self, version: str = "init") -> dict[str, float]:
         """One weight-update session on every server around all actor ranks' pushes."""

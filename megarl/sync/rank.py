@@ -27,6 +27,9 @@ class PushTarget:
     api_key: Optional[str]
     timeout_s: float = 600.0
     known_names: Optional[frozenset] = None   # the served checkpoint's HF names (None: not checked)
+    # colocated tensor transport: per server, the trainer ranks on its TP ranks' GPUs (TP order);
+    # each of them hands its own GPU's copy (megarl.sync.colocated). None: the sender rank's memory.
+    ipc_groups: Optional[tuple] = None
 
 
 def checkpoint_names(hf_dir: str) -> Optional[frozenset]:
@@ -50,6 +53,8 @@ def resolve_transport(configured: str, device: str, colocated: bool) -> str:
 def push_from_rank(worker: Any, target: PushTarget, version: str) -> dict[str, float]:
     """Runs on every actor rank: stream HF-named weights bucket by bucket to all servers.
     The pusher (and its update group) is created on the first push and reused."""
+    if target.transport == "tensor" and target.ipc_groups:
+        return _push_colocated(worker, target, version)
     if not hasattr(worker, "_pusher"):
         pusher = None
         if is_sender_rank():
@@ -63,6 +68,24 @@ def push_from_rank(worker: Any, target: PushTarget, version: str) -> dict[str, f
         worker._pusher = pusher
     stats = push_megatron(worker.chunks, None, worker._pusher, weight_version=version)
     return stats.as_dict() if worker._pusher is not None else {}
+
+
+def _push_colocated(worker: Any, target: PushTarget, version: str) -> dict[str, float]:
+    """Every rank streams the whole model; each server's first rank posts its TP ranks' handles."""
+    from .colocated import IpcFanIn, iter_hf_weights_everywhere
+
+    if not hasattr(worker, "_pusher"):
+        fan = IpcFanIn(target.ipc_groups)
+        mine = fan.server is not None and fan.leader
+        worker._fan = fan
+        worker._pusher = WeightPusher(
+            [target.urls[fan.server]] if mine else [], transport="tensor", bucket_mb=target.bucket_mb,
+            server_tp_sizes=[target.server_tp_sizes[fan.server]] if mine else [],
+            send_checksums=target.verify_checksum, api_key=target.api_key, timeout_s=target.timeout_s,
+            known_names=target.known_names, tensor_payloads=fan.payloads)
+    stats = worker._pusher.push(iter_hf_weights_everywhere(worker.chunks), weight_version=version)
+    worker._fan.barrier()
+    return stats.as_dict() if worker._fan.leader else {}
 
 
 def close_pusher(worker: Any) -> None:
