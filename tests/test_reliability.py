@@ -70,27 +70,39 @@ def _params(worker) -> dict[str, torch.Tensor]:
 
 
 def _train_one_sample(rank: int, world: int, cfg, out_dir: str) -> dict:
-    """One rank: forward the one-sample batch, then one optimizer step on it; the weights after the
-    step go to ``out_dir/rank<r>.pt`` (too big for the result queue)."""
+    """One rank: forward the one-sample batch, then one optimizer step on it, through the sharded
+    data path the trainer uses (the planner gives a rank without samples empty micro-batches); the
+    weights after the step go to ``out_dir/rank<r>.pt`` (too big for the result queue)."""
     import torch.distributed as dist
 
+    from megarl.data.batch import TokenBatch
+    from megarl.data.packing import plan_shards
     from megarl.trainer import denominators
-    from megarl.workers import MegatronWorker, SequenceBatch, WorkerSpec
+    from megarl.workers import MegatronWorker, WorkerSpec
+    from megarl.workers.dispatch import make_shards
+    from megarl.workers.group import token_budget
 
     worker = MegatronWorker(WorkerSpec(role="actor", cfg=cfg, rank=rank, world_size=world, master_addr="127.0.0.1",
                                        master_port=int(os.environ["MASTER_PORT"]), trainable=True, value_head=False))
     worker.setup()
     before = _params(worker)
-    batch = SequenceBatch(SEQUENCES, PROMPT_LENS)
-    mask = batch.response_mask()
-    batch.tensors = {"response_mask": mask}
-    got = worker.compute_logprobs(batch)
+    batch = TokenBatch.from_sequences([s[:p] for s, p in zip(SEQUENCES, PROMPT_LENS)],
+                                      [s[p:] for s, p in zip(SEQUENCES, PROMPT_LENS)])
+
+    def shard(minibatches, fields=(), dens=None):
+        plan = plan_shards(batch.seq_lens.tolist(), minibatches, world, packed=cfg.actor.packing,
+                           max_tokens=token_budget(cfg, "actor"), micro_batch_size=cfg.actor.micro_batch_size)
+        return make_shards(batch, plan, fields, dens)[rank].to_payload()
+
+    got = worker.compute_logprobs(shard([[0]]))
     shared = [got]
     dist.broadcast_object_list(shared, src=0)        # rank 0 holds the only sample's logprobs
-    old = shared[0]["results"][0][0]
-    batch.tensors.update(old_logprobs=old, rollout_logprobs=old.clone(),
-                         advantages=torch.linspace(-1.0, 1.0, mask.shape[1]).unsqueeze(0) * mask)
-    metrics = worker.train(batch, [[0]], denominators(mask, [[0]]), _algo(cfg))
+    old = torch.as_tensor(shared[0]["token"]["logprobs"])
+    mask = batch.response_mask()
+    batch.token_fields.update(old_logprobs=old, rollout_logprobs=old.clone(),
+                              advantages=torch.linspace(-1.0, 1.0, old.numel()))
+    metrics = worker.train(shard([[0]], ("old_logprobs", "rollout_logprobs", "advantages"),
+                                 denominators(mask, [[0]])), _algo(cfg))
     after = _params(worker)
     moved = max(float((after[k] - before[k]).abs().max()) for k in after)
     torch.save(after, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -115,8 +127,9 @@ def test_dp_rank_without_samples_joins_and_changes_nothing(model, tmp_path):
                 init=False, timeout_s=240)
     weights_one = torch.load(tmp_path / "dp1" / "rank0.pt")
     weights_two = [torch.load(tmp_path / "dp2" / f"rank{r}.pt") for r in range(2)]
-    assert two[1]["forward"] is None and two[0]["forward"]["index"] == [0]
-    assert torch.equal(two[0]["forward"]["results"][0][0], one[0]["forward"]["results"][0][0])
+    assert len((two[1]["forward"] or {}).get("token", {}).get("logprobs", [])) == 0, "rank 1 had no sample"
+    assert torch.equal(torch.as_tensor(two[0]["forward"]["token"]["logprobs"]),
+                       torch.as_tensor(one[0]["forward"]["token"]["logprobs"]))
     assert one[0]["moved"] > 1e-4                     # the step did train
     for name, tensor in weights_one.items():
         assert torch.allclose(weights_two[0][name], tensor, atol=1e-6, rtol=0), name
