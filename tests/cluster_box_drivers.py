@@ -87,7 +87,8 @@ def worker_group(args: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from megarl.placement import create_placement_groups, init_ray, plan_pools
-    from megarl.workers import SequenceBatch, WorkerGroup
+    from megarl.data.batch import TokenBatch
+    from megarl.workers import WorkerGroup
 
     cfg = _config([f"model.hf_path={args['model']}", "actor.gpus=2", "actor.parallel.tp=2", "rollout.gpus=1",
                    "actor.micro_batch_size=4", *args.get("overrides", [])])
@@ -101,14 +102,15 @@ def worker_group(args: dict[str, Any]) -> dict[str, Any]:
         ranks = group.call("call", _rank_facts)
         sequences = [[1, 20, 300, 4000, 50, 6, 70], [9, 8, 7, 600, 5000], [11, 12, 13, 14, 15, 16]]
         prompt_lens = [3, 2, 4]
-        batch = SequenceBatch(sequences, prompt_lens)
-        batch.tensors = {"response_mask": batch.response_mask()}
-        got = group.gather("compute_logprobs", len(batch), batch, False)
+        batch = TokenBatch.from_sequences([s[:p] for s, p in zip(sequences, prompt_lens)],
+                                          [s[p:] for s, p in zip(sequences, prompt_lens)])
+        flat = group.forward("compute_logprobs", batch, False)["logprobs"]
+        got = [flat[int(a):int(b)] for a, b in zip(batch.response_offsets[:-1], batch.response_offsets[1:])]
     finally:
         group.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32).eval()
     diffs = []
-    for (logprobs, _), seq, plen in zip(got, sequences, prompt_lens):
+    for logprobs, seq, plen in zip(got, sequences, prompt_lens):
         with torch.no_grad():
             logits = hf(torch.tensor([seq])).logits[0].float()
         ref = torch.log_softmax(logits, -1)[torch.arange(plen - 1, len(seq) - 1), torch.tensor(seq[plen:])]

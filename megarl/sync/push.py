@@ -148,6 +148,7 @@ class WeightPusher:
         self.master_address = master_address
         self.master_port = master_port
         self.group_name = group_name
+        self._group_base, self._generation = group_name, 0
         self.server_tp = [int(t) for t in (server_tp_sizes or [1] * len(self.servers))]
         if len(self.server_tp) != len(self.servers):
             raise ValueError(f"server_tp_sizes has {len(self.server_tp)} entries for {len(self.servers)} servers")
@@ -168,7 +169,9 @@ class WeightPusher:
         self.known_names = None if known_names is None else frozenset(known_names) | {"lm_head.weight"}
         self.timeout_s = timeout_s
         self.pg = None
-        self._poisoned: Optional[str] = None   # a broadcast was abandoned: the group is unusable
+        # a distributed push failed: the group may hold a half-done broadcast (gloo may even have
+        # "completed" a small send to a server that never joined); the next push makes a new one
+        self._poisoned: Optional[str] = None
         self._io = LoopThread()
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-sync-wait")
         self.clients = [SGLangClient(u, timeout_s=timeout_s, retries=0, api_key=api_key) for u in self.servers]
@@ -245,6 +248,17 @@ class WeightPusher:
             errs.append(f"{c.url}: {e.message if isinstance(e, RequestFailed) else f'{type(e).__name__}: {e}'}")
         return errs
 
+    def _replace_group(self) -> None:
+        """After a failed distributed push: leave the old group without destroying it locally (a
+        destroy with an abandoned broadcast may hang), ask the servers to drop it (best effort), and
+        connect a fresh one under a new name."""
+        old = self.group_name
+        self.pg, self._poisoned = None, None
+        futs = [self._io.submit(c.destroy_weights_update_group(old)) for c in self.clients]
+        concurrent.futures.wait(futs, timeout=10)
+        self._generation += 1
+        self.group_name = f"{self._group_base}_g{self._generation}"
+
     def close(self) -> None:
         if self.pg is not None and self._poisoned:
             self.pg = None  # a destroy with an abandoned broadcast in flight may hang: drop it
@@ -266,7 +280,7 @@ class WeightPusher:
     # ------------------------------------------------------------------ push
     def push(self, named: Iterable[Tuple[str, torch.Tensor]], weight_version: Optional[str] = None) -> PushStats:
         if self._poisoned:
-            raise SyncError(f"weight sync group unusable after an earlier failure: {self._poisoned}")
+            self._replace_group()
         if self.transport == "distributed" and self.pg is None:
             self.connect()
         stats = PushStats(bucket_bytes=self.bucket_bytes)
@@ -375,6 +389,8 @@ class WeightPusher:
             except Exception as e:
                 errs.append(f"{c.url}: {type(e).__name__}: {e}")
         if errs:
+            if self.transport == "distributed":
+                self._poisoned = f"bucket {i} refused"
             raise SyncError(f"bucket {i} refused/failed: " + "; ".join(errs))
         return out
 
