@@ -88,6 +88,25 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def timed_steps(step, warmup: int, steps: int, device) -> tuple[float, list[float]]:
+    """Median and all wall seconds of `steps` calls after `warmup` ones, the device synchronized
+    around each (CUDA peak-memory stats reset after the warm-up)."""
+    for _ in range(warmup):
+        step()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2], times
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default=None, help=f"one of {sorted(SHAPES)} (default: tiny on CPU, qwen2.5-0.5b on GPU)")
@@ -199,20 +218,7 @@ def main():
         return gn
 
     ddp.train()
-    for _ in range(a.warmup):
-        train_step()
-    sync(device)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(a.steps):
-        sync(device)
-        t = time.perf_counter()
-        train_step()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    times.sort()
-    st = times[len(times) // 2]
+    st, times = timed_steps(train_step, a.warmup, a.steps, device)
     tokens = a.mbs * a.num_mb * seq
     flops = model_flops_per_token(cfg, seq) * tokens
     res = {"bench": "train_step", "shape": shape, "params": nparams, "dtype": str(dtype).replace("torch.", ""),
@@ -311,20 +317,7 @@ def bench_real_lengths(a, cfg, ddp, opt, device, dtype, peak, nparams, shape, cu
                seq_length=max(mi.input_ids.shape[1] for mi in micro), micro_batch_size=1, forward_only=False)
             opt.step()
 
-        for _ in range(a.warmup):
-            train_step()
-        sync(device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(a.steps):
-            sync(device)
-            t = time.perf_counter()
-            train_step()
-            sync(device)
-            times.append(time.perf_counter() - t)
-        times.sort()
-        st = times[len(times) // 2]
+        st, times = timed_steps(train_step, a.warmup, a.steps, device)
         res = {"bench": "train_real_lengths", "mode": mode, "shape": shape, "params": nparams,
                "dtype": str(dtype).replace("torch.", ""), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
                "samples": n, "prompt_len": prompt, "mean_response": mean, "max_response": longest,

@@ -79,6 +79,21 @@ class ServerHost:
     def poll(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None
 
+    def wait_healthy(self, url: str, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
+        """Until `url`/health answers 200; raises with the log's tail if the process exits first."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.poll() is not None:
+                raise RuntimeError(f"server {url} exited with {self.poll()}:\n{self.log_tail(4000)}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(poll_s)
+        raise TimeoutError(f"server {url} not healthy after {timeout_s:.0f}s:\n{self.log_tail(4000)}")
+
     def log_tail(self, chars: int = 2000) -> str:
         return self.log_path.read_text()[-chars:] if self.log_path and self.log_path.exists() else ""
 

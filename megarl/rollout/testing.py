@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-import urllib.request
 from typing import List, Optional
 
 from megarl.parallel.launcher import free_port  # noqa: F401  (re-exported for tests)
@@ -64,18 +62,8 @@ class ServerProcess:
         self.proc = self.host.proc
 
     def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
-        t_end = time.time() + timeout
-        while time.time() < t_end:
-            if self.host.poll() is not None:
-                raise RuntimeError(f"server exited with {self.host.poll()}: {self.host.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except Exception:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"server {self.url} not healthy after {timeout}s")
+        self.host.wait_healthy(self.url, timeout, poll_s=0.1)
+        return self
 
     def stop(self):
         self.host.stop()

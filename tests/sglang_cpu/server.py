@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -57,19 +55,12 @@ class SGLangCPUServer:
         self.host.start(server_command() + self.args, harness_env(record_dir), str(self.log), private)
 
     def wait_ready(self, timeout_s: float = 400.0) -> "SGLangCPUServer":
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if self.host.poll() is not None:
-                raise RuntimeError(f"SGLang harness exited with {self.host.poll()}:\n{self.host.log_tail(4000)}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"SGLang harness {self.url} not healthy after {timeout_s:.0f}s:\n{self.host.log_tail(4000)}")
+        try:
+            self.host.wait_healthy(self.url, timeout_s, poll_s=0.5)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
         self.host.stop()
