@@ -89,6 +89,13 @@ class _Model:
     def target(self, name):
         return self.params.get(name)
 
+    def hf_shape(self, name):
+        t = self.params.get(name)
+        return None if t is None else tuple(t.shape)
+
+    def place(self, name, full):
+        return self.params[name], full
+
 
 def test_finite_check_one_reduction_names_the_tensor():
     rx = WeightReceiver(_Model())
