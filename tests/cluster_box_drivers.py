@@ -182,6 +182,10 @@ def train(args: dict[str, Any]) -> dict[str, Any]:
     from megarl.trainer import Trainer
     from tests.helpers.runs import tiny_run_config
 
+    # the module by its importable name: this file runs as __main__, whose functions Ray would ship
+    # by value, each call with its own copy of _IPC_SEEN
+    import tests.cluster_box_drivers as drivers
+
     cfg = tiny_run_config(Path(args["model"]), Path(args["out"]), "cluster.backend=ray", "cluster.ray_address=auto",
                           *args.get("overrides", []))
     facts: dict[str, Any] = {"ipc": [], "killed": None}
@@ -191,7 +195,7 @@ def train(args: dict[str, Any]) -> dict[str, Any]:
         def setup(self) -> None:
             super().setup()
             facts["servers"] = self.server_facts()
-            facts["ranks"] = self.groups["actor"].call("call", _rank_where)
+            facts["ranks"] = self.groups["actor"].call("call", drivers._rank_where)
             facts["sync_groups"] = [list(g) for g in self.sync_groups]
 
         def server_facts(self) -> list[dict[str, Any]]:
@@ -203,10 +207,10 @@ def train(args: dict[str, Any]) -> dict[str, Any]:
 
         def _push_weights(self, version: str = "init") -> dict[str, float]:
             if args.get("record_ipc") and not hasattr(self, "_recording"):
-                self._recording = self.groups["actor"].call("call", _record_ipc)
+                self._recording = self.groups["actor"].call("call", drivers._record_ipc)
             out = super()._push_weights(version)
             if args.get("record_ipc"):
-                facts["ipc"].extend(e for per_rank in self.groups["actor"].call("call", _ipc_seen) for e in per_rank)
+                facts["ipc"].extend(e for per_rank in self.groups["actor"].call("call", drivers._ipc_seen) for e in per_rank)
             return out
 
         def probe_servers(self) -> list[dict[str, Any]]:

@@ -88,6 +88,8 @@ def test_server_killed_mid_step_is_restarted_on_its_node_and_the_run_finishes(ra
     run = _train(ray_box, model, tmp_path / "run", DISAGG, kill={"step": 1, "server": 1})
     _check_disaggregated_layout(box, run)
     killed = run["killed"]
+    print(f"[cluster-train] killed {killed}; step 1: retried {run['steps'][1]['rollout/retried_requests']}, "
+          f"restarted {run['steps'][1]['rollout/restarted_servers']}, rollout {run['steps'][1]['time/rollout_s']:.1f}s")
     assert killed is not None and killed["in_flight"] > 0, killed
     steps = run["steps"]
     assert len(steps) == 3
@@ -119,7 +121,7 @@ def test_colocated_two_nodes_ipc_only_from_the_servers_own_node(ray_box, model, 
     assert sorted(server_nodes) == [NODE_A, NODE_B], "one TP2 server on each node"
     assert sorted(node_of_rank.values()) == [NODE_A, NODE_A, NODE_B, NODE_B]
     posted = run["ipc"]
-    assert {p["server"] for p in posted} == {0, 1} and len(posted) >= 2 * 4 * 2   # 4 pushes, >= 2 buckets each
+    assert {p["server"] for p in posted} == {0, 1} and len(posted) >= 2 * 4   # 4 pushes, >= 1 bucket each
     for p in posted:
         node = server_nodes[p["server"]]
         # TP rank r's payload: memory made by trainer rank (first rank of the server) + r, on the server's node

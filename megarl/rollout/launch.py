@@ -79,6 +79,12 @@ class ServerHost:
 
         return [str(g) for g in ray.get_gpu_ids()]
 
+    def node_id(self) -> str:
+        """The Ray node this host runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def start(self, cmd: list[str], env: dict[str, str], log_path: str,
               private_files: Optional[dict[str, str]] = None) -> None:
         """Start `cmd`; `private_files` (path -> text) are written first with mode 0600 (the API
@@ -288,10 +294,23 @@ class RolloutServers:
             host = on_bundle(node * per_node).remote()
             probes = [on_bundle(node * per_node + b).remote() for b in range(1, per_node)]
             ids = ray.get(host.gpu_ids.remote()) + [g for p in probes for g in ray.get(p.gpu_ids.remote())]
+            where = ray.get([h.node_id.remote() for h in [host, *probes]])
             for p in probes:
                 ray.kill(p)
             hosts.append(host)
             gpus.append(ids)
+            if len(set(where)) > 1:
+                # the server's ranks run where its first bundle is: the GPUs (and, colocated, the trainer
+                # ranks whose IPC handles they open) of bundles on other nodes are not theirs
+                from megarl.placement.pools import PlacementError
+
+                for h in hosts:
+                    ray.kill(h)
+                first_b = start + node * per_node
+                raise PlacementError(
+                    f"rollout server {i} (TP {tp}): its bundles {first_b}..{first_b + per_node - 1} were placed on "
+                    f"{len(set(where))} different Ray nodes; one server's ranks on a node need their bundles on that "
+                    f"node (a TP size that divides the GPUs per node, or rollout.server_tp)")
         return hosts, gpus
 
     def _do(self, i: int, node: int, method: str, *args):

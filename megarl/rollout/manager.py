@@ -52,7 +52,10 @@ class RolloutManager:
             raise ValueError(f"request_retries must be >= 0, got {request_retries}")
         self.urls = list(urls)
         self.io = LoopThread()
-        self._client_kw = dict(max_concurrency=max_concurrency, timeout_s=timeout_s, api_key=api_key)
+        # retries=0: this manager retries a failed request itself (on another server, or after a
+        # health probe); the client's own retries would make one hung request cost
+        # (1 + retries) * timeout_s before anyone looks at the server
+        self._client_kw = dict(max_concurrency=max_concurrency, timeout_s=timeout_s, api_key=api_key, retries=0)
         self.clients = [SGLangClient(u, **self._client_kw) for u in self.urls]
         self.request_retries = request_retries
         self.health_timeout_s = health_timeout_s
