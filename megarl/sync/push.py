@@ -349,12 +349,19 @@ class WeightPusher:
         futs = [self._io.submit(c.update_weights_from_distributed(
             b.meta.names, b.meta.dtypes, b.meta.shapes, group_name=self.group_name, load_format=FLATTENED_BUCKET,
             weight_version=version, checksums=cs, flush_cache=True)) for c in self.clients]
-        errs = self._answers_while(self._completion(dist.broadcast(flat, src=0, group=self.pg, async_op=True)), futs)
+        done = self._completion(dist.broadcast(flat, src=0, group=self.pg, async_op=True))
+        errs = self._answers_while(done, futs)
         if errs:
             first = b.meta.names[0] if b.meta.names else "?"
-            self._poisoned = f"bucket {i} ({first}, ...) abandoned mid-broadcast"
-            raise SyncError(f"bucket {i} (first tensor {first}, {len(b.meta.names)} tensors) refused before the "
-                            f"broadcast completed: " + "; ".join(errs))
+            # a server that received the bucket and then refused it answers about when the broadcast
+            # completes here: only a broadcast still pending after a moment was really abandoned
+            concurrent.futures.wait([done], timeout=min(2.0, self.timeout_s))
+            when = "after receiving it"
+            if not done.done():
+                self._poisoned = f"bucket {i} ({first}, ...) abandoned mid-broadcast"
+                when = "before the broadcast completed"
+            raise SyncError(f"bucket {i} (first tensor {first}, {len(b.meta.names)} tensors) refused {when}: "
+                            + "; ".join(errs))
         return futs
 
     def _completion(self, work) -> concurrent.futures.Future:
