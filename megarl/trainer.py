@@ -9,6 +9,7 @@ holds the math, sync/ moves weights. This module only decides what happens in wh
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -237,7 +238,7 @@ class Trainer:
         if not hasattr(self, "_manager"):
             self._manager = RolloutManager(self.servers.urls, max_concurrency=r.max_running_requests,
                                            timeout_s=r.request_timeout_s, request_retries=r.request_retries,
-                                           api_key=self.servers.api_key)
+                                           api_key=self.servers.api_key, healer=self._healer())
         outputs = self._manager.generate(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base)
         samples = []
         for g, (rec, ids, outs) in enumerate(zip(kept, prompts, outputs)):
@@ -324,8 +325,10 @@ class Trainer:
         times: dict[str, float] = {}
         t = time.time()
         retried = self._manager.retried if hasattr(self, "_manager") else 0
+        restarted = self._manager.restarted if hasattr(self, "_manager") else 0
         samples, metrics = self.collect(step)
         metrics["rollout/retried_requests"] = self._manager.retried - retried  # after a failure or timeout
+        metrics["rollout/restarted_servers"] = self._manager.restarted - restarted  # dead/hung, restarted
         times["rollout"] = time.time() - t
         self._rollout_memory("release")
         rewards = torch.tensor([s.reward for s in samples])
@@ -442,14 +445,14 @@ class Trainer:
         """Colocated tensor transport into servers megarl started on the actor's own bundles: which
         actor ranks hand each server TP rank a copy on its GPU (None: the sender's memory, e.g.
         servers given by URL)."""
-        from megarl.sync.colocated import ipc_groups
+        from megarl.sync.colocated import ipc_groups_for
 
         r = self.cfg.rollout
         if transport != "tensor" or self.cfg.placement.mode != "colocated" or r.server_urls:
             return None
-        if r.num_servers * r.tp != self.cfg.actor.gpus:
+        if sum(self.servers.tp_sizes) != self.cfg.actor.gpus:
             return None
-        return ipc_groups(r.num_servers, r.tp)
+        return ipc_groups_for(self.servers.tp_sizes)
 
     def _push_weights(self, version: str = "init") -> dict[str, float]:
         """One weight-update session on every server around all actor ranks' pushes."""
@@ -460,10 +463,39 @@ class Trainer:
             self._target = self._push_target()
         with weight_update_session(self.servers.urls, api_key=self.servers.api_key):
             stats = self.groups["actor"].call("call", push_from_rank, self._target, version)
+        self._weight_version = version
+        groups = sorted({(s["group"], s.get("master")) for s in stats if s.get("group")})
+        if groups != getattr(self, "sync_groups", None):
+            self.sync_groups = groups
+            note("weight sync: " + ", ".join(f"{g}" + (f" (master {m})" if m else "") for g, m in groups)
+                 + f" -> {len(self.servers.urls)} server(s), TP {list(self.servers.tp_sizes)}")
         total_bytes = sum(s.get("bytes", 0) for s in stats)
         seconds = max((s.get("seconds", 0.0) for s in stats), default=0.0)
         return {"sync/bytes": float(total_bytes), "sync/seconds": float(seconds),
                 "sync/bytes_per_s": float(total_bytes / seconds) if seconds else 0.0}
+
+    def _healer(self):
+        """Restarts for servers megarl started (None for rollout.server_urls: not ours to restart)."""
+        from megarl.rollout.healing import ServerHealer
+
+        if not self.servers.restartable:
+            return None
+        return ServerHealer(self.servers, self._push_to_restarted, self.cfg.rollout.max_restarts)
+
+    def _push_to_restarted(self, server: int) -> None:
+        """The current weights into restarted server ``server`` (new URL), through a session on it
+        alone and a fresh update group per stage for it alone; the run's own update groups held the
+        old process, so they are left and made again at the next push (with the new URL)."""
+        from megarl.sync.rank import close_pusher, push_to_server
+        from megarl.sync.session import weight_update_session
+
+        actor = self.groups["actor"]
+        actor.call("call", close_pusher)
+        self._target = self._push_target()
+        self._heals = getattr(self, "_heals", 0) + 1
+        with weight_update_session([self.servers.urls[server]], api_key=self.servers.api_key):
+            actor.call("call", push_to_server, self._target, getattr(self, "_weight_version", "init"), server,
+                       f"heal{self._heals}")
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
@@ -520,7 +552,7 @@ class Trainer:
                 self.logger.log(0, results["eval_before"], console=False)
                 note(f"eval before: {results['eval_before']}")
             while self.state.step < cfg.trainer.total_steps:
-                metrics = self.step(self.state.step)
+                metrics = self._step_or_checkpoint(self.state.step)
                 self.state.step += 1
                 results["steps"].append(metrics)
                 self.logger.log(self.state.step, metrics, console=self.state.step % cfg.logging.log_interval == 0)
@@ -544,6 +576,20 @@ class Trainer:
             return results
         finally:
             self.close()
+
+    def _step_or_checkpoint(self, step: int) -> dict[str, float]:
+        """One step; when a rollout server is lost for good, a checkpoint of the last finished step
+        (prompt loader rewound to this step's start, so a resume redoes it) before the error."""
+        from megarl.rollout.healing import RolloutServerLost
+
+        loader_state = copy.deepcopy(self.loader.state_dict())
+        try:
+            return self.step(step)
+        except RolloutServerLost as e:
+            self.loader.load_state_dict(loader_state)
+            path = self.save_checkpoint()
+            raise RolloutServerLost(f"step {step}: {e}; checkpoint of step {self.state.step} written to {path} "
+                                    f"(resume with checkpoint.resume=auto)") from e
 
     def close(self) -> None:
         if self.logger is not None:

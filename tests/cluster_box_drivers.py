@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import ray
 
@@ -86,8 +87,8 @@ def worker_group(args: dict[str, Any]) -> dict[str, Any]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from transformers import AutoModelForCausalLM
 
-    from megarl.placement import create_placement_groups, init_ray, plan_pools
     from megarl.data.batch import TokenBatch
+    from megarl.placement import create_placement_groups, init_ray, plan_pools
     from megarl.workers import WorkerGroup
 
     cfg = _config([f"model.hf_path={args['model']}", "actor.gpus=2", "actor.parallel.tp=2", "rollout.gpus=1",
@@ -102,10 +103,11 @@ def worker_group(args: dict[str, Any]) -> dict[str, Any]:
         ranks = group.call("call", _rank_facts)
         sequences = [[1, 20, 300, 4000, 50, 6, 70], [9, 8, 7, 600, 5000], [11, 12, 13, 14, 15, 16]]
         prompt_lens = [3, 2, 4]
-        batch = TokenBatch.from_sequences([s[:p] for s, p in zip(sequences, prompt_lens)],
-                                          [s[p:] for s, p in zip(sequences, prompt_lens)])
+        batch = TokenBatch.from_sequences([s[:n] for s, n in zip(sequences, prompt_lens)],
+                                          [s[n:] for s, n in zip(sequences, prompt_lens)])
         flat = group.forward("compute_logprobs", batch, False)["logprobs"]
-        got = [flat[int(a):int(b)] for a, b in zip(batch.response_offsets[:-1], batch.response_offsets[1:])]
+        offsets = batch.response_offsets.tolist()
+        got = [flat[offsets[i]:offsets[i + 1]] for i in range(len(sequences))]
     finally:
         group.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32).eval()
@@ -122,8 +124,138 @@ def worker_group(args: dict[str, Any]) -> dict[str, Any]:
     return {"ranks": ranks, "logprob_max_abs_diff": max(diffs), "rollout_bundle": rollout, "driver": _whereami()}
 
 
+def _netns_of(pid: int) -> Optional[int]:
+    """The network namespace (inode) of a live process on this machine (any node: one pid space)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def _rank_where(worker: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    return dict(_whereami(), rank=dist.get_rank())
+
+
+_IPC_SEEN: list = []
+
+
+def _record_ipc(worker: Any) -> int:
+    """On an actor rank: record, for every bucket a server's first rank posts, the creator pid of
+    the shared memory each TP rank's payload points at (torch names it /torch_<pid>_...)."""
+    import megarl.sync.colocated as colocated
+    from tests.helpers.ipc import shm_creator_pids
+
+    real = colocated.IpcFanIn.payloads
+    if getattr(real, "recording", False):
+        return os.getpid()
+
+    def recording(self, bucket, server_tp, fmt):
+        out = real(self, bucket, server_tp, fmt)
+        if out:
+            _IPC_SEEN.append({"server": self.server, "poster": os.getpid(),
+                              "creators": [sorted(shm_creator_pids(p)) for p in out[0]]})
+        return out
+    recording.recording = True
+    colocated.IpcFanIn.payloads = recording
+    return os.getpid()
+
+
+def _ipc_seen(worker: Any) -> list:
+    seen = list(_IPC_SEEN)
+    _IPC_SEEN.clear()
+    return seen
+
+
+def train(args: dict[str, Any]) -> dict[str, Any]:
+    """`megarl train` of the tiny model on this Ray cluster, driven from this node (the head node of
+    a job), reporting where things ran: every server's process and namespace (before and after a
+    restart), every actor rank's, the update groups and their master addresses, IPC payload origins
+    (args["record_ipc"]), and each server's answer to one greedy request after the step where
+    args["kill"] = {"step", "server"} SIGKILLs a server while that server has requests in flight."""
+    import threading
+    import time
+    from pathlib import Path
+
+    from megarl.rollout.client import LoopThread, SGLangClient, sampling_params
+    from megarl.trainer import Trainer
+    from tests.helpers.runs import tiny_run_config
+
+    # the module by its importable name: this file runs as __main__, whose functions Ray would ship
+    # by value, each call with its own copy of _IPC_SEEN
+    import tests.cluster_box_drivers as drivers
+
+    cfg = tiny_run_config(Path(args["model"]), Path(args["out"]), "cluster.backend=ray", "cluster.ray_address=auto",
+                          *args.get("overrides", []))
+    facts: dict[str, Any] = {"ipc": [], "killed": None}
+    kill = args.get("kill")
+
+    class Observed(Trainer):
+        def setup(self) -> None:
+            super().setup()
+            facts["servers"] = self.server_facts()
+            facts["ranks"] = self.groups["actor"].call("call", drivers._rank_where)
+            facts["sync_groups"] = [list(g) for g in self.sync_groups]
+
+        def server_facts(self) -> list[dict[str, Any]]:
+            out = []
+            for i, (url, tp) in enumerate(zip(self.servers.urls, self.servers.tp_sizes)):
+                pid = self.servers.pid(i)
+                out.append({"url": url, "tp": tp, "pid": pid, "netns": _netns_of(pid)})
+            return out
+
+        def _push_weights(self, version: str = "init") -> dict[str, float]:
+            if args.get("record_ipc") and not hasattr(self, "_recording"):
+                self._recording = self.groups["actor"].call("call", drivers._record_ipc)
+            out = super()._push_weights(version)
+            if args.get("record_ipc"):
+                facts["ipc"].extend(e for per_rank in self.groups["actor"].call("call", drivers._ipc_seen) for e in per_rank)
+            return out
+
+        def probe_servers(self) -> list[dict[str, Any]]:
+            io = LoopThread()
+            try:
+                async def one(url: str) -> dict[str, Any]:
+                    async with SGLangClient(url, api_key=self.servers.api_key) as c:
+                        out = (await c.generate([1, 2, 3, 4, 5], sampling_params(max_new_tokens=6, temperature=0.0),
+                                                return_logprob=True))[0]
+                    return {"version": out.weight_version, "ids": list(out.output_ids), "logprobs": list(out.logprobs)}
+                return [io.run(one(u)) for u in self.servers.urls]
+            finally:
+                io.close()
+
+        def kill_when_busy(self, server: int, pid: int) -> None:
+            deadline = time.time() + 120
+            while time.time() < deadline:
+                manager = getattr(self, "_manager", None)
+                if manager is not None and manager.outstanding[server] > 0:
+                    os.kill(pid, signal.SIGKILL)
+                    facts["killed"] = {"server": server, "pid": pid, "in_flight": manager.outstanding[server]}
+                    return
+                time.sleep(0.001)
+
+        def collect(self, step: int):
+            killer = None
+            if kill and step == kill["step"]:
+                killer = threading.Thread(target=self.kill_when_busy,
+                                          args=(kill["server"], self.servers.pid(kill["server"])), daemon=True)
+                killer.start()
+            try:
+                return super().collect(step)
+            finally:
+                if killer is not None:
+                    killer.join(5)
+                    facts["after_kill"] = {"servers": self.server_facts(), "probe": self.probe_servers(),
+                                           "version": self._weight_version}
+
+    t0 = time.time()
+    results = Observed(cfg).run()
+    return {"steps": results["steps"], "seconds": time.time() - t0, **facts}
+
+
 DRIVERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "addresses": addresses, "placement": placement, "worker_group": worker_group}
+    "addresses": addresses, "placement": placement, "worker_group": worker_group, "train": train}
 
 
 def main(argv: list[str]) -> int:

@@ -116,27 +116,9 @@ def _colocated_rank(rank, world, hf_dir, url):
 
 
 def _shm_pids(payload: str) -> set:
-    """Creator pids of the shared-memory segments a payload points at (torch names them
-    /torch_<pid>_...), read without opening them."""
-    import base64
-    import io
-    import pickle
+    from tests.helpers.ipc import shm_creator_pids
 
-    seen = set()
-
-    class Spy(pickle.Unpickler):
-        def find_class(self, module, name):
-            if name == "rebuild_storage_filename":
-                return lambda cls, manager, handle, size, *a: seen.add(int(handle.decode().split("_")[1])) or None
-            if module.startswith("sglang."):
-                return dict
-            return super().find_class(module, name)
-
-    try:
-        Spy(io.BytesIO(base64.b64decode(payload))).load()
-    except Exception:  # the spy's None storages cannot build tensors; the pids are all we need
-        pass
-    return seen
+    return shm_creator_pids(payload)
 
 
 def _nothing():

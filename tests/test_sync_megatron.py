@@ -1,5 +1,6 @@
 """Weight push from a TP2 megatron trainer (2 gloo ranks) to a real embedded server process:
-afterwards the server's rollout logprobs equal the trainer's own forward (< 1e-4), dense and MoE."""
+afterwards the server's rollout logprobs equal the trainer's own forward (< 1e-4), dense and MoE;
+with EP2 the second rank's experts reach the server through the stage's one sender."""
 import asyncio
 
 import pytest
@@ -86,6 +87,7 @@ def test_tp2_megatron_push_matches_trainer_forward(tmp_path, family, ep):
     assert r0["after"] < 1e-4, r0["after"]         # server == trainer forward
     assert r0["version"] == "step1"
     senders = [r for r in res if r["sender"]]
+    assert len(senders) == 1, "one sender (one update group) per pipeline stage, experts gathered to it"
     assert sum(r["stats"]["buckets"] for r in senders) > 1
     for r in senders:  # at most ~2 buckets held (a tensor bigger than a bucket is its own bucket)
         st = r["stats"]

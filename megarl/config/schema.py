@@ -140,6 +140,8 @@ class RolloutConfig:
     tp: int = opt(1, "tensor-parallel size of one rollout server")
     num_servers: int = opt(1, "rollout servers; with GPUs: gpus / tp")
     server_urls: list[str] = opt([], "use already running servers instead of starting them")
+    server_tp: list[int] = opt([], "per-server TP sizes, one per server (rollout.server_urls, or the num_servers "
+                               "megarl starts; e.g. [1, 2]); empty: every server has rollout.tp")
     n_per_prompt: int = opt(8, "samples per prompt (group size)")
     max_prompt_len: int = opt(512, "prompts longer than this are dropped with a warning")
     sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
@@ -148,6 +150,9 @@ class RolloutConfig:
     request_timeout_s: float = opt(600.0, "per-request timeout")
     request_retries: int = opt(2, "times one generation request is sent again after failing on a server "
                                   "that still answers /health (a server that does not is dropped for the run)")
+    max_restarts: int = opt(2, "restarts of one rollout server megarl started (dead, or hung: no /health answer) "
+                            "over the run; a server needing more ends the run with an error after a checkpoint. "
+                            "Servers given by rollout.server_urls are never restarted: a dead one is dropped")
     logprob_diff_bound: float = opt(0.05, "step 0 fails if mean |rollout - train| logprob exceeds this")
     api_key_env: str = opt("MEGARL_API_KEY", "environment variable holding the servers' API key (sent as "
                            "Authorization: Bearer); unset: a fresh key per run for servers megarl starts, none "

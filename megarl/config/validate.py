@@ -189,7 +189,9 @@ def _check_pools(cfg: RunConfig, problems: list[str]) -> None:
         if need > total:
             problems.append(f"rollout.gpus: disaggregated pools need actor + critic + rollout = {need} GPUs, "
                             f"the cluster has {total}")
-    if cfg.rollout.gpus or (c.device == "cuda" and cfg.rollout.engine == "sglang"):
+    if cfg.rollout.server_tp:
+        _check_server_tp(cfg, problems)
+    elif cfg.rollout.gpus or (c.device == "cuda" and cfg.rollout.engine == "sglang"):
         if cfg.rollout.tp < 1:
             problems.append(f"rollout.tp: must be >= 1, got {cfg.rollout.tp}")
         elif cfg.rollout.gpus % cfg.rollout.tp:
@@ -203,6 +205,33 @@ def _check_pools(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.rollout.engine == "sglang" and c.device != "cuda" and not (cfg.rollout.server_urls or cfg.rollout.server_command):
         problems.append("rollout.engine: sglang needs cluster.device=cuda (or rollout.server_urls of running servers, "
                         "or a rollout.server_command that runs it on CPU)")
+
+
+def _check_server_tp(cfg: RunConfig, problems: list[str]) -> None:
+    """rollout.server_tp: one TP size per server, each >= 1; they fill rollout.gpus exactly."""
+    r = cfg.rollout
+    sizes = list(r.server_tp)
+    if any(not isinstance(t, int) or t < 1 for t in sizes):
+        problems.append(f"rollout.server_tp: every entry must be an integer >= 1, got {sizes}")
+        return
+    servers, what = (len(r.server_urls), "rollout.server_urls") if r.server_urls else (r.num_servers, "rollout.num_servers")
+    if len(sizes) != servers:
+        problems.append(f"rollout.server_tp: {len(sizes)} entries for {servers} server(s) ({what}); give one TP size "
+                        f"per server")
+    elif r.gpus and not r.server_urls and sum(sizes) != r.gpus:
+        problems.append(f"rollout.server_tp: the servers' TP sizes add up to {sum(sizes)} GPUs, rollout.gpus = {r.gpus}")
+    arch = cfg.model.arch
+    for t in sizes:
+        if arch.num_kv_heads and not arch.kv_lora_rank and t > arch.num_kv_heads and t % arch.num_kv_heads:
+            problems.append(f"rollout.server_tp: {t} cannot replicate num_kv_heads = {arch.num_kv_heads}")
+            break
+
+
+def server_tp_sizes(cfg: RunConfig) -> list[int]:
+    """Each rollout server's TP size: rollout.server_tp, else rollout.tp for every server."""
+    r = cfg.rollout
+    count = len(r.server_urls) if r.server_urls else r.num_servers
+    return [int(t) for t in r.server_tp] if r.server_tp else [int(r.tp)] * count
 
 
 def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:
@@ -293,6 +322,8 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"checkpoint.interval: must be >= 0, got {cfg.checkpoint.interval}")
     if cfg.rollout.request_retries < 0:
         problems.append(f"rollout.request_retries: must be >= 0, got {cfg.rollout.request_retries}")
+    if cfg.rollout.max_restarts < 0:
+        problems.append(f"rollout.max_restarts: must be >= 0, got {cfg.rollout.max_restarts}")
     if cfg.checkpoint.keep_last < 0:
         problems.append(f"checkpoint.keep_last: must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_last}")
 

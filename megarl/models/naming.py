@@ -381,7 +381,7 @@ def load_hf_weights(chunks, source: Union[str, os.PathLike, Callable[[str], torc
 # THE sync contract
 # ---------------------------------------------------------------------------------------------
 
-def iter_hf_weights(chunks, hf_config=None, *, yield_on_all_ranks: bool = False
+def iter_hf_weights(chunks, hf_config=None, *, yield_on_all_ranks: bool = False, only: Optional[str] = None
                     ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for the parameters this rank's PP stage / EP rank owns.
 
@@ -400,11 +400,15 @@ def iter_hf_weights(chunks, hf_config=None, *, yield_on_all_ranks: bool = False
     one parameter at a time, so peak extra memory is one full parameter). Ranks with dp_rank > 0
     (expert_dp_rank > 0 for experts) do no communication for those params. Order is the
     chunk's ``named_parameters`` order (deterministic). ``yield_on_all_ranks=True`` makes every
-    rank of the TP group yield (used for checksums / tests).
+    rank of the TP group yield (used for checksums / tests). ``only="dense"`` / ``only="experts"``
+    walks one kind of parameter (``megarl.sync.stage`` streams a stage's dense weights first, then
+    gathers the expert-parallel ranks' experts to the stage's sender).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
+    if only not in (None, "dense", "experts"):
+        raise ValueError(f"only must be None, 'dense' or 'experts', got {only!r}")
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
     edp_rank = mpu.get_expert_data_parallel_rank()
@@ -414,6 +418,8 @@ def iter_hf_weights(chunks, hf_config=None, *, yield_on_all_ranks: bool = False
         cfg = c.hf_config
         for info in param_infos(c):
             if info.global_name == "output_layer.weight" and is_tied(c):
+                continue
+            if only is not None and info.is_expert != (only == "experts"):
                 continue
             if info.is_expert:
                 if edp_rank != 0 and not yield_on_all_ranks:

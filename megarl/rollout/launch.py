@@ -11,11 +11,13 @@ cluster); then it binds its node's address as Ray reports it, and that is the UR
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -27,14 +29,30 @@ API_KEY_ENV = "MEGARL_API_KEY"  # what the embedded server reads its key from (n
 
 
 def _set_parent_death_signal() -> None:
-    """In the child, before exec: SIGTERM when the process that started it dies (Linux), so a
-    killed driver or Ray actor does not leave servers behind."""
+    """In the child, before exec: SIGTERM when the thread that started it dies (Linux), so a
+    killed driver or Ray actor does not leave servers behind. The signal follows the spawning
+    THREAD, not the process: servers are therefore always started from `_SPAWNER`'s one thread,
+    which lives as long as this process (a restart from a short-lived worker thread would
+    otherwise get its server killed when that thread ends)."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - not Linux: the process-group kill in stop() still applies
         pass
+
+
+def _spawner() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread every server process of this process is started from (see above)."""
+    global _SPAWNER
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            _SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-server-spawner")
+        return _SPAWNER
+
+
+_SPAWNER: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_SPAWNER_LOCK = threading.Lock()
 
 
 class ServerHost:
@@ -61,6 +79,12 @@ class ServerHost:
 
         return [str(g) for g in ray.get_gpu_ids()]
 
+    def node_id(self) -> str:
+        """The Ray node this host runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def start(self, cmd: list[str], env: dict[str, str], log_path: str,
               private_files: Optional[dict[str, str]] = None) -> None:
         """Start `cmd`; `private_files` (path -> text) are written first with mode 0600 (the API
@@ -73,8 +97,14 @@ class ServerHost:
                 f.write(text)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=_set_parent_death_signal)
+        with self.log_path.open("w") as log:
+            self.proc = _spawner().submit(
+                subprocess.Popen, cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_set_parent_death_signal).result()
+
+    def pid(self) -> int | None:
+        """The server's leader process (its process group's id), None when none was started."""
+        return self.proc.pid if self.proc is not None else None
 
     def poll(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None
@@ -104,6 +134,8 @@ class ServerHost:
         for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
             try:
                 os.killpg(group, sig)
+                if sig == signal.SIGTERM:
+                    os.killpg(group, signal.SIGCONT)  # a stopped (hung) server must run to handle SIGTERM
             except ProcessLookupError:
                 break
             try:
@@ -127,6 +159,7 @@ class LaunchSpec:
     node_rank: int = 0          # SGLang multi-node TP: which node of the server this process is
     nnodes: int = 1
     dist_init_addr: Optional[str] = None  # "host:port" of node rank 0 (nnodes > 1)
+    tp_size: int = 0            # this server's TP size (0: rollout.tp)
 
 
 def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
@@ -134,7 +167,8 @@ def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
     SGLang 0.5.23's own argument parser: tests/test_sglang_conformance.py)."""
     r = cfg.rollout
     context = r.max_prompt_len + r.sampling.max_new_tokens
-    args = ["--model-path", str(model_dir), "--host", spec.host, "--port", str(spec.port), "--tp-size", str(r.tp),
+    tp = spec.tp_size or r.tp
+    args = ["--model-path", str(model_dir), "--host", spec.host, "--port", str(spec.port), "--tp-size", str(tp),
             "--mem-fraction-static", str(r.mem_fraction), "--max-running-requests", str(r.max_running_requests),
             "--context-length", str(context), "--dtype", rollout_dtype(cfg),
             # the trainer pushes its weights before the first rollout: no checkpoint read at start
@@ -169,8 +203,9 @@ def embedded_args(cfg: Any, model_dir: Path, spec: LaunchSpec, weights_dir: Path
             "--random-seed", str(cfg.seed + spec.index), "--skip-tokenizer-init",
             "--device", "cpu" if cpu else "cuda", "--dtype", rollout_dtype(cfg),
             "--weights-dir", str(weights_dir)]
-    if r.tp > 1:
-        args += ["--tp-size", str(r.tp)]
+    tp = spec.tp_size or r.tp
+    if tp > 1:
+        args += ["--tp-size", str(tp)]
     if cpu:
         args += ["--num-threads", "2"]
     return args
@@ -198,34 +233,37 @@ def resolve_api_key(cfg: Any) -> Optional[str]:
 
 class RolloutServers:
     """Owns the server processes of a run; ``urls`` is what the rollout client talks to,
-    ``tp_sizes`` each server's TP size, ``api_key`` the key every request must carry.
+    ``tp_sizes`` each server's TP size (``rollout.server_tp``, else ``rollout.tp``), ``api_key``
+    the key every request must carry.
 
     ``placement=(placement_group, first_bundle)`` starts server ``i`` through Ray actors on bundles
-    ``first_bundle + i * rollout.tp ...`` with the GPUs of its ``tp`` bundles made visible to it
+    ``first_bundle + sum(tp_sizes[:i]) ...`` with the GPUs of its bundles made visible to it
     (rollout nodes in a disaggregated run, the shared GPUs in a colocated one), one actor per node
     when the server's TP group spans nodes; without it servers are child processes of the driver
-    (local runs, CPU)."""
+    (local runs, CPU). ``restart(i)`` starts server ``i`` again through the same actors (same
+    bundles, same node), at a fresh port."""
 
     def __init__(self, cfg: Any, model_dir: Path, log_dir: Path, placement: tuple[Any, int] | None = None):
+        from megarl.config.validate import server_tp_sizes
+
         r = cfg.rollout
         self.hosts: list[list[Any]] = []        # per server: one host per node of its TP group
         self.logs: list[Path] = []
         self._ray = placement is not None
         self.api_key = resolve_api_key(cfg)
         self.weights_dir = Path(cfg.output_dir) / "weights_sync"   # the disk transport's folder
+        self.tp_sizes = server_tp_sizes(cfg)
         if r.server_urls:
             self.urls = list(r.server_urls)
-            self.tp_sizes = [r.tp] * len(self.urls)
             return
         self.urls = []
-        self.tp_sizes = [r.tp] * r.num_servers
         log_dir.mkdir(parents=True, exist_ok=True)
         self._cfg = cfg
         self._model_dir = model_dir
         self._log_dir = log_dir
         self._gpus: list[list[list[str]]] = []
         self._routable = self._ray and _ray_nodes() > 1
-        for i in range(r.num_servers):
+        for i in range(len(self.tp_sizes)):
             self.logs.append(log_dir / f"rollout_server_{i}.log")
             self.urls.append("")
             hosts, gpus = self._make_hosts(i, placement)
@@ -233,12 +271,17 @@ class RolloutServers:
             self._gpus.append(gpus)
             self._start(i)
 
+    @property
+    def restartable(self) -> bool:
+        """Whether megarl owns the server processes (servers given by URL are someone else's)."""
+        return bool(self.hosts)
+
     # ------------------------------------------------------------------ placement
-    def _nodes_per_server(self) -> int:
-        r, per_node = self._cfg.rollout, self._cfg.cluster.gpus_per_node
-        if self._cfg.rollout.engine != "sglang" or not per_node or r.tp <= per_node:
+    def _nodes_per_server(self, i: int) -> int:
+        tp, per_node = self.tp_sizes[i], self._cfg.cluster.gpus_per_node
+        if self._cfg.rollout.engine != "sglang" or not per_node or tp <= per_node:
             return 1
-        return -(-r.tp // per_node)
+        return -(-tp // per_node)
 
     def _make_hosts(self, i: int, placement: tuple[Any, int] | None) -> tuple[list[Any], list[list[str]]]:
         """One host per node of server i (GPU ids of each)."""
@@ -248,13 +291,14 @@ class RolloutServers:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pg, first = placement
-        tp, nnodes = self._cfg.rollout.tp, self._nodes_per_server()
+        tp, nnodes = self.tp_sizes[i], self._nodes_per_server(i)
+        start = first + sum(self.tp_sizes[:i])
         per_node = tp // nnodes
         gpu = 0.01 if self._cfg.cluster.device == "cuda" else 0
         remote = ray.remote(ServerHost)
 
         def on_bundle(b: int):
-            index = first + i * tp + b
+            index = start + b
             if index >= pg.bundle_count:  # more servers than the pool has bundles (CPU runs): anywhere
                 return remote.options(num_cpus=0.01)
             return remote.options(num_cpus=0.01, num_gpus=gpu, scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -265,10 +309,23 @@ class RolloutServers:
             host = on_bundle(node * per_node).remote()
             probes = [on_bundle(node * per_node + b).remote() for b in range(1, per_node)]
             ids = ray.get(host.gpu_ids.remote()) + [g for p in probes for g in ray.get(p.gpu_ids.remote())]
+            where = ray.get([h.node_id.remote() for h in [host, *probes]])
             for p in probes:
                 ray.kill(p)
             hosts.append(host)
             gpus.append(ids)
+            if len(set(where)) > 1:
+                # the server's ranks run where its first bundle is: the GPUs (and, colocated, the trainer
+                # ranks whose IPC handles they open) of bundles on other nodes are not theirs
+                from megarl.placement.pools import PlacementError
+
+                for h in hosts:
+                    ray.kill(h)
+                first_b = start + node * per_node
+                raise PlacementError(
+                    f"rollout server {i} (TP {tp}): its bundles {first_b}..{first_b + per_node - 1} were placed on "
+                    f"{len(set(where))} different Ray nodes; one server's ranks on a node need their bundles on that "
+                    f"node (a TP size that divides the GPUs per node, or rollout.server_tp)")
         return hosts, gpus
 
     def _do(self, i: int, node: int, method: str, *args):
@@ -300,22 +357,26 @@ class RolloutServers:
                 if self.api_key:
                     key_file = str(self._log_dir / f"sglang_server_{i}_node{node}.yaml")
                     private[key_file] = f"api-key: {self.api_key}\n"
-                spec = LaunchSpec(i, spec_host, port, key_file, node, nnodes, dist_init)
+                spec = LaunchSpec(i, spec_host, port, key_file, node, nnodes, dist_init, self.tp_sizes[i])
                 cmd = command + sglang_args(cfg, self._model_dir, spec)
             else:
                 if self.api_key:
                     node_env[API_KEY_ENV] = self.api_key
-                cmd = command + embedded_args(cfg, self._model_dir, LaunchSpec(i, spec_host, port), self.weights_dir)
+                spec = LaunchSpec(i, spec_host, port, tp_size=self.tp_sizes[i])
+                cmd = command + embedded_args(cfg, self._model_dir, spec, self.weights_dir)
             if self._gpus[i][node]:
                 node_env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus[i][node])
             log = self.logs[i] if node == 0 else self.logs[i].with_name(f"{self.logs[i].stem}_node{node}.log")
             self._do(i, node, "start", cmd, node_env, str(log), private)
         self.urls[i] = f"http://{_url_host(host)}:{port}"
 
-    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+    def wait_healthy(self, timeout_s: float = 300.0, only: Optional[list[int]] = None) -> None:
+        """Wait until every server (or those in ``only``) answers /health; a server whose process
+        exits fails at once with its log's tail (one whose free port was taken meanwhile is
+        started again on another port, at most 3 times)."""
         deadline = time.time() + timeout_s
         restarts = 0
-        for i in range(len(self.urls)):
+        for i in (range(len(self.urls)) if only is None else only):
             while True:
                 url = self.urls[i]
                 codes = [self._do(i, n, "poll") for n in range(len(self.hosts[i]))] if self.hosts else []
@@ -337,6 +398,23 @@ class RolloutServers:
                 if time.time() > deadline:
                     raise TimeoutError(f"rollout server {url} not healthy after {timeout_s:.0f}s; log {self.logs[i]}")
                 time.sleep(0.2)
+
+    def restart(self, i: int, timeout_s: float = 300.0) -> str:
+        """Stop server ``i`` (its whole process group, also when it hangs) and start it again on its
+        placement -- the same host actors, so the same bundles and node -- at a fresh port; returns
+        its new URL once it answers /health. The restarted server holds the checkpoint's weights
+        (or dummy ones for SGLang): the caller pushes the current ones."""
+        if not self.restartable:
+            raise RuntimeError(f"rollout server {self.urls[i]} was given by rollout.server_urls: megarl cannot restart it")
+        for node in range(len(self.hosts[i])):
+            self._do(i, node, "stop")
+        self._start(i)
+        self.wait_healthy(timeout_s, only=[i])
+        return self.urls[i]
+
+    def pid(self, i: int, node: int = 0) -> Optional[int]:
+        """Process id of server ``i``'s process on ``node`` of its TP group (its process group)."""
+        return self._do(i, node, "pid") if self.hosts else None
 
     def stop(self) -> None:
         for i in range(len(self.hosts)):

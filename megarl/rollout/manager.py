@@ -12,10 +12,17 @@ a server for the rest of the run), a server that does not is marked dead for the
 that fails ``request_retries + 1`` times on servers that stay healthy ends the step with
 :class:`GenerationFailed`; when no server is left ``generate`` raises :class:`NoServerLeft`. Each
 request is tried at most ``len(servers) + request_retries + 1`` times.
+
+With a ``healer`` (servers megarl started: :mod:`megarl.rollout.healing`) a server that does not
+answer ``/health`` is restarted instead of dropped: its requests go on elsewhere meanwhile (or wait
+for it when no server is left), it comes back at its new URL with the current weights, and
+``restarted`` counts it. ``generate`` returns only when every restart it started is over (so no
+weight push overlaps one), and raises the healer's error when a server cannot be restarted.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from typing import Any, Optional, Sequence
 
@@ -37,15 +44,19 @@ class GenerationFailed(RuntimeError):
 
 class RolloutManager:
     def __init__(self, urls: Sequence[str], max_concurrency: int = 64, timeout_s: float = 600.0,
-                 request_retries: int = 2, health_timeout_s: float = 10.0, api_key: Optional[str] = None):
+                 request_retries: int = 2, health_timeout_s: float = 10.0, api_key: Optional[str] = None,
+                 healer: Optional[Any] = None):
         if not urls:
             raise ValueError("RolloutManager needs at least one server URL")
         if request_retries < 0:
             raise ValueError(f"request_retries must be >= 0, got {request_retries}")
         self.urls = list(urls)
         self.io = LoopThread()
-        self.clients = [SGLangClient(u, max_concurrency=max_concurrency, timeout_s=timeout_s, api_key=api_key)
-                        for u in self.urls]
+        # retries=0: this manager retries a failed request itself (on another server, or after a
+        # health probe); the client's own retries would make one hung request cost
+        # (1 + retries) * timeout_s before anyone looks at the server
+        self._client_kw = dict(max_concurrency=max_concurrency, timeout_s=timeout_s, api_key=api_key, retries=0)
+        self.clients = [SGLangClient(u, **self._client_kw) for u in self.urls]
         self.request_retries = request_retries
         self.health_timeout_s = health_timeout_s
         self.dead: set[int] = set()
@@ -54,6 +65,12 @@ class RolloutManager:
         self.retried = 0                                      # requests sent again after a failure (whole run)
         self._probes: dict[int, asyncio.Task] = {}
         self._probe_session: Optional[aiohttp.ClientSession] = None
+        self.healer = healer                                  # revive(i) -> new url; max_restarts
+        self.restarted = 0                                    # servers restarted (whole run)
+        self.fatal: Optional[BaseException] = None            # a server that could not be restarted
+        self._revivals: dict[int, asyncio.Task] = {}
+        self._healing_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-healer")
+                              if healer is not None else None)
 
     @property
     def dead_urls(self) -> list[str]:
@@ -97,10 +114,39 @@ class RolloutManager:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
+    def _revive(self, server: int) -> None:
+        """Start restarting ``server`` (once, however many requests saw it die)."""
+        if server not in self._revivals and self.fatal is None:
+            self._revivals[server] = asyncio.ensure_future(self._do_revive(server))
+
+    async def _do_revive(self, server: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            url = await loop.run_in_executor(self._healing_pool, self.healer.revive, server)
+        except Exception as e:  # noqa: BLE001 - the healer's error ends the step (and the run)
+            self.fatal = e
+            self.failures.append(f"rollout server {self.urls[server]}: {e}")
+            log.error("%s", e)
+            self._revivals.pop(server, None)
+            return
+        old, self.clients[server] = self.clients[server], SGLangClient(url, **self._client_kw)
+        self.urls[server] = url
+        self.restarted += 1
+        self.dead.discard(server)
+        self._revivals.pop(server, None)
+        await old.close()
+
+    async def _until_revived(self) -> None:
+        """Wait until every restart under way is over."""
+        while self._revivals:
+            await asyncio.wait(list(self._revivals.values()))
+
     async def _generate(self, prompts, n, sampling, seed):
         jobs = [(p, k) for p in range(len(prompts)) for k in range(n)]
         results: list[list[Optional[GenerateOutput]]] = [[None] * n for _ in prompts]
         count = len(self.clients)
+        comebacks = count * self.healer.max_restarts if self.healer is not None else 0
+        max_attempts = count + comebacks + self.request_retries + 1
 
         async def one(job_index: int, p: int, k: int):
             params = dict(sampling, n=1)
@@ -108,13 +154,21 @@ class RolloutManager:
                 params["sampling_seed"] = (seed + job_index * 7919) & 0x7FFFFFFF
             start = job_index % count
             retries_left = self.request_retries
-            for attempt in range(count + self.request_retries + 1):
+            failed: Optional[BaseException] = None
+            attempt = 0
+            while attempt < max_attempts:
+                if self.fatal is not None:
+                    raise self.fatal
                 live = [s for s in ((start + attempt + i) % count for i in range(count)) if s not in self.dead]
                 if not live:
-                    break
+                    if not self._revivals:
+                        break
+                    await self._until_revived()   # no server left but one is being restarted: wait for it
+                    continue
                 server = live[0]
                 if attempt:
                     self.retried += 1
+                attempt += 1
                 self.outstanding[server] += 1
                 try:
                     out = await self.clients[server].generate(prompts[p], params, return_logprob=True)
@@ -130,10 +184,13 @@ class RolloutManager:
                     if server in self.dead:  # another request saw it die while this one probed
                         continue
                     self.dead.add(server)
+                    then = "restarting it" if self.healer is not None else "retrying its requests elsewhere"
                     message = (f"rollout server {self.urls[server]} failed: {failed}; it does not answer /health: "
-                               f"retrying its requests elsewhere")
+                               f"{then}")
                     self.failures.append(message)
                     log.warning(message)
+                    if self.healer is not None:
+                        self._revive(server)
                 elif server not in self.dead:
                     if retries_left == 0:
                         raise GenerationFailed(
@@ -142,12 +199,18 @@ class RolloutManager:
                     retries_left -= 1
                     log.warning(f"rollout server {self.urls[server]}: {failed}; it answers /health: kept, "
                                 f"request sent again")
+            if self.fatal is not None:
+                raise self.fatal
             if len(self.dead) < count:
-                raise GenerationFailed(f"prompt {p} sample {k}: gave up after {count + self.request_retries + 1} "
-                                       f"attempts; last: {failed}")
+                raise GenerationFailed(f"prompt {p} sample {k}: gave up after {max_attempts} attempts; last: {failed}")
             raise NoServerLeft(f"no rollout server left for prompt {p}: {'; '.join(self.failures)}")
 
-        await asyncio.gather(*(one(i, p, k) for i, (p, k) in enumerate(jobs)))
+        try:
+            await asyncio.gather(*(one(i, p, k) for i, (p, k) in enumerate(jobs)))
+        finally:
+            await self._until_revived()   # a step ends with its restarts done (none overlaps a weight push)
+        if self.fatal is not None:
+            raise self.fatal
         return results
 
     def close(self) -> None:
@@ -160,3 +223,5 @@ class RolloutManager:
             self.io.run(_close(), timeout=10)
         finally:
             self.io.close()
+            if self._healing_pool is not None:
+                self._healing_pool.shutdown(wait=False)

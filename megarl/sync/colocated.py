@@ -1,7 +1,7 @@
 """Colocated weight push: every server TP rank gets a CUDA-IPC handle to memory on ITS OWN GPU.
 
-In a colocated run, server i's TP rank r shares bundle (= GPU) `i * tp + r` with trainer rank
-`i * tp + r` (both are placed on the shared pool's bundles in order). SGLang's
+In a colocated run, server i's TP rank r shares bundle (= GPU) `sum(tp[:i]) + r` with trainer rank
+`sum(tp[:i]) + r` (both are placed on the shared pool's bundles in order). SGLang's
 `update_weights_from_tensor` reads payload r on TP rank r and opens its CUDA-IPC handle there;
 a handle to another GPU does not open in a process that sees only its own GPU. So, as slime and
 verl do for colocated engines, the trainer ranks that share a server's GPUs each hold the bucket
@@ -26,7 +26,17 @@ _EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..*)$")
 
 def ipc_groups(num_servers: int, server_tp: int) -> Tuple[Tuple[int, ...], ...]:
     """Trainer ranks feeding each server's TP ranks, in TP-rank order (shared bundles)."""
-    return tuple(tuple(i * server_tp + r for r in range(server_tp)) for i in range(num_servers))
+    return ipc_groups_for([server_tp] * num_servers)
+
+
+def ipc_groups_for(server_tp_sizes: Sequence[int]) -> Tuple[Tuple[int, ...], ...]:
+    """The same for servers of different TP sizes: server i's TP rank r shares bundle (and
+    trainer rank) `sum(server_tp_sizes[:i]) + r` (servers are placed on the bundles in order)."""
+    groups, first = [], 0
+    for tp in server_tp_sizes:
+        groups.append(tuple(range(first, first + int(tp))))
+        first += int(tp)
+    return tuple(groups)
 
 
 def _expert_spread(named: Iterator[Tuple[str, torch.Tensor]], num_experts: int) -> Iterator[Tuple[str, torch.Tensor]]:

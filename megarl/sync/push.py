@@ -29,9 +29,9 @@ Transports
   disk         fallback: write one safetensors file per bucket (+ config.json, + per-tensor
                checksums) into `disk_dir`, then POST /update_weights_from_disk.
 
-Several trainer ranks may push at once (one PP stage each, one EP rank each): give each its own
-`group_name` -- the embedded server receives different groups concurrently.  `push_megatron`
-wires this to `megarl.models.iter_hf_weights`.
+Several trainer ranks may push at once (one per pipeline stage, `megarl.sync.stage`): give each its
+own `group_name` -- the embedded server receives different groups concurrently.  `push_megatron`
+wires this to the stage's stream (`megarl.sync.stage.iter_stage_weights`).
 
 Pipelining and memory: tensors are copied into one of two flat buffers of `bucket_mb` each as they
 arrive (double buffering: bucket i+1 is packed while the servers verify/apply bucket i; bucket i+1
@@ -147,6 +147,7 @@ class WeightPusher:
         self.backend = backend
         self.master_address = master_address
         self.master_port = master_port
+        self.master_port_used: Optional[int] = None   # the update group's port, once connected
         self.group_name = group_name
         self._group_base, self._generation = group_name, 0
         self.server_tp = [int(t) for t in (server_tp_sizes or [1] * len(self.servers))]
@@ -200,6 +201,7 @@ class WeightPusher:
         if self.master_address is None:
             self.master_address = dial_back_address(self.servers)
         port = self.master_port or free_port("")
+        self.master_port_used = port
         futs = [self._io.submit(c.init_weights_update_group(self.master_address, port, o, self.world_size,
                                                             self.group_name, backend))
                 for c, o in zip(self.clients, self.rank_offsets)]
@@ -361,12 +363,19 @@ class WeightPusher:
         futs = [self._io.submit(c.update_weights_from_distributed(
             b.meta.names, b.meta.dtypes, b.meta.shapes, group_name=self.group_name, load_format=FLATTENED_BUCKET,
             weight_version=version, checksums=cs, flush_cache=True)) for c in self.clients]
-        errs = self._answers_while(self._completion(dist.broadcast(flat, src=0, group=self.pg, async_op=True)), futs)
+        done = self._completion(dist.broadcast(flat, src=0, group=self.pg, async_op=True))
+        errs = self._answers_while(done, futs)
         if errs:
             first = b.meta.names[0] if b.meta.names else "?"
-            self._poisoned = f"bucket {i} ({first}, ...) abandoned mid-broadcast"
-            raise SyncError(f"bucket {i} (first tensor {first}, {len(b.meta.names)} tensors) refused before the "
-                            f"broadcast completed: " + "; ".join(errs))
+            # a server that received the bucket and then refused it answers about when the broadcast
+            # completes here: only a broadcast still pending after a moment was really abandoned
+            concurrent.futures.wait([done], timeout=min(2.0, self.timeout_s))
+            when = "after receiving it"
+            if not done.done():
+                self._poisoned = f"bucket {i} ({first}, ...) abandoned mid-broadcast"
+                when = "before the broadcast completed"
+            raise SyncError(f"bucket {i} (first tensor {first}, {len(b.meta.names)} tensors) refused {when}: "
+                            + "; ".join(errs))
         return futs
 
     def _completion(self, work) -> concurrent.futures.Future:
@@ -451,27 +460,30 @@ def local_payloads(b: Bucket, server_tp: Sequence[int], tensor_format: Optional[
 
 
 def is_sender_rank() -> bool:
-    """Whether this megatron rank yields tensors from `iter_hf_weights` (see its docstring)."""
-    from megatron.core import parallel_state as mpu
-    dense = mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank(with_context_parallel=True) == 0
-    try:
-        expert = mpu.get_expert_tensor_parallel_rank() == 0 and mpu.get_expert_data_parallel_rank() == 0
-    except Exception:
-        expert = False
-    return dense or expert
+    """Whether this megatron rank sends weights: its pipeline stage's sender (tp = dp = cp = 0 of
+    the stage; `megarl.sync.stage`), one per stage, experts of the stage's EP ranks included."""
+    from .stage import is_stage_sender
+
+    return is_stage_sender()
 
 
 def sender_group_name(prefix: str = "megarl_weights") -> str:
-    """One update group per sender rank: distinct names so senders stream concurrently."""
-    return f"{prefix}_r{dist.get_rank() if dist.is_initialized() else 0}"
+    """The update group of this rank's pipeline stage (at most one group per stage)."""
+    from .stage import stage_group_name
+
+    return stage_group_name(prefix)
 
 
-def push_megatron(chunks, hf_config, pusher: Optional[WeightPusher], weight_version: Optional[str] = None) -> PushStats:
-    """Collective over the trainer's model-parallel ranks: every rank iterates
-    `megarl.models.iter_hf_weights` (TP/EP all-gathers run in lockstep); ranks with a pusher send
-    what they yield, the others discard it (they yield nothing anyway)."""
-    from megarl.models import iter_hf_weights
-    it = iter_hf_weights(chunks, hf_config)
+def push_megatron(chunks, hf_config, pusher: Optional[WeightPusher], weight_version: Optional[str] = None,
+                  bucket_mb: Optional[float] = None) -> PushStats:
+    """Collective over the trainer's ranks: every rank iterates its stage's stream
+    (`megarl.sync.stage.iter_stage_weights`: TP/EP all-gathers and expert transfers in lockstep);
+    the stage sender (the rank with a pusher) sends what it yields, the others yield nothing.
+    `bucket_mb` (ranks without a pusher) sizes the expert transfer units like the sender's."""
+    from .stage import iter_stage_weights
+
+    bucket_bytes = pusher.bucket_bytes if pusher is not None else int((bucket_mb or 256) * (1 << 20))
+    it = iter_stage_weights(chunks, bucket_bytes)
     if pusher is None:
         for _ in it:
             pass

@@ -1,16 +1,19 @@
 """Worker side of a weight push: what each actor rank runs (called through `WorkerGroup.call`).
 
 The driver opens the weight-update session on every server (`megarl.sync.session`) and calls
-`push_from_rank` on every actor rank; sender ranks (TP0/DP0 of each stage, ETP0/EDP0 of each
-expert group) stream buckets through their own `WeightPusher`, the others take part in the
-all-gathers of `iter_hf_weights` and send nothing.
+`push_from_rank` on every actor rank; each pipeline stage's sender (`megarl.sync.stage`: one update
+group per stage) streams buckets through its own `WeightPusher`, the other ranks take part in the
+all-gathers and send their experts to it. `push_to_server` does the same for one server alone
+through a fresh, short-lived update group (a restarted server: `megarl.rollout.healing`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from .push import WeightPusher, is_sender_rank, push_megatron, sender_group_name
+from .session import SyncError
 
 
 @dataclass(frozen=True)
@@ -50,42 +53,112 @@ def resolve_transport(configured: str, device: str, colocated: bool) -> str:
             "auto": "tensor" if device == "cuda" and colocated else "distributed"}[configured]
 
 
-def push_from_rank(worker: Any, target: PushTarget, version: str) -> dict[str, float]:
+def push_from_rank(worker: Any, target: PushTarget, version: str) -> dict[str, Any]:
     """Runs on every actor rank: stream HF-named weights bucket by bucket to all servers.
-    The pusher (and its update group) is created on the first push and reused."""
+    The pusher (and its stage's update group) is created on the first push and reused."""
     if target.transport == "tensor" and target.ipc_groups:
         return _push_colocated(worker, target, version)
     if not hasattr(worker, "_pusher"):
-        pusher = None
-        if is_sender_rank():
-            pusher = WeightPusher(list(target.urls), transport=target.transport, bucket_mb=target.bucket_mb,
-                                  backend=target.backend, group_name=sender_group_name(),
-                                  server_tp_sizes=list(target.server_tp_sizes),
-                                  send_checksums=target.verify_checksum, disk_dir=target.disk_dir,
-                                  api_key=target.api_key, timeout_s=target.timeout_s,
-                                  known_names=target.known_names)
-            pusher.connect()
-        worker._pusher = pusher
-    stats = push_megatron(worker.chunks, None, worker._pusher, weight_version=version)
-    return stats.as_dict() if worker._pusher is not None else {}
+        worker._pusher = _stage_pusher(target, sender_group_name()) if is_sender_rank() else None
+    return _stage_push(worker, worker._pusher, target, version)
 
 
-def _push_colocated(worker: Any, target: PushTarget, version: str) -> dict[str, float]:
-    """Every rank streams the whole model; each server's first rank posts its TP ranks' handles."""
+def _stage_pusher(target: PushTarget, group_name: str) -> WeightPusher:
+    """The stage sender's pusher towards `target`'s servers, connected (its update group made)."""
+    from .stage import stage_index
+
+    disk_dir = target.disk_dir
+    if disk_dir and _pipeline_stages() > 1:   # one folder per stage: each sender writes its own
+        disk_dir = os.path.join(disk_dir, f"pp{stage_index()}")
+    pusher = WeightPusher(list(target.urls), transport=target.transport, bucket_mb=target.bucket_mb,
+                          backend=target.backend, group_name=group_name,
+                          server_tp_sizes=list(target.server_tp_sizes), send_checksums=target.verify_checksum,
+                          disk_dir=disk_dir, api_key=target.api_key, timeout_s=target.timeout_s,
+                          known_names=target.known_names)
+    try:
+        pusher.connect()
+    except Exception as e:
+        pusher.close()
+        raise SyncError(f"{_where(group_name)}: {e}") from e
+    return pusher
+
+
+def _stage_push(worker: Any, pusher: Optional[WeightPusher], target: PushTarget, version: str) -> dict[str, Any]:
+    """Every rank walks its stage's stream; the sender pushes it. Errors name stage and group."""
+    try:
+        stats = push_megatron(worker.chunks, None, pusher, weight_version=version, bucket_mb=target.bucket_mb)
+    except Exception as e:
+        name = pusher.group_name if pusher is not None else sender_group_name()
+        raise SyncError(f"{_where(name)}: {type(e).__name__}: {e}") from e
+    if pusher is None:
+        return {}
+    out: dict[str, Any] = stats.as_dict()
+    out.update(group=pusher.group_name, master=f"{pusher.master_address}:{pusher.master_port_used}"
+               if pusher.transport == "distributed" else None, servers=len(pusher.servers))
+    return out
+
+
+def push_to_server(worker: Any, target: PushTarget, version: str, server: int, tag: str) -> dict[str, Any]:
+    """Runs on every actor rank: the current weights to server `server` alone (e.g. restarted,
+    at a new URL in `target.urls`), through a fresh update group per stage named with `tag`, left
+    again afterwards. The run's regular pushers are not touched (the driver drops them when a
+    server's URL changed: `close_pusher`)."""
+    if target.transport == "tensor" and target.ipc_groups:
+        return _push_colocated(worker, target, version, only=server)
+    sub = replace(target, urls=(target.urls[server],), server_tp_sizes=(target.server_tp_sizes[server],))
+    pusher = _stage_pusher(sub, f"{sender_group_name()}_{tag}") if is_sender_rank() else None
+    try:
+        return _stage_push(worker, pusher, sub, version)
+    finally:
+        if pusher is not None:
+            pusher.close()
+
+
+def _where(group_name: str) -> str:
+    import torch.distributed as dist
+
+    from .stage import stage_index
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return f"weight sync of pipeline stage {stage_index()} (update group {group_name}, trainer rank {rank})"
+
+
+def _pipeline_stages() -> int:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_pipeline_model_parallel_world_size()
+
+
+def _push_colocated(worker: Any, target: PushTarget, version: str, only: Optional[int] = None) -> dict[str, Any]:
+    """Every rank streams the whole model; each server's first rank posts its TP ranks' handles.
+    `only`: to that server alone, with a one-off pusher (the others' leaders post nothing but
+    still gather, as every bucket's gather is collective within each server's group)."""
     from .colocated import IpcFanIn, iter_hf_weights_everywhere
 
-    if not hasattr(worker, "_pusher"):
-        fan = IpcFanIn(target.ipc_groups)
-        mine = fan.server is not None and fan.leader
-        worker._fan = fan
-        worker._pusher = WeightPusher(
+    if not hasattr(worker, "_fan"):
+        worker._fan = IpcFanIn(target.ipc_groups)   # new_group is collective: made once per run
+    fan = worker._fan
+
+    def pusher_for(server: Optional[int]) -> WeightPusher:
+        mine = fan.server is not None and fan.leader and (server is None or fan.server == server)
+        return WeightPusher(
             [target.urls[fan.server]] if mine else [], transport="tensor", bucket_mb=target.bucket_mb,
             server_tp_sizes=[target.server_tp_sizes[fan.server]] if mine else [],
             send_checksums=target.verify_checksum, api_key=target.api_key, timeout_s=target.timeout_s,
             known_names=target.known_names, tensor_payloads=fan.payloads)
-    stats = worker._pusher.push(iter_hf_weights_everywhere(worker.chunks), weight_version=version)
-    worker._fan.barrier()
-    return stats.as_dict() if worker._fan.leader else {}
+
+    if only is None and getattr(worker, "_pusher", None) is None:
+        worker._pusher = pusher_for(None)
+    pusher = worker._pusher if only is None else pusher_for(only)
+    try:
+        stats = pusher.push(iter_hf_weights_everywhere(worker.chunks), weight_version=version)
+        fan.barrier()
+    finally:
+        if only is not None:
+            pusher.close()
+    if not fan.leader:
+        return {}
+    return dict(stats.as_dict(), group=f"ipc_server{fan.server}", master=None, servers=len(pusher.servers))
 
 
 def close_pusher(worker: Any) -> None:
