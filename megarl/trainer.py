@@ -41,6 +41,7 @@ class Sample:
     finish_reason: str
     reward: float = 0.0
     text: str = ""
+    routed_experts: Optional[torch.Tensor] = None  # MoE: int [len - 1, layers, top_k] chosen by the rollout
 
 
 @dataclass
@@ -92,6 +93,8 @@ def build_sequence_batch(samples: list[Sample], **tensors: torch.Tensor):
 
     batch = SequenceBatch([s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples])
     batch.tensors = {"response_mask": batch.response_mask(), **tensors}
+    if any(s.routed_experts is not None for s in samples):
+        batch.extras["routed_experts"] = [s.routed_experts for s in samples]
     return batch
 
 
@@ -151,6 +154,7 @@ class Trainer:
         self.eval_records = load_split(cfg.data, cfg.seed, "eval")
         self.loader = PromptLoader(self.train_records, cfg.batch.prompts_per_step, cfg.seed, cfg.data.shuffle)
         self.reward_fn = build_reward_fn(cfg.reward) if cfg.reward.kind != "model" else None
+        self.moe_routing = moe_routing_shape(self.model_dir, cfg)
         kl = cfg.algorithm.kl
         self.kl_ctl = make_kl_controller("adaptive" if kl.adaptive else "fixed", kl_coef=kl.coef,
                                          target_kl=kl.target, horizon=kl.horizon)
@@ -189,8 +193,10 @@ class Trainer:
             self.groups[role] = group
         self.servers.wait_healthy()
         note(f"workers and {len(self.servers.urls)} rollout server(s) ready in {time.time() - t0:.1f}s")
-        tb = Path(cfg.logging.tensorboard_dir or self.out / "tensorboard")
-        self.logger = MetricsLogger(tb, cfg.trainer.total_steps, cfg.logging.progress_bar)
+        from megarl.metrics_sinks import build_sinks
+
+        self.logger = MetricsLogger(None, cfg.trainer.total_steps, cfg.logging.progress_bar,
+                                    sinks=build_sinks(cfg, self.out))
         self._maybe_resume()
         self._push_weights()
 
@@ -244,14 +250,34 @@ class Trainer:
             self._manager = RolloutManager(self.servers.urls, max_concurrency=r.max_running_requests,
                                            timeout_s=r.request_timeout_s, request_retries=r.request_retries,
                                            api_key=self.servers.api_key)
-        outputs = self._manager.generate(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base)
+        routes = self.moe_routing is not None and not greedy
+        outputs = self._manager.generate(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base,
+                                         return_routed_experts=routes)
         samples = []
         for g, (rec, ids, outs) in enumerate(zip(kept, prompts, outputs)):
             for out in outs:
                 response = list(out.output_ids)
                 text = self.tokenizer.decode(response, skip_special_tokens=True)
-                samples.append(Sample(rec, g, ids, response, list(out.logprobs or []), out.finish_reason, text=text))
+                samples.append(Sample(rec, g, ids, response, list(out.logprobs or []), out.finish_reason, text=text,
+                                      routed_experts=self._decode_routes(out, len(ids) + len(response)) if routes else None))
         return samples
+
+    def _decode_routes(self, out: Any, seq_len: int) -> Optional[torch.Tensor]:
+        """The rollout's experts of one sample (SGLang wire format), checked against its length."""
+        from megarl.rollout.routed_experts import decode_routed_experts
+
+        if out.routed_experts is None:
+            if self.cfg.algorithm.routing_replay == "rollout":
+                raise RuntimeError("algorithm.routing_replay: rollout, but a rollout server returned no "
+                                   "meta_info.routed_experts (SGLang needs --enable-return-routed-experts; "
+                                   "rollout.return_routed_experts must not be false)")
+            return None
+        layers, top_k = self.moe_routing
+        routes = decode_routed_experts(out.routed_experts, layers, top_k)
+        if routes.shape[0] != seq_len - 1:
+            raise RuntimeError(f"routed experts of a sample cover {routes.shape[0]} positions, expected "
+                               f"prompt + response - 1 = {seq_len - 1}")
+        return routes.to(torch.int16) if routes.numel() == 0 or int(routes.max()) < 2 ** 15 else routes
 
     def score(self, samples: list[Sample]) -> None:
         """Rewards (plus DAPO overlong shaping when enabled)."""
@@ -344,14 +370,12 @@ class Trainer:
         old = actor.gather("compute_logprobs", len(batch), batch, False)
         batch.tensors["old_logprobs"] = pad_rows([o[0] for o in old], width)
         times["old_logprobs"] = time.time() - t
-        diff = (batch.tensors["old_logprobs"] - batch.tensors["rollout_logprobs"]).abs() * mask
-        metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
-        metrics["rollout/logprob_diff_max"] = float(diff.max())
-        if step == 0 and metrics["rollout/logprob_diff_mean"] > cfg.rollout.logprob_diff_bound:
-            raise LogprobMismatch(
-                f"step 0: mean |rollout - trainer| logprob = {metrics['rollout/logprob_diff_mean']:.4g} exceeds "
-                f"rollout.logprob_diff_bound = {cfg.rollout.logprob_diff_bound}: the rollout servers do not hold the "
-                f"trainer's weights (wrong checkpoint, naming or dtype)")
+        if self.moe_routing is not None:
+            from megarl.models.routing_replay import agreement_metrics
+            from megarl.workers.routing import collect_routing_stats, merge_routing_stats
+
+            metrics.update(agreement_metrics(merge_routing_stats(actor.call("call", collect_routing_stats))))
+        metrics.update(self._check_logprobs(step, batch.tensors["old_logprobs"], batch.tensors["rollout_logprobs"], mask))
         kl_tokens = None
         if "ref" in self.groups:
             t = time.time()
@@ -423,6 +447,30 @@ class Trainer:
         for phase in ("rollout", "old_logprobs", "train"):
             metrics[f"throughput/{phase}_tokens_per_s"] = tokens / max(times[phase], 1e-9)
         return metrics
+
+    def _check_logprobs(self, step: int, trainer_lp: torch.Tensor, rollout_lp: torch.Tensor,
+                        mask: torch.Tensor) -> dict[str, float]:
+        """Rollout vs trainer logprobs of the sampled tokens; at step 0 a mean difference above the
+        dtype-calibrated bound (megarl/algos/fidelity.py) stops the run: the servers do not hold the
+        trainer's weights. The report names the bound and the noise floor it came from."""
+        from megarl.algos.fidelity import logprob_bound, mean_abs_diff
+        from megarl.rollout.launch import rollout_dtype
+
+        cfg = self.cfg
+        mean, worst = mean_abs_diff(trainer_lp, rollout_lp, mask)
+        bound = logprob_bound(cfg.model.dtype, rollout_dtype(cfg), cfg.rollout.logprob_diff_bound)
+        out = {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst}
+        if step == 0:
+            out.update({"rollout/logprob_diff_bound": bound.bound, "rollout/logprob_noise_floor": bound.floor})
+            verdict = "exceeds" if mean > bound.bound else "within"
+            note(f"step 0: mean |rollout - trainer| logprob = {mean:.3g} (max {worst:.3g}) {verdict} the "
+                 f"{bound.describe()}")
+            if mean > bound.bound:
+                raise LogprobMismatch(
+                    f"step 0: mean |rollout - trainer| logprob = {mean:.4g} exceeds the {bound.describe()}: the "
+                    f"rollout servers do not hold the trainer's weights (wrong checkpoint, naming or dtype); a "
+                    f"correct run differs by about the noise floor, a wrong weight by order 1")
+        return out
 
     def _rollout_memory(self, action: str) -> None:
         """Colocated on GPU: rollout servers give their KV cache and weights back to the trainer
@@ -560,6 +608,20 @@ class Trainer:
 
             if ray.is_initialized():
                 ray.shutdown()
+
+
+def moe_routing_shape(model_dir: Path, cfg: RunConfig) -> Optional[tuple[int, int]]:
+    """(decoder layers, experts per token) when the rollout records routed experts of this MoE
+    model (``rollout.return_routed_experts``, null = for MoE models), else None."""
+    from megarl.rollout.launch import wants_routed_experts
+
+    hf = json.loads((Path(model_dir) / "config.json").read_text()) if (Path(model_dir) / "config.json").is_file() else {}
+    experts = hf.get("num_experts") or hf.get("n_routed_experts") or 0
+    if experts and not cfg.model.arch.num_experts:
+        cfg.model.arch.num_experts = int(experts)   # the launcher asks servers to record from this
+    if not experts or not wants_routed_experts(cfg):
+        return None
+    return int(hf["num_hidden_layers"]), int(hf["num_experts_per_tok"])
 
 
 def cfg_role_layout(role: Any) -> str:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .fusions import fusions_enabled
+from .hf_audit import check_hf_config
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
@@ -62,12 +63,19 @@ def head_dim(cfg) -> int:
     return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``gelu_pytorch_tanh``: the tanh approximation (not exact ``F.gelu``)."""
+    return F.gelu(x, approximate="tanh")
+
+
 def _activation(cfg):
     act = getattr(cfg, "hidden_act", "silu")
     if act in ("silu", "swish"):
         return F.silu
-    if act in ("gelu", "gelu_pytorch_tanh"):
+    if act == "gelu":
         return F.gelu
+    if act == "gelu_pytorch_tanh":
+        return _gelu_tanh
     raise ValueError(f"unsupported hidden_act {act!r}")
 
 
@@ -103,6 +111,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
 
     cfg = load_hf_config(hf_config)
     family = detect_family(cfg)
+    check_hf_config(cfg)   # every field mapped exactly or refused, naming it (models/hf_audit.py)
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
     kw: dict = dict(
@@ -118,7 +127,8 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         hidden_dropout=float(getattr(cfg, "hidden_dropout", 0.0) or 0.0),
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         init_method_std=float(getattr(cfg, "initializer_range", 0.02)),
-        bias_activation_fusion=fusions_enabled() and _activation(cfg) in (F.silu, F.gelu),
+        # megatron fuses SwiGLU exactly; its fused GeGLU is the tanh approximation, so gelu is not fused
+        bias_activation_fusion=fusions_enabled() and _activation(cfg) is F.silu,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -149,8 +159,6 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         kw["kv_channels"] = head_dim(cfg)
         kw["add_qkv_bias"] = bool(getattr(cfg, "attention_bias", False)) or family == "qwen2"
         kw["qk_layernorm"] = family in ("qwen3", "qwen3_moe")
-        if getattr(cfg, "mlp_bias", False):
-            raise ValueError("mlp_bias=True is not supported")
     if family == "qwen3_moe":
         kw.update(
             num_moe_experts=cfg.num_experts,

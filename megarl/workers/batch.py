@@ -17,6 +17,9 @@ class SequenceBatch:
     sequences: list[list[int]]
     prompt_lens: list[int]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # each [B, R], response-aligned
+    # per-sample objects of any shape, e.g. "routed_experts": int [n_i, layers, top_k] per sample
+    # (MoE routing replay), selected along with the samples
+    extras: dict[str, list] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.sequences) != len(self.prompt_lens):
@@ -46,7 +49,8 @@ class SequenceBatch:
         plens = [self.prompt_lens[i] for i in index]
         width = max((len(s) - p for s, p in zip(seqs, plens)), default=0)
         idx = torch.tensor(index, dtype=torch.long)
-        return SequenceBatch(seqs, plens, {k: v.index_select(0, idx)[:, :width] for k, v in self.tensors.items()})
+        return SequenceBatch(seqs, plens, {k: v.index_select(0, idx)[:, :width] for k, v in self.tensors.items()},
+                             {k: [v[i] for i in index] for k, v in self.extras.items()})
 
 
 def pad_inputs(batch: SequenceBatch, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

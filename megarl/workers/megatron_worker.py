@@ -31,6 +31,7 @@ import torch
 from megarl.models.builder import unwrap
 from megarl.workers.batch import (SequenceBatch, pad_inputs, response_positions, split_by_token_budget,
                                   split_fixed)
+from megarl.workers.routing import routing_flags, set_batch_routes, trainer_fp32_lm_head
 from megarl.workers.vocab_parallel import logprobs_and_entropy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,7 +87,7 @@ class MegatronWorker:
         dtype = DTYPES[self.cfg.model.dtype]
         self.hf_dir = path
         self.chunks = build_model(str(path), value_head=self.spec.value_head, params_dtype=dtype,
-                                  vpp=p.vpp if p.vpp > 1 else None)
+                                  vpp=p.vpp if p.vpp > 1 else None, fp32_lm_head=trainer_fp32_lm_head(self.cfg))
         if self.cfg.cluster.device == "cuda":
             self.chunks = [c.cuda() for c in self.chunks]
         for chunk in self.chunks:
@@ -193,9 +194,11 @@ class MegatronWorker:
         for mb in micro:
             ids, pos = pad_inputs(mb)
             prepared.append((mb, ids.to(device), pos.to(device)))
+        routing = routing_flags(self.spec.role, self.cfg, forward_only)
 
         def step(data_iter, model):
             mb, ids, pos = next(data_iter)
+            set_batch_routes(model, mb, tuple(ids.shape), **routing)  # MoE: rollout's experts (R3)
             output = model(ids, pos, None)
 
             def loss_func(output_tensor, non_loss_data=False):
