@@ -72,6 +72,8 @@ def test_deepseek_group_routing_equals_transformers_for_all_valid_configs():
 def test_qwen3_moe_routing_equals_transformers(norm):
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
     from transformers import Qwen3MoeConfig
+
+    from megarl.models.config import qwen3_moe_pre_softmax, renormalized_top1
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     g = torch.Generator().manual_seed(1)
@@ -83,9 +85,11 @@ def test_qwen3_moe_routing_equals_transformers(norm):
                 router.weight.copy_(torch.randn(experts, 16, generator=g))
                 logits, weights, idx = router(torch.randn(32, 16, generator=g))
             ref = torch.zeros(32, experts).scatter(1, idx, weights)
-            # megarl's mapping (models/config.py): pre_softmax = not norm_topk_prob
-            probs, _ = topk_routing_with_score_function(logits, top_k, use_pre_softmax=not norm,
-                                                        score_function="softmax", router_replay=RouterHook(0))
+            # megarl's mapping (models/config.py)
+            hf_cfg = Qwen3MoeConfig(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm)
+            hook = RouterHook(0, renormalize=renormalized_top1(hf_cfg))
+            probs, _ = topk_routing_with_score_function(logits, top_k, use_pre_softmax=qwen3_moe_pre_softmax(hf_cfg),
+                                                        score_function="softmax", router_replay=hook)
             assert torch.allclose(probs, ref, atol=1e-6), (experts, top_k, norm)
 
 

@@ -137,9 +137,10 @@ def build_model(hf_config, *, value_head: bool = False, params_dtype: torch.dtyp
 
             use_fp32_output_layer(model)
         if tconf.num_moe_experts:
+            from .config import renormalized_top1
             from .routing_replay import install_router_hooks
 
-            install_router_hooks(model)
+            install_router_hooks(model, renormalize=renormalized_top1(cfg))
         model.hf_config = cfg
         model.family = family
         model.vocab_size = cfg.vocab_size

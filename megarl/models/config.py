@@ -93,6 +93,18 @@ def moe_layer_pattern(cfg, family: str) -> Optional[list]:
     return None
 
 
+def renormalized_top1(cfg) -> bool:
+    """Qwen3-MoE top-1 with ``norm_topk_prob``: HF's gate is p / p = 1 (no gradient to the router);
+    megatron needs pre-softmax routing at top-1, so the router hook renormalises the gate."""
+    return (getattr(cfg, "model_type", None) == "qwen3_moe" and bool(getattr(cfg, "norm_topk_prob", False))
+            and int(getattr(cfg, "num_experts_per_tok", 0) or 0) == 1)
+
+
+def qwen3_moe_pre_softmax(cfg) -> bool:
+    """megatron's ``moe_router_pre_softmax`` for a Qwen3-MoE config (see the mapping)."""
+    return not bool(getattr(cfg, "norm_topk_prob", False)) or renormalized_top1(cfg)
+
+
 def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int = 1,
                                etp: Optional[int] = 1, vpp: Optional[int] = None, cp: int = 1,
                                params_dtype: torch.dtype = torch.float32,
@@ -166,8 +178,9 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
             moe_ffn_hidden_size=cfg.moe_intermediate_size,
             moe_layer_freq=moe_layer_pattern(cfg, family),
             # HF: softmax over all experts, top-k, renormalise iff norm_topk_prob.
-            # megatron: pre_softmax=False == top-k logits then softmax (== renormalised).
-            moe_router_pre_softmax=not bool(getattr(cfg, "norm_topk_prob", False)),
+            # megatron: pre_softmax=False == top-k logits then softmax (== renormalised); megatron
+            # refuses that for top-1, where the router hook renormalises instead (gate 1.0, as HF)
+            moe_router_pre_softmax=qwen3_moe_pre_softmax(cfg),
             moe_router_score_function="softmax",
         )
     if family == "deepseek_v3":

@@ -69,8 +69,9 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class RouterHook:
     """One megatron router's top-k choice (megatron calls ``get_replay_topk``)."""
 
-    def __init__(self, layer: int):
+    def __init__(self, layer: int, renormalize: bool = False):
         self.layer = layer                           # 0-based decoder layer (HF numbering)
+        self.renormalize = renormalize               # gates / their sum (Qwen3-MoE top-1 + norm_topk_prob)
         self.target: Optional[torch.Tensor] = None   # [tokens, k] experts to use (replay)
         self.reference: Optional[torch.Tensor] = None  # [tokens, k] rollout's experts (measure)
         self.valid: Optional[torch.Tensor] = None    # [tokens] bool: tokens that have a record
@@ -95,7 +96,7 @@ class RouterHook:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         gates, idx = natural_topk(scores, topk, num_groups, group_topk)
         if self.reference is None:
-            return gates, idx
+            return self._gates(gates), idx
         if self.reference.shape != idx.shape:
             raise RuntimeError(f"routing replay, layer {self.layer}: the router sees {idx.shape[0]} tokens x top-k "
                                f"{idx.shape[1]} but the recorded experts are {tuple(self.reference.shape)}")
@@ -111,7 +112,10 @@ class RouterHook:
             counts = torch.stack([nat.sum() / topk, (nat == topk).sum(), overlap(used, reference)[valid].sum() / topk,
                                   n]).double()
             self.stats = self.stats.to(counts.device) + counts   # stays on the device: no sync per layer
-        return gates, used
+        return self._gates(gates), used
+
+    def _gates(self, gates: torch.Tensor) -> torch.Tensor:
+        return gates / gates.sum(dim=-1, keepdim=True) if self.renormalize else gates
 
 
 def routers(model: torch.nn.Module) -> Iterable[torch.nn.Module]:
@@ -120,14 +124,14 @@ def routers(model: torch.nn.Module) -> Iterable[torch.nn.Module]:
     return (m for m in model.modules() if isinstance(m, TopKRouter))
 
 
-def install_router_hooks(model: torch.nn.Module) -> list[RouterHook]:
+def install_router_hooks(model: torch.nn.Module, renormalize: bool = False) -> list[RouterHook]:
     """Give every MoE router of ``model`` its :class:`RouterHook` (once; returns them by layer)."""
     hooks = []
     for router in routers(model):
         if not isinstance(router.router_replay, RouterHook):
             if router.layer_number is None:
                 raise RuntimeError("a megatron router has no layer_number: cannot key its routing by layer")
-            router.router_replay = RouterHook(int(router.layer_number) - 1)
+            router.router_replay = RouterHook(int(router.layer_number) - 1, renormalize)
         hooks.append(router.router_replay)
     return sorted(hooks, key=lambda h: h.layer)
 
