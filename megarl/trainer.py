@@ -616,7 +616,7 @@ def moe_routing_shape(model_dir: Path, cfg: RunConfig) -> Optional[tuple[int, in
     from megarl.rollout.launch import wants_routed_experts
 
     hf = json.loads((Path(model_dir) / "config.json").read_text()) if (Path(model_dir) / "config.json").is_file() else {}
-    experts = hf.get("num_experts") or hf.get("n_routed_experts") or 0
+    experts = hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts") or 0
     if experts and not cfg.model.arch.num_experts:
         cfg.model.arch.num_experts = int(experts)   # the launcher asks servers to record from this
     if not experts or not wants_routed_experts(cfg):

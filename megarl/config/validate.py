@@ -26,7 +26,7 @@ HF_ARCH_KEYS: dict[str, tuple[str, ...]] = {
     "num_kv_heads": ("num_key_value_heads", "num_attention_heads"),
     "head_dim": ("head_dim",),
     "vocab_size": ("vocab_size",),
-    "num_experts": ("num_experts", "n_routed_experts"),
+    "num_experts": ("num_experts", "n_routed_experts", "num_local_experts"),  # transformers 5 saves the last
     "moe_ffn_hidden_size": ("moe_intermediate_size",),
     "moe_top_k": ("num_experts_per_tok",),
     "num_shared_experts": ("n_shared_experts",),
