@@ -24,6 +24,7 @@ sync) BENCH_SYNC_SERVER_LOG=$OUT/server_05b.log run 60 python3 benchmarks/bench_
       run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --checksum ;;
 train2) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --loss lm --steps 4
         run 100 python3 benchmarks/bench_train.py --shape qwen2.5-3b --seq 4096 --mbs 1 --num-mb 2 --steps 3 ;;
+fidelity) run 400 python3 benchmarks/bench_fidelity.py --device cuda --dtype bfloat16 ${SMOLLM2_HF:+--model $SMOLLM2_HF} ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20

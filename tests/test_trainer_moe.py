@@ -48,9 +48,13 @@ def test_routing_replay_end_to_end_with_every_sink(moe_model, tmp_path):
     assert set(sinks["mlflow"]) == set(sinks["wandb"]) == set(sinks["tensorboard"])
 
 
-def test_routing_agreement_without_replay_and_fp32_head(moe_model, tmp_path):
-    cfg = tiny_run_config(moe_model, tmp_path / "plain", *COMMON, "trainer.total_steps=1", "rollout.fp32_lm_head=true")
+def test_routing_agreement_without_replay_ep2_on_ray(moe_model, tmp_path):
+    """No replay: the agreement is still measured, summed over the two data-parallel ranks of an
+    EP2 actor (Ray, gloo); fp32 LM head on both sides."""
+    cfg = tiny_run_config(moe_model, tmp_path / "plain", *COMMON, "trainer.total_steps=1", "rollout.fp32_lm_head=true",
+                          "cluster.backend=ray", "actor.gpus=2", "actor.parallel.ep=2")
     m = Trainer(cfg).run()["steps"][0]
     assert 0.9 < m["routing/agreement"] <= 1.0
     assert m["routing/used_agreement"] == m["routing/agreement"]    # no replay: it used its own choice
     assert 0.0 <= m["routing/exact_match"] <= m["routing/agreement"]
+    assert m["routing/tokens"] > 0
