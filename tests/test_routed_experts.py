@@ -55,14 +55,15 @@ def test_codec_is_sglangs():
         decode_routed_experts(ours, 5, 4)
 
 
-def _hf_choices(model, ids: list[int]) -> dict[int, torch.Tensor]:
-    """transformers' own top-k per MoE layer for every position of ``ids`` (sets, sorted)."""
+def _hf_choices(model, ids: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """transformers' own top-k per MoE layer for every position of ``ids`` (sets, sorted), and its
+    log-softmax."""
     out = model(torch.tensor([ids]), output_router_logits=True)
     moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
     k = model.config.num_experts_per_tok
     assert len(out.router_logits) == len(moe_layers)
-    return {layer: torch.topk(torch.softmax(logits.float().reshape(len(ids), -1), -1), k, dim=-1).indices.sort(-1).values
-            for layer, logits in zip(moe_layers, out.router_logits)}
+    return ({layer: torch.topk(torch.softmax(logits.float().reshape(len(ids), -1), -1), k, dim=-1).indices.sort(-1).values
+             for layer, logits in zip(moe_layers, out.router_logits)}, torch.log_softmax(out.logits[0].float(), -1))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -96,7 +97,10 @@ def test_embedded_server_returns_sglang_routed_experts(tmp_path, tp):
     assert routes.shape == (len(seq) - 1, layers, k)          # [0, seqlen - 1): the last token never ran
     assert not routes[:, 1].any()                              # mlp_only layer 1: SGLang leaves zeros
     with torch.no_grad():
-        hf_sets = _hf_choices(hf, seq)
+        hf_sets, hf_logp = _hf_choices(hf, seq)
+    # the fp32 LM head (rank 0 of the TP group computes the logits) gives HF's logprobs
+    want = torch.stack([hf_logp[len(prompt) - 1 + i, t] for i, t in enumerate(full.output_ids)])
+    assert (want - torch.tensor(full.logprobs)).abs().max() < 1e-4
     for layer, sets in hf_sets.items():
         assert torch.equal(routes[:, layer].long().sort(-1).values, sets[:-1]), layer
     tail_routes = decode_routed_experts(tail["meta_info"]["routed_experts"], layers, k)

@@ -91,9 +91,13 @@ def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     the weight); elsewhere both operands are upcast (CPU has no mixed-dtype GEMM)."""
     lead = hidden.shape[:-1]
     flat = hidden.reshape(-1, hidden.shape[-1])
+    out = None
     if (flat.is_cuda and flat.dtype == weight.dtype and flat.dtype in (torch.bfloat16, torch.float16)
             and not torch.is_grad_enabled()):
-        out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
-    else:
+        try:
+            out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):  # a torch/GPU without the mixed-dtype GEMM
+            out = None
+    if out is None:
         out = torch.mm(flat.float(), weight.float().t())
     return out.reshape(*lead, weight.shape[0])

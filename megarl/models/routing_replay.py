@@ -133,11 +133,20 @@ def install_router_hooks(model: torch.nn.Module, renormalize: bool = False) -> l
                 raise RuntimeError("a megatron router has no layer_number: cannot key its routing by layer")
             router.router_replay = RouterHook(int(router.layer_number) - 1, renormalize)
         hooks.append(router.router_replay)
-    return sorted(hooks, key=lambda h: h.layer)
+    hooks = sorted(hooks, key=lambda h: h.layer)
+    model._megarl_router_hooks = hooks
+    return hooks
 
 
 def router_hooks(model: torch.nn.Module) -> list[RouterHook]:
-    """The hooks of ``model``'s routers (none for a dense model), by layer."""
+    """The hooks of ``model``'s routers (none for a dense model), by layer; ``model`` may be wrapped
+    (megatron DDP: ``.module``)."""
+    inner = model
+    while not hasattr(inner, "_megarl_router_hooks") and hasattr(inner, "module"):
+        inner = inner.module
+    cached = getattr(inner, "_megarl_router_hooks", None)
+    if cached is not None:
+        return cached
     return sorted((r.router_replay for r in routers(model) if isinstance(r.router_replay, RouterHook)),
                   key=lambda h: h.layer)
 
