@@ -154,6 +154,8 @@ class Trainer:
         self.eval_records = load_split(cfg.data, cfg.seed, "eval")
         self.loader = PromptLoader(self.train_records, cfg.batch.prompts_per_step, cfg.seed, cfg.data.shuffle)
         self.reward_fn = build_reward_fn(cfg.reward) if cfg.reward.kind != "model" else None
+        from megarl.rollout.routed_experts import moe_routing_shape
+
         self.moe_routing = moe_routing_shape(self.model_dir, cfg)
         kl = cfg.algorithm.kl
         self.kl_ctl = make_kl_controller("adaptive" if kl.adaptive else "fixed", kl_coef=kl.coef,
@@ -250,7 +252,10 @@ class Trainer:
             self._manager = RolloutManager(self.servers.urls, max_concurrency=r.max_running_requests,
                                            timeout_s=r.request_timeout_s, request_retries=r.request_retries,
                                            api_key=self.servers.api_key)
+        from megarl.rollout.routed_experts import sample_routes
+
         routes = self.moe_routing is not None and not greedy
+        replay = cfg.algorithm.routing_replay == "rollout"
         outputs = self._manager.generate(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base,
                                          return_routed_experts=routes)
         samples = []
@@ -259,25 +264,9 @@ class Trainer:
                 response = list(out.output_ids)
                 text = self.tokenizer.decode(response, skip_special_tokens=True)
                 samples.append(Sample(rec, g, ids, response, list(out.logprobs or []), out.finish_reason, text=text,
-                                      routed_experts=self._decode_routes(out, len(ids) + len(response)) if routes else None))
+                                      routed_experts=sample_routes(out.routed_experts, len(ids) + len(response),
+                                                                   self.moe_routing, replay) if routes else None))
         return samples
-
-    def _decode_routes(self, out: Any, seq_len: int) -> Optional[torch.Tensor]:
-        """The rollout's experts of one sample (SGLang wire format), checked against its length."""
-        from megarl.rollout.routed_experts import decode_routed_experts
-
-        if out.routed_experts is None:
-            if self.cfg.algorithm.routing_replay == "rollout":
-                raise RuntimeError("algorithm.routing_replay: rollout, but a rollout server returned no "
-                                   "meta_info.routed_experts (SGLang needs --enable-return-routed-experts; "
-                                   "rollout.return_routed_experts must not be false)")
-            return None
-        layers, top_k = self.moe_routing
-        routes = decode_routed_experts(out.routed_experts, layers, top_k)
-        if routes.shape[0] != seq_len - 1:
-            raise RuntimeError(f"routed experts of a sample cover {routes.shape[0]} positions, expected "
-                               f"prompt + response - 1 = {seq_len - 1}")
-        return routes.to(torch.int16) if routes.numel() == 0 or int(routes.max()) < 2 ** 15 else routes
 
     def score(self, samples: list[Sample]) -> None:
         """Rewards (plus DAPO overlong shaping when enabled)."""
@@ -608,20 +597,6 @@ class Trainer:
 
             if ray.is_initialized():
                 ray.shutdown()
-
-
-def moe_routing_shape(model_dir: Path, cfg: RunConfig) -> Optional[tuple[int, int]]:
-    """(decoder layers, experts per token) when the rollout records routed experts of this MoE
-    model (``rollout.return_routed_experts``, null = for MoE models), else None."""
-    from megarl.rollout.launch import wants_routed_experts
-
-    hf = json.loads((Path(model_dir) / "config.json").read_text()) if (Path(model_dir) / "config.json").is_file() else {}
-    experts = hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts") or 0
-    if experts and not cfg.model.arch.num_experts:
-        cfg.model.arch.num_experts = int(experts)   # the launcher asks servers to record from this
-    if not experts or not wants_routed_experts(cfg):
-        return None
-    return int(hf["num_hidden_layers"]), int(hf["num_experts_per_tok"])
 
 
 def cfg_role_layout(role: Any) -> str:

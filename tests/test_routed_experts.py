@@ -106,3 +106,17 @@ def test_embedded_server_returns_sglang_routed_experts(tmp_path, tp):
     tail_routes = decode_routed_experts(tail["meta_info"]["routed_experts"], layers, k)
     assert tail["output_ids"] == full.output_ids and torch.equal(tail_routes, routes[3:])
     assert plain.routed_experts is None and "routed_experts" not in plain.meta_info
+
+
+def test_sample_routes_checks_presence_and_length():
+    from megarl.rollout.routed_experts import sample_routes
+
+    routes = torch.randint(0, 8, (9, 2, 3), dtype=torch.int32)
+    data = encode_routed_experts(routes)
+    got = sample_routes(data, 10, (2, 3), required=True)
+    assert got.dtype == torch.int16 and torch.equal(got.int(), routes)
+    assert sample_routes(None, 10, (2, 3), required=False) is None
+    with pytest.raises(RuntimeError, match="--enable-return-routed-experts"):
+        sample_routes(None, 10, (2, 3), required=True)
+    with pytest.raises(RuntimeError, match="expected prompt \\+ response - 1 = 10"):
+        sample_routes(data, 11, (2, 3), required=True)

@@ -13,6 +13,9 @@ dtype=np.int32)`: the shape is not on the wire, the reader knows layers and top-
 from __future__ import annotations
 
 import base64
+import json
+from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -34,3 +37,36 @@ def decode_routed_experts(data: str, num_layers: int, top_k: int) -> torch.Tenso
         raise ValueError(f"routed experts: {flat.size} int32 values are not a whole number of rows of "
                          f"{num_layers} layers x top-k {top_k}")
     return torch.from_numpy(flat.copy()).view(-1, num_layers, top_k)
+
+
+def moe_routing_shape(model_dir: Path, cfg: Any) -> Optional[tuple[int, int]]:
+    """(decoder layers, experts per token) when the rollout records routed experts of this MoE
+    model (``rollout.return_routed_experts``, null = for MoE models), else None. Fills
+    ``model.arch.num_experts`` from config.json when a recipe left it 0 (the launcher reads it)."""
+    from megarl.rollout.launch import wants_routed_experts
+
+    path = Path(model_dir) / "config.json"
+    hf = json.loads(path.read_text()) if path.is_file() else {}
+    experts = hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts") or 0
+    if experts and not cfg.model.arch.num_experts:
+        cfg.model.arch.num_experts = int(experts)
+    if not experts or not wants_routed_experts(cfg):
+        return None
+    return int(hf["num_hidden_layers"]), int(hf["num_experts_per_tok"])
+
+
+def sample_routes(data: Optional[str], seq_len: int, shape: tuple[int, int], required: bool) -> Optional[torch.Tensor]:
+    """One sample's routed experts from its ``meta_info.routed_experts``: int16 (int32 past 32767
+    experts) ``[seq_len - 1, layers, top_k]``, checked against the sample's length. ``required``
+    (routing replay): a server that sent none is an error naming the flag it needs."""
+    if data is None:
+        if required:
+            raise RuntimeError("algorithm.routing_replay: rollout, but a rollout server returned no "
+                               "meta_info.routed_experts (SGLang needs --enable-return-routed-experts; "
+                               "rollout.return_routed_experts must not be false)")
+        return None
+    routes = decode_routed_experts(data, *shape)
+    if routes.shape[0] != seq_len - 1:
+        raise RuntimeError(f"routed experts of a sample cover {routes.shape[0]} positions, expected "
+                           f"prompt + response - 1 = {seq_len - 1}")
+    return routes.to(torch.int16) if routes.numel() == 0 or int(routes.max()) < 2 ** 15 else routes
