@@ -29,7 +29,12 @@ EXTRAS = {
         "gguf==0.19.0",
         "reasoning-gym==0.1.25",
         "pyarrow>=15",
+        # metric sinks besides TensorBoard (logging.sinks), read back by tests/test_trainer_moe.py;
+        # neither pulls torch. mlflow-skinny is MLflow's tracking client (file store, no server deps)
+        "wandb==0.31.0",
+        "mlflow-skinny==3.18.0",
     ],
+    "sinks": ["wandb==0.31.0", "mlflow-skinny==3.18.0"],
     # GPU-only engines. apex is not on PyPI: build it from source if wanted (README).
     "gpu": [
         "transformer-engine[pytorch]>=2.4",

@@ -89,7 +89,7 @@ def main() -> None:
         f"batch.global_batch_size={args.prompts * args.n // 4}", f"rollout.sampling.max_new_tokens={args.new_tokens}",
         "rollout.max_running_requests=256", "actor.max_tokens_per_micro_batch=16384", "checkpoint.interval=0",
         "checkpoint.export_hf=false", "trainer.eval_before_after=false", "logging.progress_bar=false",
-        "rollout.logprob_diff_bound=0.05", "actor.optim.lr=1e-6",
+        "actor.optim.lr=1e-6",  # step-0 bound: calibrated from the dtypes (megarl/algos/fidelity.py)
     ] + [f"model.arch.{k}=0" for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                        "num_kv_heads", "vocab_size")] + ["model.arch.tie_word_embeddings=false"]
     cfg = load_config(ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml", overrides)

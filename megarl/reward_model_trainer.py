@@ -51,8 +51,10 @@ class RewardModelTrainer:
         self.group = WorkerGroup("reward_model", cfg, backend=cfg.cluster.backend, trainable=True, value_head=True,
                                  placement_group=pg)
         self.group.call("setup")
-        self.logger = MetricsLogger(Path(cfg.logging.tensorboard_dir or self.out / "tensorboard"),
-                                    cfg.trainer.total_steps, cfg.logging.progress_bar)
+        from megarl.metrics_sinks import build_sinks
+
+        self.logger = MetricsLogger(None, cfg.trainer.total_steps, cfg.logging.progress_bar,
+                                    sinks=build_sinks(cfg, self.out))
 
     def encode(self, pairs: list[Any]):
         """Pair i -> sequences 2i (chosen) and 2i+1 (rejected), each ``prompt + response``: scored at

@@ -13,7 +13,7 @@ from pathlib import Path
 def make_tiny_chat_model(path: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                          seed: int = 0, tie: bool = True, family: str = "llama") -> Path:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     from megarl.models.smollm2 import smollm2_hf_dir
 
@@ -24,14 +24,16 @@ def make_tiny_chat_model(path: str | Path, *, hidden: int = 64, layers: int = 2,
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[family]
     import json
 
     base = json.loads((src / "config.json").read_text())
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden, norm_topk_prob=True,
+               head_dim=hidden // heads) if family == "qwen3_moe" else {}
     cfg = config_cls(vocab_size=base["vocab_size"], hidden_size=hidden, intermediate_size=2 * hidden,
                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                      max_position_embeddings=1024, tie_word_embeddings=tie, bos_token_id=base.get("bos_token_id"),
-                     eos_token_id=base.get("eos_token_id"), rope_theta=10000.0)
+                     eos_token_id=base.get("eos_token_id"), rope_theta=10000.0, **moe)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(tmp)

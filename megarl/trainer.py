@@ -43,6 +43,7 @@ class Sample:
     finish_reason: str
     reward: float = 0.0
     text: str = ""
+    routed_experts: Optional[torch.Tensor] = None  # MoE: int [len - 1, layers, top_k] chosen by the rollout
 
 
 @dataclass
@@ -89,11 +90,20 @@ def export_hf_folder(group: Any, model_dir: Path, out: Path, config_updates: Opt
     return out
 
 
-def token_batch(samples: list[Sample], with_rollout_logprobs: bool = True) -> TokenBatch:
-    """The step's samples as flat tensors (the one layout every worker call ships, DESIGN.md)."""
-    return TokenBatch.from_sequences(
+def token_batch(samples: list[Sample], with_rollout_logprobs: bool = True,
+                routes_shape: Optional[tuple[int, int]] = None) -> TokenBatch:
+    """The step's samples as flat tensors (the one layout every worker call ships, DESIGN.md);
+    MoE rollouts' routed experts ride along as a sequence field when any sample has them."""
+    batch = TokenBatch.from_sequences(
         [s.prompt_ids for s in samples], [s.response_ids for s in samples],
         {"rollout_logprobs": [s.rollout_logprobs for s in samples]} if with_rollout_logprobs else None)
+    if routes_shape is not None and any(s.routed_experts is not None for s in samples):
+        from megarl.rollout.routed_experts import flat_routes
+        from megarl.workers.routing import ROUTES_KEY
+
+        batch.seq_fields[ROUTES_KEY] = flat_routes([s.routed_experts for s in samples],
+                                                   batch.seq_lens.tolist(), routes_shape)
+    return batch
 
 
 def minibatches(num_samples: int, global_batch_size: int, seed: int) -> list[list[int]]:
@@ -146,6 +156,9 @@ class Trainer:
         self.reward_fn = build_reward_fn(cfg.reward) if cfg.reward.kind != "model" else None
         self.reward_pool = (RewardPool(self.reward_fn, cfg.reward.workers, cfg.reward.executor)
                             if self.reward_fn is not None else None)
+        from megarl.rollout.routed_experts import moe_routing_shape
+
+        self.moe_routing = moe_routing_shape(self.model_dir, cfg)
         kl = cfg.algorithm.kl
         self.kl_ctl = make_kl_controller("adaptive" if kl.adaptive else "fixed", kl_coef=kl.coef,
                                          target_kl=kl.target, horizon=kl.horizon)
@@ -184,8 +197,10 @@ class Trainer:
             self.groups[role] = group
         self.servers.wait_healthy()
         note(f"workers and {len(self.servers.urls)} rollout server(s) ready in {time.time() - t0:.1f}s")
-        tb = Path(cfg.logging.tensorboard_dir or self.out / "tensorboard")
-        self.logger = MetricsLogger(tb, cfg.trainer.total_steps, cfg.logging.progress_bar)
+        from megarl.metrics_sinks import build_sinks
+
+        self.logger = MetricsLogger(None, cfg.trainer.total_steps, cfg.logging.progress_bar,
+                                    sinks=build_sinks(cfg, self.out))
         self._maybe_resume()
         self._push_weights()
 
@@ -239,13 +254,20 @@ class Trainer:
             self._manager = RolloutManager(self.servers.urls, max_concurrency=r.max_running_requests,
                                            timeout_s=r.request_timeout_s, request_retries=r.request_retries,
                                            api_key=self.servers.api_key, healer=self._healer())
-        outputs = self._manager.generate(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base)
+        from megarl.rollout.routed_experts import sample_routes
+
+        routes = self.moe_routing is not None and not greedy
+        replay = cfg.algorithm.routing_replay == "rollout"
+        outputs = self._manager.generate(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base,
+                                         return_routed_experts=routes)
         samples = []
         for g, (rec, ids, outs) in enumerate(zip(kept, prompts, outputs)):
             for out in outs:
                 response = list(out.output_ids)
                 text = self.tokenizer.decode(response, skip_special_tokens=True)
-                samples.append(Sample(rec, g, ids, response, list(out.logprobs or []), out.finish_reason, text=text))
+                samples.append(Sample(rec, g, ids, response, list(out.logprobs or []), out.finish_reason, text=text,
+                                      routed_experts=sample_routes(out.routed_experts, len(ids) + len(response),
+                                                                   self.moe_routing, replay) if routes else None))
         return samples
 
     def score(self, samples: list[Sample]) -> None:
@@ -333,22 +355,21 @@ class Trainer:
         self._rollout_memory("release")
         rewards = torch.tensor([s.reward for s in samples])
         resp_lens = [len(s.response_ids) for s in samples]
-        batch = token_batch(samples)  # flat tensors; [B, R] views only for the algorithms below
+        batch = token_batch(samples, routes_shape=self.moe_routing)  # flat; [B, R] views only for the algorithms
         mask = batch.response_mask()
         fields = batch.token_fields
+        routes = tuple(batch.seq_fields)  # MoE: the rollout's experts, for replay and agreement (R3)
 
         t = time.time()
         actor = self.groups["actor"]
-        fields["old_logprobs"] = actor.forward("compute_logprobs", batch, False)["logprobs"]
+        fields["old_logprobs"] = actor.forward("compute_logprobs", batch, False, fields=routes)["logprobs"]
         times["old_logprobs"] = time.time() - t
-        diff = (fields["old_logprobs"] - fields["rollout_logprobs"]).abs()
-        metrics["rollout/logprob_diff_mean"] = float(diff.sum() / max(diff.numel(), 1))
-        metrics["rollout/logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
-        if step == 0 and metrics["rollout/logprob_diff_mean"] > cfg.rollout.logprob_diff_bound:
-            raise LogprobMismatch(
-                f"step 0: mean |rollout - trainer| logprob = {metrics['rollout/logprob_diff_mean']:.4g} exceeds "
-                f"rollout.logprob_diff_bound = {cfg.rollout.logprob_diff_bound}: the rollout servers do not hold the "
-                f"trainer's weights (wrong checkpoint, naming or dtype)")
+        if self.moe_routing is not None:
+            from megarl.models.routing_replay import agreement_metrics
+            from megarl.workers.routing import collect_routing_stats, merge_routing_stats
+
+            metrics.update(agreement_metrics(merge_routing_stats(actor.call("call", collect_routing_stats))))
+        metrics.update(self._check_logprobs(step, fields["old_logprobs"], fields["rollout_logprobs"]))
         kl_tokens = None
         if "ref" in self.groups:
             t = time.time()
@@ -386,7 +407,7 @@ class Trainer:
         for epoch in range(a.ppo_epochs):
             mbs = minibatches(len(batch), cfg.batch.global_batch_size, cfg.seed + step * 101 + epoch)
             dens = denominators(mask, mbs)
-            actor_fields = ("old_logprobs", "advantages", "rollout_logprobs") + (
+            actor_fields = ("old_logprobs", "advantages", "rollout_logprobs") + routes + (
                 ("ref_logprobs",) if algo["kl_loss_coef"] and "ref_logprobs" in fields else ())
             metrics.update(_prefixed(actor.train(batch, mbs, dens, algo, actor_fields), "actor/"))
             if "critic" in self.groups:
@@ -420,6 +441,29 @@ class Trainer:
         for phase in ("rollout", "old_logprobs", "train"):
             metrics[f"throughput/{phase}_tokens_per_s"] = tokens / max(times[phase], 1e-9)
         return metrics
+
+    def _check_logprobs(self, step: int, trainer_lp: torch.Tensor, rollout_lp: torch.Tensor) -> dict[str, float]:
+        """Rollout vs trainer logprobs of the sampled tokens; at step 0 a mean difference above the
+        dtype-calibrated bound (megarl/algos/fidelity.py) stops the run: the servers do not hold the
+        trainer's weights. The report names the bound and the noise floor it came from."""
+        from megarl.algos.fidelity import logprob_bound, mean_abs_diff
+        from megarl.rollout.launch import rollout_dtype
+
+        cfg = self.cfg
+        mean, worst = mean_abs_diff(trainer_lp, rollout_lp, torch.ones_like(trainer_lp))  # flat: response tokens only
+        bound = logprob_bound(cfg.model.dtype, rollout_dtype(cfg), cfg.rollout.logprob_diff_bound)
+        out = {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst}
+        if step == 0:
+            out.update({"rollout/logprob_diff_bound": bound.bound, "rollout/logprob_noise_floor": bound.floor})
+            verdict = "exceeds" if mean > bound.bound else "within"
+            note(f"step 0: mean |rollout - trainer| logprob = {mean:.3g} (max {worst:.3g}) {verdict} the "
+                 f"{bound.describe()}")
+            if mean > bound.bound:
+                raise LogprobMismatch(
+                    f"step 0: mean |rollout - trainer| logprob = {mean:.4g} exceeds the {bound.describe()}: the "
+                    f"rollout servers do not hold the trainer's weights (wrong checkpoint, naming or dtype); a "
+                    f"correct run differs by about the noise floor, a wrong weight by order 1")
+        return out
 
     def _rollout_memory(self, action: str) -> None:
         """Colocated on GPU: rollout servers give their KV cache and weights back to the trainer

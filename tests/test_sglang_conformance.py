@@ -68,7 +68,8 @@ for argv in json.load(sys.stdin):
     out.append({k: getattr(a, k) for k in ("tp_size", "nnodes", "node_rank", "dist_init_addr", "api_key",
                                            "load_format", "disable_radix_cache", "skip_tokenizer_init", "dtype",
                                            "enable_deterministic_inference", "enable_fp32_lm_head",
-                                           "enable_memory_saver", "context_length", "host", "port")})
+                                           "enable_memory_saver", "context_length", "host", "port",
+                                           "enable_return_routed_experts")})
 print(json.dumps(out))
 """
 
@@ -90,19 +91,22 @@ def test_sglang_parses_megarl_launch_commands_for_every_multi_gpu_recipe(tmp_pat
         for node in range(nnodes):
             spec = LaunchSpec(0, "10.0.0.1", 30000, str(key_file), node, nnodes, "10.0.0.1:29500" if nnodes > 1 else None)
             cases.append(sglang_args(cfg, Path("/models/x"), spec))
-            expect.append((recipe.stem, cfg.rollout.tp, nnodes, node, cfg.placement.mode == "colocated"))
+            expect.append((recipe.stem, cfg.rollout.tp, nnodes, node, cfg.placement.mode == "colocated",
+                           bool(cfg.model.arch.num_experts)))
     assert len({e[0] for e in expect}) >= 5, "the GPU recipes with rollout.tp > 1"
     assert any(e[2] > 1 for e in expect), "a recipe whose servers span nodes (DeepSeek-V3: tp 16 on 8-GPU nodes)"
     done = subprocess.run([sglang_cpu_python(), "-c", _PARSE], input=json.dumps(cases), capture_output=True,
                           text=True, env=harness_env(), cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
-    for (recipe, tp, nnodes, node, colocated), a in zip(expect, parsed):
+    assert any(e[5] for e in expect) and not all(e[5] for e in expect), "MoE and dense recipes"
+    for (recipe, tp, nnodes, node, colocated, moe), a in zip(expect, parsed):
         assert a["tp_size"] == tp and a["nnodes"] == nnodes and a["node_rank"] == node, recipe
         assert a["api_key"] == API_KEY, f"{recipe}: the key comes from the --config file, never argv"
         assert a["load_format"] == "dummy" and a["disable_radix_cache"] and a["skip_tokenizer_init"], recipe
         assert a["dtype"] == "bfloat16" and a["enable_deterministic_inference"] and a["enable_fp32_lm_head"], recipe
         assert a["enable_memory_saver"] == colocated, recipe
+        assert a["enable_return_routed_experts"] == moe, recipe   # R3: MoE servers record routed experts
         assert (a["dist_init_addr"] == "10.0.0.1:29500") == (nnodes > 1), recipe
         assert "--api-key" not in cases[parsed.index(a)]
 

@@ -59,6 +59,9 @@ class ModelConfig:
     tokenizer: Optional[str] = opt(None, "tokenizer folder (default: hf_path)")
     dtype: Dtype = opt("float32", "parameter/compute dtype of the trainer (bfloat16 on GPU)")
     recompute: Literal["none", "selective", "full"] = opt("none", "activation recomputation in training")
+    fp32_lm_head: Optional[bool] = opt(None, "trainer computes the output projection in fp32 (logits fp32 from "
+                                       "bf16 hidden states and weights); null = as rollout.fp32_lm_head, so both "
+                                       "sides agree")
     arch: ModelArch = section(ModelArch, "model shape for validation and planning")
 
 
@@ -153,7 +156,10 @@ class RolloutConfig:
     max_restarts: int = opt(2, "restarts of one rollout server megarl started (dead, or hung: no /health answer) "
                             "over the run; a server needing more ends the run with an error after a checkpoint. "
                             "Servers given by rollout.server_urls are never restarted: a dead one is dropped")
-    logprob_diff_bound: float = opt(0.05, "step 0 fails if mean |rollout - train| logprob exceeds this")
+    logprob_diff_bound: Optional[float] = opt(None, "step 0 fails if mean |rollout - trainer| logprob on the sampled "
+                                              "tokens exceeds this; null = calibrated: 3x the measured noise floor "
+                                              "of the trainer/rollout dtypes (bf16/bf16 0.13, fp32/fp32 4e-5; "
+                                              "megarl/algos/fidelity.py)")
     api_key_env: str = opt("MEGARL_API_KEY", "environment variable holding the servers' API key (sent as "
                            "Authorization: Bearer); unset: a fresh key per run for servers megarl starts, none "
                            "for rollout.server_urls")
@@ -163,7 +169,12 @@ class RolloutConfig:
     deterministic: bool = opt(False, "SGLang --enable-deterministic-inference: honours sampling_seed (reproducible "
                               "rollouts) with batch-invariant kernels, at a throughput cost; the embedded "
                               "server is always seeded")
-    fp32_lm_head: bool = opt(False, "SGLang --enable-fp32-lm-head: output projection and logprobs in fp32")
+    fp32_lm_head: bool = opt(False, "output projection and logprobs in fp32 (SGLang --enable-fp32-lm-head, the "
+                             "embedded server's flag of the same name); the trainer follows unless "
+                             "model.fp32_lm_head says otherwise")
+    return_routed_experts: Optional[bool] = opt(None, "MoE: servers record the experts each token was routed to "
+                                                "(SGLang --enable-return-routed-experts, request field "
+                                                "return_routed_experts); null = on for MoE models")
 
 
 @dataclass
@@ -205,6 +216,10 @@ class AlgorithmConfig:
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
     value_clip: float = opt(0.2, "critic value clipping range")
     tis_cap: Optional[float] = opt(None, "truncated importance sampling cap for rollout/train mismatch (None = off)")
+    routing_replay: Literal["none", "rollout"] = opt("none", "MoE routing replay (R3): rollout = the actor's router "
+                                                    "uses the experts the rollout chose for every token, in the "
+                                                    "old-logprob and training passes (gates still trained); none = "
+                                                    "its own choice (agreement reported as routing/agreement)")
     ppo_epochs: int = opt(1, "passes over each rollout batch")
     kl: KLConfig = section(KLConfig, "KL regularisation")
     dynamic_sampling: DynamicSamplingConfig = section(DynamicSamplingConfig, "DAPO dynamic sampling")
@@ -267,7 +282,15 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
+    sinks: list[str] = opt(["tensorboard"], "where per-step metrics go, same names in each: tensorboard, wandb "
+                           "(offline unless logging.wandb_mode says online), mlflow (local file store unless "
+                           "logging.mlflow_uri says otherwise)")
     tensorboard_dir: Optional[str] = opt(None, "event files (default: OUTPUT_DIR/tensorboard)")
+    project: str = opt("megarl", "W&B project / MLflow experiment name (the run is named after `name`)")
+    wandb_mode: Literal["offline", "online"] = opt("offline", "W&B mode: offline writes OUTPUT_DIR/wandb only "
+                                                   "(`wandb sync` uploads it later); online needs a login")
+    wandb_dir: Optional[str] = opt(None, "W&B run files (default: OUTPUT_DIR)")
+    mlflow_uri: Optional[str] = opt(None, "MLflow tracking URI (default: file store OUTPUT_DIR/mlruns)")
     log_interval: int = opt(1, "console line every N steps")
     progress_bar: bool = opt(True, "console progress bar")
 

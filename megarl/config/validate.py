@@ -77,6 +77,18 @@ def resolve_arch(cfg: RunConfig, problems: list[str]) -> None:
         if current not in (0, False) and current != value:
             problems.append(f"model.arch.{name}: recipe says {current} but {path} says {value}")
         setattr(cfg.model.arch, name, value)
+    problems.extend(f"model.hf_path: {path}: {line}" for line in hf_mapping_refusals(hf))
+
+
+def hf_mapping_refusals(hf: dict[str, Any]) -> list[str]:
+    """Fields of this config.json that megarl would not compute exactly (``models/hf_audit.py``)."""
+    from megarl.models.config import load_hf_config
+    from megarl.models.hf_audit import refusals
+
+    try:
+        return refusals(load_hf_config(dict(hf)))
+    except (ValueError, KeyError, TypeError) as err:  # transformers refuses the config itself
+        return [f"transformers cannot read it: {err}"]
 
 
 def _check_layer_split(name: str, p: ParallelConfig, num_layers: int, problems: list[str]) -> None:
@@ -267,6 +279,8 @@ def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"algorithm.lam: must be in [0, 1], got {a.lam}")
     if a.kl.coef < 0:
         problems.append(f"algorithm.kl.coef: must be >= 0, got {a.kl.coef}")
+    if a.routing_replay == "rollout":
+        _check_routing_replay(cfg, problems)
     if a.ppo_epochs < 1:
         problems.append(f"algorithm.ppo_epochs: must be >= 1, got {a.ppo_epochs}")
     if a.dynamic_sampling.enabled and a.advantage not in GROUP_ESTIMATORS:
@@ -285,6 +299,23 @@ def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"rollout.sampling.max_new_tokens: must be >= 1, got {s.max_new_tokens}")
     if r.n_per_prompt < 1:
         problems.append(f"rollout.n_per_prompt: must be >= 1, got {r.n_per_prompt}")
+
+
+def _check_routing_replay(cfg: RunConfig, problems: list[str]) -> None:
+    """R3 needs an MoE model, routed experts from the rollout, and a router whose token order the
+    replay knows (no context parallel; no full recompute under pipeline parallel, where megatron
+    re-runs a micro-batch's forward after later micro-batches set their own routes)."""
+    arch, p = cfg.model.arch, cfg.actor.parallel
+    if hf_config_path(cfg.model.hf_path) is not None and not arch.num_experts:
+        problems.append("algorithm.routing_replay: 'rollout' replays MoE routing but the model has no experts")
+    if cfg.rollout.return_routed_experts is False:
+        problems.append("rollout.return_routed_experts: false, but algorithm.routing_replay: rollout needs the "
+                        "rollout's routed experts")
+    if p.cp > 1:
+        problems.append("actor.parallel.cp: routing replay with context parallel is not implemented")
+    if cfg.model.recompute == "full" and p.pp > 1:
+        problems.append("model.recompute: full recompute with pp > 1 re-runs forwards out of order; routing replay "
+                        "needs recompute none or selective there")
 
 
 def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
@@ -324,6 +355,12 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"rollout.request_retries: must be >= 0, got {cfg.rollout.request_retries}")
     if cfg.rollout.max_restarts < 0:
         problems.append(f"rollout.max_restarts: must be >= 0, got {cfg.rollout.max_restarts}")
+    bound = cfg.rollout.logprob_diff_bound
+    if bound is not None and bound <= 0:
+        problems.append(f"rollout.logprob_diff_bound: must be > 0 or null (calibrated), got {bound}")
+    unknown = sorted(set(cfg.logging.sinks) - {"tensorboard", "wandb", "mlflow"})
+    if unknown:
+        problems.append(f"logging.sinks: unknown sink(s) {unknown}; choose from tensorboard, wandb, mlflow")
     if cfg.checkpoint.keep_last < 0:
         problems.append(f"checkpoint.keep_last: must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_last}")
 

@@ -5,7 +5,8 @@ Why flat: a step of a large run holds millions of response tokens; per-sample Py
 padding. Here every sequence (``prompt + response``) is laid end to end in ``tokens``, with
 ``seq_offsets`` marking where each starts; per-response-token quantities (logprobs, advantages,
 values, ...) are laid end to end in the same sample order, in ``token_fields``; per-sample ones
-(rewards, ...) are ``sample_fields``. Selecting samples, splitting into data-parallel shards and
+(rewards, ...) are ``sample_fields``; per-token ones over the whole sequence, aligned with ``tokens``
+(an MoE rollout's routed experts), are ``seq_fields``. Selecting samples, splitting into data-parallel shards and
 reassembling results are index arithmetic over these tensors (:func:`segment_index`), never loops
 over samples. Algorithms that want ``[B, R]`` get it from :meth:`TokenBatch.padded` and give it back
 through :meth:`TokenBatch.unpad`.
@@ -56,6 +57,7 @@ class TokenBatch:
     prompt_lens: Tensor                                       # [B]
     token_fields: dict[str, Tensor] = field(default_factory=dict)   # each [sum(response lens)]
     sample_fields: dict[str, Tensor] = field(default_factory=dict)  # each [B]
+    seq_fields: dict[str, Tensor] = field(default_factory=dict)     # each [N, ...], aligned with tokens
 
     def __post_init__(self) -> None:
         self.seq_offsets = self.seq_offsets.to(torch.int64)
@@ -76,6 +78,9 @@ class TokenBatch:
         for name, t in self.sample_fields.items():
             if t.shape[0] != len(self):
                 raise ValueError(f"sample field {name!r} has {t.shape[0]} entries, the batch {len(self)} samples")
+        for name, t in self.seq_fields.items():
+            if t.shape[0] != self.tokens.numel():
+                raise ValueError(f"sequence field {name!r} has {t.shape[0]} entries, the batch {self.tokens.numel()} tokens")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -143,7 +148,8 @@ class TokenBatch:
         return TokenBatch(_gather_segments(self.tokens, self.seq_offsets, idx),
                           lengths_to_offsets(self.seq_lens[it]), self.prompt_lens[it],
                           {k: _gather_segments(v, self.response_offsets, idx) for k, v in self.token_fields.items()},
-                          {k: v[it] for k, v in self.sample_fields.items()})
+                          {k: v[it] for k, v in self.sample_fields.items()},
+                          {k: _gather_segments(v, self.seq_offsets, idx) for k, v in self.seq_fields.items()})
 
     def slice(self, start: int, stop: int) -> "TokenBatch":
         """Samples ``start .. stop - 1`` as views of this batch's tensors."""
@@ -152,14 +158,16 @@ class TokenBatch:
         ra, rb = int(ro[start]), int(ro[stop])
         return TokenBatch(self.tokens[a:b], so[start:stop + 1] - a, self.prompt_lens[start:stop],
                           {k: v[ra:rb] for k, v in self.token_fields.items()},
-                          {k: v[start:stop] for k, v in self.sample_fields.items()})
+                          {k: v[start:stop] for k, v in self.sample_fields.items()},
+                          {k: v[a:b] for k, v in self.seq_fields.items()})
 
     def with_fields(self, names: Iterable[str]) -> "TokenBatch":
         """The same samples with only the named token/sample fields (what one worker call needs)."""
         names = set(names)
         return TokenBatch(self.tokens, self.seq_offsets, self.prompt_lens,
                           {k: v for k, v in self.token_fields.items() if k in names},
-                          {k: v for k, v in self.sample_fields.items() if k in names})
+                          {k: v for k, v in self.sample_fields.items() if k in names},
+                          {k: v for k, v in self.seq_fields.items() if k in names})
 
     # ------------------------------------------------------------------ padded views for algorithms
     def response_mask(self) -> Tensor:
@@ -187,7 +195,8 @@ class TokenBatch:
         return {"tokens": self.tokens.numpy(), "seq_offsets": self.seq_offsets.numpy(),
                 "prompt_lens": self.prompt_lens.numpy(),
                 "token_fields": {k: v.numpy() for k, v in self.token_fields.items()},
-                "sample_fields": {k: v.numpy() for k, v in self.sample_fields.items()}}
+                "sample_fields": {k: v.numpy() for k, v in self.sample_fields.items()},
+                "seq_fields": {k: v.numpy() for k, v in self.seq_fields.items()}}
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> "TokenBatch":
@@ -197,7 +206,8 @@ class TokenBatch:
                 return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.as_tensor(a)
         return cls(t(payload["tokens"]), t(payload["seq_offsets"]), t(payload["prompt_lens"]),
                    {k: t(v) for k, v in payload["token_fields"].items()},
-                   {k: t(v) for k, v in payload["sample_fields"].items()})
+                   {k: t(v) for k, v in payload["sample_fields"].items()},
+                   {k: t(v) for k, v in payload.get("seq_fields", {}).items()})
 
 
 

@@ -83,13 +83,16 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
 
 def build_model(hf_config, *, value_head: bool = False, params_dtype: torch.dtype = torch.float32,
                 vpp: Optional[int] = None, attention_backend: str = "sdpa",
-                perform_initialization: bool = True, **config_overrides) -> List[nn.Module]:
+                perform_initialization: bool = True, fp32_lm_head: bool = False,
+                **config_overrides) -> List[nn.Module]:
     """Megatron model chunks (one per virtual pipeline stage) for this rank.
 
     Uses the current ``parallel_state`` (call ``megarl.parallel.init_model_parallel`` first).
     Each chunk is a ``GPTModel`` with attributes ``hf_config``, ``family``, ``vocab_size``
     (unpadded) and ``value_head``. Vocab is padded to a multiple of tp (padding rows are zeros
-    and never exported). For critics the output layer is a :class:`ValueHead`.
+    and never exported). For critics the output layer is a :class:`ValueHead`. ``fp32_lm_head``:
+    the output projection runs in fp32 (``models/fp32_head.py``). MoE routers get megarl's
+    :class:`~megarl.models.routing_replay.RouterHook` (HF-exact group routing, routing replay).
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -131,6 +134,15 @@ def build_model(hf_config, *, value_head: bool = False, params_dtype: torch.dtyp
         _ensure_tp_attributes(model)
         if value_head and post:
             model.output_layer = ValueHead(cfg.hidden_size, dtype=params_dtype)
+        elif fp32_lm_head and post:
+            from .fp32_head import use_fp32_output_layer
+
+            use_fp32_output_layer(model)
+        if tconf.num_moe_experts:
+            from .config import renormalized_top1
+            from .routing_replay import install_router_hooks
+
+            install_router_hooks(model, renormalize=renormalized_top1(cfg))
         model.hf_config = cfg
         model.family = family
         model.vocab_size = cfg.vocab_size

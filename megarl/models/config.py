@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .fusions import fusions_enabled
+from .hf_audit import check_hf_config
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
@@ -62,12 +63,19 @@ def head_dim(cfg) -> int:
     return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``gelu_pytorch_tanh``: the tanh approximation (not exact ``F.gelu``)."""
+    return F.gelu(x, approximate="tanh")
+
+
 def _activation(cfg):
     act = getattr(cfg, "hidden_act", "silu")
     if act in ("silu", "swish"):
         return F.silu
-    if act in ("gelu", "gelu_pytorch_tanh"):
+    if act == "gelu":
         return F.gelu
+    if act == "gelu_pytorch_tanh":
+        return _gelu_tanh
     raise ValueError(f"unsupported hidden_act {act!r}")
 
 
@@ -83,6 +91,18 @@ def moe_layer_pattern(cfg, family: str) -> Optional[list]:
         freq = int(getattr(cfg, "moe_layer_freq", 1) or 1)
         return [1 if (i >= k and i % freq == 0) else 0 for i in range(n)]
     return None
+
+
+def renormalized_top1(cfg) -> bool:
+    """Qwen3-MoE top-1 with ``norm_topk_prob``: HF's gate is p / p = 1 (no gradient to the router);
+    megatron needs pre-softmax routing at top-1, so the router hook renormalises the gate."""
+    return (getattr(cfg, "model_type", None) == "qwen3_moe" and bool(getattr(cfg, "norm_topk_prob", False))
+            and int(getattr(cfg, "num_experts_per_tok", 0) or 0) == 1)
+
+
+def qwen3_moe_pre_softmax(cfg) -> bool:
+    """megatron's ``moe_router_pre_softmax`` for a Qwen3-MoE config (see the mapping)."""
+    return not bool(getattr(cfg, "norm_topk_prob", False)) or renormalized_top1(cfg)
 
 
 def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -103,6 +123,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
 
     cfg = load_hf_config(hf_config)
     family = detect_family(cfg)
+    check_hf_config(cfg)   # every field mapped exactly or refused, naming it (models/hf_audit.py)
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
     kw: dict = dict(
@@ -118,7 +139,8 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         hidden_dropout=float(getattr(cfg, "hidden_dropout", 0.0) or 0.0),
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         init_method_std=float(getattr(cfg, "initializer_range", 0.02)),
-        bias_activation_fusion=fusions_enabled() and _activation(cfg) in (F.silu, F.gelu),
+        # megatron fuses SwiGLU exactly; its fused GeGLU is the tanh approximation, so gelu is not fused
+        bias_activation_fusion=fusions_enabled() and _activation(cfg) is F.silu,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -149,8 +171,6 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         kw["kv_channels"] = head_dim(cfg)
         kw["add_qkv_bias"] = bool(getattr(cfg, "attention_bias", False)) or family == "qwen2"
         kw["qk_layernorm"] = family in ("qwen3", "qwen3_moe")
-        if getattr(cfg, "mlp_bias", False):
-            raise ValueError("mlp_bias=True is not supported")
     if family == "qwen3_moe":
         kw.update(
             num_moe_experts=cfg.num_experts,
@@ -158,8 +178,9 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
             moe_ffn_hidden_size=cfg.moe_intermediate_size,
             moe_layer_freq=moe_layer_pattern(cfg, family),
             # HF: softmax over all experts, top-k, renormalise iff norm_topk_prob.
-            # megatron: pre_softmax=False == top-k logits then softmax (== renormalised).
-            moe_router_pre_softmax=not bool(getattr(cfg, "norm_topk_prob", False)),
+            # megatron: pre_softmax=False == top-k logits then softmax (== renormalised); megatron
+            # refuses that for top-1, where the router hook renormalises instead (gate 1.0, as HF)
+            moe_router_pre_softmax=qwen3_moe_pre_softmax(cfg),
             moe_router_score_function="softmax",
         )
     if family == "deepseek_v3":

@@ -108,6 +108,7 @@ class GenerateOutput:
     text: Optional[str] = None
     weight_version: Optional[str] = None
     meta_info: Dict[str, Any] = field(default_factory=dict)
+    routed_experts: Optional[str] = None  # SGLang's base64 int32 [seqlen-1, layers, top_k] (routed_experts.py)
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "GenerateOutput":
@@ -122,7 +123,8 @@ class GenerateOutput:
                    finish_reason=fr.get("type", "unknown") if isinstance(fr, dict) else str(fr),
                    matched=fr.get("matched") if isinstance(fr, dict) else None,
                    prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
-                   text=d.get("text"), weight_version=meta.get("weight_version"), meta_info=meta)
+                   text=d.get("text"), weight_version=meta.get("weight_version"), meta_info=meta,
+                   routed_experts=meta.get("routed_experts"))
 
 
 class SGLangClient:
@@ -207,10 +209,14 @@ class SGLangClient:
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: Union[List[int], List[List[int]]], sampling: Optional[Dict[str, Any]] = None,
                        return_logprob: bool = True, rid: Optional[Union[str, List[str]]] = None,
-                       ) -> List[GenerateOutput]:
-        """Token ids in -> outputs (always a list: prompt-major, n per prompt)."""
+                       return_routed_experts: bool = False) -> List[GenerateOutput]:
+        """Token ids in -> outputs (always a list: prompt-major, n per prompt). With
+        ``return_routed_experts`` (MoE, server started with --enable-return-routed-experts) each
+        output carries the experts of every prompt and output position (``routed_experts``)."""
         payload: Dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling or sampling_params(),
                                    "return_logprob": return_logprob, "stream": False}
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
         if rid is not None:
             payload["rid"] = rid
         out = await self._call("generate", payload)

@@ -186,6 +186,8 @@ def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
         args.append("--enable-deterministic-inference")  # sampling_seed honoured (batch-invariant kernels)
     if r.fp32_lm_head:
         args.append("--enable-fp32-lm-head")
+    if wants_routed_experts(cfg):
+        args.append("--enable-return-routed-experts")  # R3: meta_info.routed_experts per request
     if spec.nnodes > 1:
         args += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
                  "--dist-init-addr", str(spec.dist_init_addr)]
@@ -206,9 +208,21 @@ def embedded_args(cfg: Any, model_dir: Path, spec: LaunchSpec, weights_dir: Path
     tp = spec.tp_size or r.tp
     if tp > 1:
         args += ["--tp-size", str(tp)]
+    if r.fp32_lm_head:
+        args.append("--enable-fp32-lm-head")
+    if wants_routed_experts(cfg):
+        args.append("--enable-return-routed-experts")
     if cpu:
         args += ["--num-threads", "2"]
     return args
+
+
+def wants_routed_experts(cfg: Any) -> bool:
+    """Do the servers record routed experts? ``rollout.return_routed_experts``; null = for MoE
+    models (the trainer replays them with ``algorithm.routing_replay: rollout`` and reports its
+    agreement with them either way)."""
+    flag = cfg.rollout.return_routed_experts
+    return bool(cfg.model.arch.num_experts) if flag is None else bool(flag)
 
 
 def rollout_dtype(cfg: Any) -> str:

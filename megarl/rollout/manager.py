@@ -89,9 +89,10 @@ class RolloutManager:
         return self.io.run(go())
 
     def generate(self, prompts: list[list[int]], n: int, sampling: dict[str, Any],
-                 seed: Optional[int] = None) -> list[list[GenerateOutput]]:
-        """``n`` outputs per prompt, in prompt order, each with per-token rollout logprobs."""
-        return self.io.run(self._generate(prompts, n, sampling, seed))
+                 seed: Optional[int] = None, return_routed_experts: bool = False) -> list[list[GenerateOutput]]:
+        """``n`` outputs per prompt, in prompt order, each with per-token rollout logprobs (and the
+        routed experts of every position when asked: MoE routing replay)."""
+        return self.io.run(self._generate(prompts, n, sampling, seed, return_routed_experts))
 
     async def healthy(self, server: int) -> bool:
         """Does server ``server`` answer ``/health`` within ``health_timeout_s``? Concurrent callers
@@ -141,7 +142,7 @@ class RolloutManager:
         while self._revivals:
             await asyncio.wait(list(self._revivals.values()))
 
-    async def _generate(self, prompts, n, sampling, seed):
+    async def _generate(self, prompts, n, sampling, seed, return_routed_experts=False):
         jobs = [(p, k) for p in range(len(prompts)) for k in range(n)]
         results: list[list[Optional[GenerateOutput]]] = [[None] * n for _ in prompts]
         count = len(self.clients)
@@ -171,7 +172,8 @@ class RolloutManager:
                 attempt += 1
                 self.outstanding[server] += 1
                 try:
-                    out = await self.clients[server].generate(prompts[p], params, return_logprob=True)
+                    out = await self.clients[server].generate(prompts[p], params, return_logprob=True,
+                                                              return_routed_experts=return_routed_experts)
                     results[p][k] = out[0] if isinstance(out, list) else out
                     return
                 except ServerError as err:

@@ -33,6 +33,7 @@ from megarl.models.builder import unwrap
 from megarl.data.batch import TokenBatch
 from megarl.workers.batch import MicroInputs, common_shape, micro_inputs
 from megarl.workers.dispatch import Shard
+from megarl.workers.routing import routing_flags, set_batch_routes, trainer_fp32_lm_head
 from megarl.workers.vocab_parallel import logprobs_and_entropy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,7 +89,7 @@ class MegatronWorker:
         dtype = DTYPES[self.cfg.model.dtype]
         self.hf_dir = path
         self.chunks = build_model(str(path), value_head=self.spec.value_head, params_dtype=dtype,
-                                  vpp=p.vpp if p.vpp > 1 else None)
+                                  vpp=p.vpp if p.vpp > 1 else None, fp32_lm_head=trainer_fp32_lm_head(self.cfg))
         if self.cfg.cluster.device == "cuda":
             self.chunks = [c.cuda() for c in self.chunks]
         for chunk in self.chunks:
@@ -189,9 +190,11 @@ class MegatronWorker:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         device = self._device()
+        routing = routing_flags(self.spec.role, self.cfg, forward_only)
 
         def step(data_iter, model):
             mi = next(data_iter)
+            set_batch_routes(model, mi, **routing)  # MoE: the rollout's experts (R3)
             output = model(mi.input_ids, mi.position_ids, None, packed_seq_params=mi.packed)
 
             def loss_func(output_tensor, non_loss_data=False):

@@ -141,15 +141,22 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
         rl = body.get("return_logprob") or False
         rls = rl if isinstance(rl, list) else [rl] * len(prompts)
         rid = body.get("rid")
+        routes = bool(body.get("return_routed_experts") or False)
+        routes_start = body.get("routed_experts_start_len") or 0
         try:
             reqs: List[Request] = []
             for i, (p, s, r) in enumerate(zip(prompts, sps, rls)):
                 samp = Sampling.from_dict(s)
+                if routes and not 0 <= int(routes_start) <= len(p):
+                    # SGLang's scheduler aborts such a request with this reason
+                    raise ValueError(f"routed_experts_start_len={routes_start} must be in [0, number of input "
+                                     f"tokens {len(p)}]")
                 n = int((s or {}).get("n", 1) or 1)
                 for j in range(n):
                     base = rid[i] if isinstance(rid, list) else (rid or uuid.uuid4().hex)
                     sub = f"{base}" if (n == 1 and not batched) else f"{base}-{i}-{j}"
-                    reqs.append(Request(input_ids=[int(t) for t in p], sampling=samp, return_logprob=bool(r), rid=sub))
+                    reqs.append(Request(input_ids=[int(t) for t in p], sampling=samp, return_logprob=bool(r), rid=sub,
+                                        return_routed_experts=routes, routed_experts_start_len=int(routes_start)))
             futs = []
             for q in reqs:
                 if q.sampling.max_new_tokens == 0:

@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-dir", default=None,
                    help="/update_weights_from_disk loads only from this folder or below it (realpath); "
                         "without it disk updates are refused")
+    p.add_argument("--enable-fp32-lm-head", action="store_true",
+                   help="output projection in fp32 (logits never rounded to the model dtype), as SGLang's flag")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE: record each token's routed experts; requests ask for them with "
+                        "return_routed_experts (SGLang's flag and wire format)")
     p.add_argument("--api-key-env", default=DEFAULT_API_KEY_ENV,
                    help=f"environment variable holding the API key (default {DEFAULT_API_KEY_ENV}); "
                         "the key itself is never a command-line argument")
@@ -199,7 +204,8 @@ def _plan(args) -> "tuple[Any, Any, Optional[str]]":
     opts = RankOptions(model=args.model, device=dev, dtype=dt, load_format=args.load_format,
                        random_seed=args.random_seed, tp_size=args.tp_size,
                        tp_port=free_port() if args.tp_size > 1 else 0, weights_dir=weights_dir,
-                       num_threads=args.num_threads)
+                       num_threads=args.num_threads, fp32_lm_head=args.enable_fp32_lm_head,
+                       return_routed_experts=args.enable_return_routed_experts)
     return opts, hf_config, None
 
 

@@ -81,6 +81,9 @@ class Request:
     slot: int = -1
     pending: int = -1          # last sampled token, not yet written to the KV cache
     t_start: float = field(default_factory=time.time)
+    return_routed_experts: bool = False   # SGLang's request field (R3); needs a recording model
+    routed_experts_start_len: int = 0
+    routed_experts: Optional[str] = None  # meta_info["routed_experts"]: base64 of int32 [rows, layers, k]
 
     def result(self, weight_version: str) -> dict:
         meta = {
@@ -94,6 +97,8 @@ class Request:
         }
         if self.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
+        if self.routed_experts is not None:
+            meta["routed_experts"] = self.routed_experts
         return {"output_ids": list(self.output_ids), "meta_info": meta}
 
 
@@ -312,8 +317,23 @@ class Engine:
                 self._finish(r, {"type": "length", "length": n})
         self.running = [r for r in self.running if r.finish_reason is None]
 
+    def _collect_routes(self, r: Request) -> None:
+        """SGLang's ``_maybe_collect_routed_experts``: the experts of positions
+        ``[routed_experts_start_len, seqlen - 1)`` (the last sampled token never ran through the
+        model), base64 of the int32 array, when the model records them (else nothing, as SGLang)."""
+        from megarl.rollout.routed_experts import encode_routed_experts
+
+        read = getattr(self.model, "routed_experts", None)
+        if read is None or not getattr(self.model, "records_routes", lambda: False)():
+            return
+        seqlen = len(r.input_ids) + len(r.output_ids)
+        start = min(r.routed_experts_start_len, seqlen - 1)
+        r.routed_experts = encode_routed_experts(read(r.slot, start, seqlen - 1))
+
     def _finish(self, r: Request, reason: dict, error: Optional[BaseException] = None):
         r.finish_reason = reason
+        if error is None and r.return_routed_experts and r.slot >= 0:
+            self._collect_routes(r)
         if r.slot >= 0:
             self.free_slots.append(r.slot)
             r.slot = -1

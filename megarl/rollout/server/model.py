@@ -26,6 +26,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megarl.algos.fidelity import fp32_logits
+
 from .shard import local_part, local_shape
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -132,8 +134,10 @@ class DecoderModel:
 
     def __init__(self, hf_config, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  tp_rank: int = 0, tp_size: int = 1,
-                 all_reduce: Optional[Callable[[torch.Tensor], None]] = None):
+                 all_reduce: Optional[Callable[[torch.Tensor], None]] = None,
+                 fp32_lm_head: bool = False, record_routes: bool = False):
         self.cfg = hf_config
+        self.fp32_lm_head = fp32_lm_head    # SGLang's --enable-fp32-lm-head: logits never rounded to bf16
         self.spec = s = Spec.from_hf_config(hf_config)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -150,6 +154,12 @@ class DecoderModel:
         self._alloc()
         self.k_cache: List[torch.Tensor] = []
         self.v_cache: List[torch.Tensor] = []
+        # routed experts of every cached position (SGLang's --enable-return-routed-experts): int32
+        # [slots, max_len, num_layers, top_k], filled by prefill/decode of MoE layers (rank 0 only:
+        # routing is replicated over TP ranks); rows of dense layers stay 0, as in SGLang
+        self.record_routes = record_routes and bool(s.moe_layers)
+        self.routes: Optional[torch.Tensor] = None
+        self._route_ctx: Optional[tuple] = None
         self.max_slots = 0
         self.max_len = 0
         # CUDA graphs for decode (CUDA only): one graph per (batch bucket, kv-length bucket),
@@ -318,11 +328,37 @@ class DecoderModel:
         shp = (max_slots + extra, self.nkv, max_len, s.head_dim)
         self.k_cache = [torch.zeros(shp, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
         self.v_cache = [torch.zeros(shp, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
+        if self.record_routes:
+            self.routes = torch.zeros(max_slots + extra, max_len, s.num_layers, s.top_k, dtype=torch.int32,
+                                      device=self.device)
         self.max_slots, self.max_len = max_slots, max_len
 
     def free_cache(self):
         self._graphs, self._graph_io, self._graph_pool = {}, None, None
         self.k_cache, self.v_cache = [], []
+        self.routes = None
+
+    def records_routes(self) -> bool:
+        return self.routes is not None
+
+    def routed_experts(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Experts chosen at positions ``[start, end)`` of ``slot``: int32 ``[end - start,
+        num_hidden_layers, top_k]`` on the CPU (SGLang's layout; rows of dense layers are 0)."""
+        if self.routes is None:
+            raise RuntimeError("routed experts are not recorded (--enable-return-routed-experts, MoE models only)")
+        return self.routes[slot, start:end].to("cpu", copy=True)
+
+    def _record_routes(self, layer: int, idx: torch.Tensor) -> None:
+        """Store one MoE layer's top-k choices ``idx`` [B, T, k] at the positions being run."""
+        if self.routes is None or self._route_ctx is None:
+            return
+        kind, slots, where = self._route_ctx
+        idx = idx.to(torch.int32)
+        if kind == "prefill":
+            for b, (slot, n) in enumerate(zip(slots, where)):
+                self.routes[slot, :n, layer] = idx[b, :n]
+        else:
+            self.routes[slots, where, layer] = idx[:, 0]
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
@@ -349,6 +385,7 @@ class DecoderModel:
         logits = F.linear(h, P[p + "gate.weight"])
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         w, idx = torch.topk(probs, s.top_k, dim=-1)
+        self._record_routes(i, idx.view(*shp[:-1], s.top_k))
         if s.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
         w = w.to(h.dtype)
@@ -424,6 +461,8 @@ class DecoderModel:
             return None   # the head is replicated: only rank 0 (which samples) computes logits
         x = _rms(x, self.params["model.norm.weight"], self.spec.rms_norm_eps)
         w = self.params["model.embed_tokens.weight"] if self.spec.tie_word_embeddings else self.params["lm_head.weight"]
+        if self.fp32_lm_head:
+            return fp32_logits(x, w)
         return F.linear(x, w).float()
 
     @torch.inference_mode()
@@ -441,8 +480,12 @@ class DecoderModel:
         cos, sin = self._rope(pos)
         mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None].expand(B, 1, T, T)
         x = F.embedding(ids, self.params["model.embed_tokens.weight"])
-        for i in range(self.spec.num_layers):
-            x = self._layer(i, x, cos, sin, slots, None, mask, prefill_lens=lens)
+        self._route_ctx = ("prefill", slots, lens)
+        try:
+            for i in range(self.spec.num_layers):
+                x = self._layer(i, x, cos, sin, slots, None, mask, prefill_lens=lens)
+        finally:
+            self._route_ctx = None
         last = x[torch.arange(B, device=self.device), torch.tensor(lens, device=self.device) - 1]
         return self._head(last)
 
@@ -455,7 +498,11 @@ class DecoderModel:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         sl = torch.tensor(slots, dtype=torch.long, device=self.device)
-        return self._decode_body(ids, pos, sl, int(max(positions)) + 1)
+        self._route_ctx = ("decode", sl, pos)
+        try:
+            return self._decode_body(ids, pos, sl, int(max(positions)) + 1)
+        finally:
+            self._route_ctx = None
 
     def _decode_body(self, ids, pos, sl, Lm: int) -> torch.Tensor:
         cos, sin = self._rope(pos[:, None])
@@ -510,7 +557,7 @@ class DecoderModel:
     def forward_full(self, ids: List[int]) -> Optional[torch.Tensor]:
         """Logits [T, V] over a whole sequence without touching running slots (uses slot 0 of a
         private 1-slot cache; None on TP ranks > 0).  For tests and prompt logprobs."""
-        saved = (self.k_cache, self.v_cache, self.max_slots, self.max_len)
+        saved = (self.k_cache, self.v_cache, self.max_slots, self.max_len, self.routes)
         try:
             self.alloc_cache(1, len(ids))
             T = len(ids)
@@ -523,4 +570,4 @@ class DecoderModel:
                 x = self._layer(i, x, cos, sin, [0], None, mask, prefill_lens=[T])
             return self._head(x[0])
         finally:
-            self.k_cache, self.v_cache, self.max_slots, self.max_len = saved
+            self.k_cache, self.v_cache, self.max_slots, self.max_len, self.routes = saved

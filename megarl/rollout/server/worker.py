@@ -37,6 +37,8 @@ class RankOptions:
     tp_port: int = 0
     weights_dir: Optional[str] = None
     num_threads: int = 0
+    fp32_lm_head: bool = False          # --enable-fp32-lm-head (only rank 0 computes logits)
+    return_routed_experts: bool = False  # --enable-return-routed-experts (MoE)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -133,6 +135,13 @@ class ModelHandle:
     def forward_full(self, ids: List[int]) -> torch.Tensor:
         return self.lockstep.call("forward_full", ids)
 
+    def records_routes(self) -> bool:
+        return self.lockstep.target.model.records_routes()
+
+    def routed_experts(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Read on rank 0 only (routing is replicated over TP ranks; no collective)."""
+        return self.lockstep.target.model.routed_experts(slot, start, end)
+
     def offload_weights(self) -> None:
         self.lockstep.call("offload_weights")
 
@@ -158,7 +167,8 @@ def build_worker(opts: RankOptions, rank: int, hf_config=None) -> RankWorker:
         hf_config = AutoConfig.from_pretrained(opts.model)
     comm = init_tp(rank, opts.tp_size, opts.tp_port, dev)
     model = DecoderModel(hf_config, device=str(dev), dtype=getattr(torch, opts.dtype), tp_rank=rank,
-                         tp_size=opts.tp_size, all_reduce=comm.all_reduce if opts.tp_size > 1 else None)
+                         tp_size=opts.tp_size, all_reduce=comm.all_reduce if opts.tp_size > 1 else None,
+                         fp32_lm_head=opts.fp32_lm_head, record_routes=opts.return_routed_experts and rank == 0)
     if opts.load_format == "dummy":
         model.init_dummy(opts.random_seed)
     else:

@@ -1,0 +1,103 @@
+"""Calibrated rollout-vs-trainer logprob checks (pure functions, no megatron, no HTTP).
+
+Rollout and trainer compute the same model with different kernels (KV-cached decode vs full
+forward, other GEMM tilings and reduction orders). In bf16 that alone moves token logprobs by a
+few hundredths: measured on SmolLM2-135M-Instruct with its real weights (mean |logprob difference|
+on the same sampled tokens, H200, FACTS.md "bf16 noise floor"):
+
+* HF bf16 full forward vs HF fp32: 3.1e-2; megatron bf16 (megarl) vs HF fp32: 3.0e-2;
+* megarl's embedded engine (bf16) vs the megatron trainer (bf16): 3.7e-2;
+* HF fp32 KV-cached ``generate`` vs its fp32 full forward: 5e-6.
+
+So a fixed bound cannot serve every dtype: 2e-2 fails a correct bf16 run at step 0, while a bound
+of 0.1 would hide a broken fp32 run. A wrong or mis-named weight moves logprobs by order 1 (on
+real weights; ``tests/test_fidelity.py`` measures it), far above any floor here. The step-0 bound
+is therefore ``margin * floor(trainer dtype, rollout dtype)``, where a pair's floor combines the
+two sides' floors as independent errors (``sqrt(a**2 + b**2)``: bf16/bf16 = 4.2e-2, which covers
+the measured 3.7e-2; bf16/fp32 = 3.0e-2, measured 3.0e-2 and 3.1e-2).
+
+float16 was not measured: its floor is the bf16 floor scaled by the mantissa (10 bits vs 7 bits,
+1/8). Measured on random weights, floors look ~5x lower (near-uniform outputs hide the noise):
+calibrate on real weights only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# mean |logprob difference| between an implementation in this dtype and an exact (fp32) one, on
+# real weights: the numbers above (FACTS.md).
+NOISE_FLOOR: dict[str, float] = {
+    "float32": 1e-5,
+    "bfloat16": 3e-2,
+    "float16": 3e-2 / 8,
+}
+# bound = DEFAULT_MARGIN * floor: headroom over the measured floor for longer sequences, other
+# models and other kernels (SGLang's), still two orders of magnitude below a wrong weight.
+DEFAULT_MARGIN = 3.0
+
+
+@dataclass(frozen=True)
+class LogprobBound:
+    """The step-0 bound and where it came from (for the log line and the metrics)."""
+
+    bound: float
+    floor: float                 # combined noise floor of the pair (0 when the bound was given)
+    trainer_dtype: str
+    rollout_dtype: str
+    calibrated: bool             # False: rollout.logprob_diff_bound was set explicitly
+
+    def describe(self) -> str:
+        pair = f"trainer {self.trainer_dtype} / rollout {self.rollout_dtype}"
+        if not self.calibrated:
+            return f"rollout.logprob_diff_bound = {self.bound:.3g} (set in the config; {pair})"
+        return (f"calibrated bound {self.bound:.3g} = {DEFAULT_MARGIN:g} x noise floor {self.floor:.3g} of "
+                f"{pair} (rollout.logprob_diff_bound: null)")
+
+
+def noise_floor(trainer_dtype: str, rollout_dtype: str) -> float:
+    """Combined mean-|logprob diff| floor of two implementations in these dtypes."""
+    for name in (trainer_dtype, rollout_dtype):
+        if name not in NOISE_FLOOR:
+            raise ValueError(f"no noise floor for dtype {name!r} (known: {sorted(NOISE_FLOOR)})")
+    return math.hypot(NOISE_FLOOR[trainer_dtype], NOISE_FLOOR[rollout_dtype])
+
+
+def logprob_bound(trainer_dtype: str, rollout_dtype: str, explicit: Optional[float] = None,
+                  margin: float = DEFAULT_MARGIN) -> LogprobBound:
+    """The bound the step-0 check uses: ``explicit`` when given, else ``margin * noise_floor``."""
+    if explicit is not None:
+        return LogprobBound(float(explicit), 0.0, trainer_dtype, rollout_dtype, calibrated=False)
+    floor = noise_floor(trainer_dtype, rollout_dtype)
+    return LogprobBound(margin * floor, floor, trainer_dtype, rollout_dtype, calibrated=True)
+
+
+def mean_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(mean, max) of ``|a - b|`` over the tokens ``mask`` marks (padding never counts)."""
+    m = mask.bool()
+    diff = torch.where(m, (a.float() - b.float()).abs(), torch.zeros((), dtype=torch.float32))
+    return float(diff.sum() / m.sum().clamp(min=1)), float(diff.max()) if diff.numel() else 0.0
+
+
+def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` with fp32 accumulation and fp32 output, from hidden states and weights
+    in any dtype (the fp32 LM head: SGLang's ``--enable-fp32-lm-head``). bf16/fp16 values are
+    exact in fp32, so this only removes the rounding of the logits to 8 (or 11) mantissa bits --
+    at a logit of 20 a bf16 rounding step is 0.125, larger than the whole bf16 noise floor.
+    On CUDA it is SGLang's own call, ``torch.mm(..., out_dtype=torch.float32)`` (no fp32 copy of
+    the weight); elsewhere both operands are upcast (CPU has no mixed-dtype GEMM)."""
+    lead = hidden.shape[:-1]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = None
+    if (flat.is_cuda and flat.dtype == weight.dtype and flat.dtype in (torch.bfloat16, torch.float16)
+            and not torch.is_grad_enabled()):
+        try:
+            out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):  # a torch/GPU without the mixed-dtype GEMM
+            out = None
+    if out is None:
+        out = torch.mm(flat.float(), weight.float().t())
+    return out.reshape(*lead, weight.shape[0])

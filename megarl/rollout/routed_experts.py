@@ -1,0 +1,86 @@
+"""SGLang's wire format of routed experts (R3), shared by the embedded server and the client.
+
+SGLang 0.5.23 (`--enable-return-routed-experts`, request field `return_routed_experts`, optional
+`routed_experts_start_len`) answers `meta_info["routed_experts"]`: the base64 of the raw bytes of
+an int32 array `[seqlen - 1 - start_len, num_hidden_layers, num_experts_per_tok]` in C order
+(`detokenizer_manager._b64_encode_per_request`: `pybase64.b64encode(t.numpy().tobytes())` of the
+host cache rows `req_to_token[start_len : seqlen - 1]`, `state_capturer/base.py`). Row `i` is the
+token at position `start_len + i` of prompt + output: every position that ran through the model
+(the last sampled token never did). Layer `l` is decoder layer `l`; rows of dense layers are 0.
+SGLang's own decoder (`extract_routed_experts_from_meta_info`) is `np.frombuffer(b64decode(s),
+dtype=np.int32)`: the shape is not on the wire, the reader knows layers and top-k from the model.
+"""
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+
+def encode_routed_experts(routes: torch.Tensor) -> str:
+    """int tensor ``[rows, layers, top_k]`` -> SGLang's base64 string of int32 bytes."""
+    if routes.dim() != 3:
+        raise ValueError(f"routed experts must be [rows, layers, top_k], got shape {tuple(routes.shape)}")
+    array = routes.detach().to("cpu", torch.int32).contiguous().numpy()
+    return base64.b64encode(array.tobytes()).decode("ascii")
+
+
+def decode_routed_experts(data: str, num_layers: int, top_k: int) -> torch.Tensor:
+    """SGLang's base64 string -> int32 ``[rows, num_layers, top_k]`` (rows from the length)."""
+    flat = np.frombuffer(base64.b64decode(data.encode("ascii")), dtype=np.int32)
+    per_row = num_layers * top_k
+    if per_row <= 0 or flat.size % per_row:
+        raise ValueError(f"routed experts: {flat.size} int32 values are not a whole number of rows of "
+                         f"{num_layers} layers x top-k {top_k}")
+    return torch.from_numpy(flat.copy()).view(-1, num_layers, top_k)
+
+
+def moe_routing_shape(model_dir: Path, cfg: Any) -> Optional[tuple[int, int]]:
+    """(decoder layers, experts per token) when the rollout records routed experts of this MoE
+    model (``rollout.return_routed_experts``, null = for MoE models), else None. Fills
+    ``model.arch.num_experts`` from config.json when a recipe left it 0 (the launcher reads it)."""
+    from megarl.rollout.launch import wants_routed_experts
+
+    path = Path(model_dir) / "config.json"
+    hf = json.loads(path.read_text()) if path.is_file() else {}
+    experts = hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts") or 0
+    if experts and not cfg.model.arch.num_experts:
+        cfg.model.arch.num_experts = int(experts)
+    if not experts or not wants_routed_experts(cfg):
+        return None
+    return int(hf["num_hidden_layers"]), int(hf["num_experts_per_tok"])
+
+
+def sample_routes(data: Optional[str], seq_len: int, shape: tuple[int, int], required: bool) -> Optional[torch.Tensor]:
+    """One sample's routed experts from its ``meta_info.routed_experts``: int16 (int32 past 32767
+    experts) ``[seq_len - 1, layers, top_k]``, checked against the sample's length. ``required``
+    (routing replay): a server that sent none is an error naming the flag it needs."""
+    if data is None:
+        if required:
+            raise RuntimeError("algorithm.routing_replay: rollout, but a rollout server returned no "
+                               "meta_info.routed_experts (SGLang needs --enable-return-routed-experts; "
+                               "rollout.return_routed_experts must not be false)")
+        return None
+    routes = decode_routed_experts(data, *shape)
+    if routes.shape[0] != seq_len - 1:
+        raise RuntimeError(f"routed experts of a sample cover {routes.shape[0]} positions, expected "
+                           f"prompt + response - 1 = {seq_len - 1}")
+    return routes.to(torch.int16) if routes.numel() == 0 or int(routes.max()) < 2 ** 15 else routes
+
+
+def flat_routes(routes: list[Optional[torch.Tensor]], seq_lens: list[int], shape: tuple[int, int]) -> torch.Tensor:
+    """Per-sample routes (``[seq_len - 1, layers, top_k]`` or None) as one tensor aligned with a
+    ``TokenBatch``'s tokens (``seq_fields``): ``[sum seq_len, layers, top_k]``, -1 where a position
+    has no recorded route (each sequence's last token, samples without routes)."""
+    dtype = torch.int32 if any(r is not None and r.dtype == torch.int32 for r in routes) else torch.int16
+    out = torch.full((int(sum(seq_lens)), *shape), -1, dtype=dtype)
+    pos = 0
+    for r, n in zip(routes, seq_lens):
+        if r is not None:
+            out[pos:pos + r.shape[0]] = r.to(dtype)
+        pos += n
+    return out

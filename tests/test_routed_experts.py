@@ -1,0 +1,122 @@
+"""Routed experts (R3) on the wire: SGLang 0.5.23's format, produced by the embedded server.
+
+* ``encode_routed_experts`` / ``decode_routed_experts`` against SGLang's own encoder
+  (``DetokenizerManager._b64_encode_per_request``) and decoder
+  (``extract_routed_experts_from_meta_info``), taken from the installed sglang source (run with the
+  standard library's base64 in place of pybase64, whose functions they call with the same API).
+* A real embedded server (TP1 and TP2, fp32 LM head on) with ``--enable-return-routed-experts``:
+  ``meta_info.routed_experts`` covers positions ``[routed_experts_start_len, seqlen - 1)`` x
+  ``num_hidden_layers`` x top-k, equals transformers' own router choices on the whole sequence,
+  dense layers are rows of zeros, and requests that do not ask get nothing.
+"""
+from __future__ import annotations
+
+import ast
+import asyncio
+import base64
+import importlib.util
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megarl.rollout.routed_experts import decode_routed_experts, encode_routed_experts
+
+
+def _sglang_function(relpath: str, name: str):
+    """One function from the installed sglang source, compiled alone (its module imports CUDA-only
+    code), with ``np``/``torch``/``pybase64`` provided."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations, "sglang (the wheel, --no-deps) is not installed"
+    source = (Path(list(spec.submodule_search_locations)[0]) / relpath).read_text()
+    tree = ast.parse(source)
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    node.decorator_list = []
+    module = ast.Module(body=[node], type_ignores=[])
+    pybase64 = types.SimpleNamespace(b64encode=base64.b64encode, b64decode=base64.b64decode)
+    scope = {"np": np, "torch": torch, "pybase64": pybase64, "Optional": __import__("typing").Optional,
+             "List": list}
+    exec(compile(module, relpath, "exec"), scope)
+    return scope[name]
+
+
+def test_codec_is_sglangs():
+    encode = _sglang_function("srt/managers/detokenizer_manager.py", "_b64_encode_per_request")
+    decode = _sglang_function("srt/state_capturer/routed_experts.py", "extract_routed_experts_from_meta_info")
+    routes = torch.randint(0, 128, (7, 3, 4), dtype=torch.int32)
+    ours = encode_routed_experts(routes)
+    assert ours == encode([routes])[0]                       # byte-identical to SGLang's string
+    flat = decode({"meta_info": {"routed_experts": ours}})
+    assert flat.dtype == np.int32 and flat.tolist() == routes.flatten().tolist()
+    assert torch.equal(decode_routed_experts(ours, 3, 4), routes)
+    with pytest.raises(ValueError, match="not a whole number of rows"):
+        decode_routed_experts(ours, 5, 4)
+
+
+def _hf_choices(model, ids: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """transformers' own top-k per MoE layer for every position of ``ids`` (sets, sorted), and its
+    log-softmax."""
+    out = model(torch.tensor([ids]), output_router_logits=True)
+    moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    k = model.config.num_experts_per_tok
+    assert len(out.router_logits) == len(moe_layers)
+    return ({layer: torch.topk(torch.softmax(logits.float().reshape(len(ids), -1), -1), k, dim=-1).indices.sort(-1).values
+             for layer, logits in zip(moe_layers, out.router_logits)}, torch.log_softmax(out.logits[0].float(), -1))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_embedded_server_returns_sglang_routed_experts(tmp_path, tp):
+    from megarl.rollout.client import RequestFailed, SGLangClient, sampling_params
+    from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
+
+    hf = make_tiny_hf_model(str(tmp_path), "qwen3_moe", std=0.3, num_hidden_layers=3, mlp_only_layers=[1],
+                            num_experts=8, num_experts_per_tok=3)
+    prompt = [5, 17, 42, 99, 3, 250, 7]
+    n_new = 6
+
+    async def run(url):
+        async with SGLangClient(url) as c:
+            sp = sampling_params(max_new_tokens=n_new, temperature=1.0, sampling_seed=4, ignore_eos=True)
+            full = (await c.generate(prompt, sp, return_routed_experts=True))[0]
+            tail = (await c.generate_raw({"input_ids": prompt, "sampling_params": sp, "return_routed_experts": True,
+                                          "routed_experts_start_len": 3}))
+            plain = (await c.generate(prompt, sp))[0]
+            with pytest.raises(RequestFailed, match="routed_experts_start_len"):
+                await c.generate_raw({"input_ids": prompt, "sampling_params": sp, "return_routed_experts": True,
+                                      "routed_experts_start_len": len(prompt) + 1})
+            return full, tail, plain
+
+    extra = ["--enable-return-routed-experts", "--enable-fp32-lm-head"] + (["--tp-size", str(tp)] if tp > 1 else [])
+    with ServerProcess(str(tmp_path), extra=extra) as server:
+        full, tail, plain = asyncio.run(run(server.url))
+    seq = prompt + full.output_ids
+    layers, k = hf.config.num_hidden_layers, hf.config.num_experts_per_tok
+    routes = decode_routed_experts(full.routed_experts, layers, k)
+    assert routes.shape == (len(seq) - 1, layers, k)          # [0, seqlen - 1): the last token never ran
+    assert not routes[:, 1].any()                              # mlp_only layer 1: SGLang leaves zeros
+    with torch.no_grad():
+        hf_sets, hf_logp = _hf_choices(hf, seq)
+    # the fp32 LM head (rank 0 of the TP group computes the logits) gives HF's logprobs
+    want = torch.stack([hf_logp[len(prompt) - 1 + i, t] for i, t in enumerate(full.output_ids)])
+    assert (want - torch.tensor(full.logprobs)).abs().max() < 1e-4
+    for layer, sets in hf_sets.items():
+        assert torch.equal(routes[:, layer].long().sort(-1).values, sets[:-1]), layer
+    tail_routes = decode_routed_experts(tail["meta_info"]["routed_experts"], layers, k)
+    assert tail["output_ids"] == full.output_ids and torch.equal(tail_routes, routes[3:])
+    assert plain.routed_experts is None and "routed_experts" not in plain.meta_info
+
+
+def test_sample_routes_checks_presence_and_length():
+    from megarl.rollout.routed_experts import sample_routes
+
+    routes = torch.randint(0, 8, (9, 2, 3), dtype=torch.int32)
+    data = encode_routed_experts(routes)
+    got = sample_routes(data, 10, (2, 3), required=True)
+    assert got.dtype == torch.int16 and torch.equal(got.int(), routes)
+    assert sample_routes(None, 10, (2, 3), required=False) is None
+    with pytest.raises(RuntimeError, match="--enable-return-routed-experts"):
+        sample_routes(None, 10, (2, 3), required=True)
+    with pytest.raises(RuntimeError, match="expected prompt \\+ response - 1 = 10"):
+        sample_routes(data, 11, (2, 3), required=True)
