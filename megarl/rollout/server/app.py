@@ -107,7 +107,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
             "megarl_tp_size": state.tp_size,
             "megarl_num_weight_updates": state.worker.receiver.num_updates,
             "megarl_weight_sessions": state.gate.opened,
-            "megarl_stats": dict(eng.stats),
+            "megarl_stats": dict(eng.stats, cpu_s=time.process_time()),   # cpu_s: this process, all threads
         })
 
     @routes.get("/get_server_info")
