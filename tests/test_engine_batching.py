@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig
 
 from megarl.rollout.server.engine import Engine, Request, Sampling
-from megarl.rollout.server.graphs import batch_buckets, len_bucket
+from megarl.rollout.server.graphs import DecodeGraphs, batch_buckets, len_bucket
 from megarl.rollout.server.model import DecoderModel
 from megarl.rollout.testing import make_tiny_hf_model
 
@@ -169,3 +169,47 @@ def test_samples_of_one_seeded_request_differ_and_sample_zero_keeps_the_seed():
     assert seeds[0] == 5 and len(set(seeds)) == 8
     assert [Sampling(sampling_seed=5).for_sample(j).sampling_seed for j in range(8)] == seeds
     assert Sampling().for_sample(3).sampling_seed is None
+
+
+class _EmulatedGraphs(DecodeGraphs):
+    """`DecodeGraphs` on CPU: a "graph" replays the captured body on the static buffers (what a
+    CUDA graph replay does), so bucketing, padding, reuse and invalidation run as on the GPU."""
+
+    def _capture(self, Bb, Lk):
+        if self.sig is None:
+            self.sig, self.quick = self.signature(), self.signature(params=False)
+        ids, pos = self.io[0, :Bb], self.io[1, :Bb]
+        out = self.body(ids, pos, Bb, Lk).clone()
+        self.captures += 1
+
+        class Replay:
+            def replay(_):
+                out.copy_(self.body(ids, pos, Bb, Lk))
+        return Replay(), out
+
+
+def test_graph_path_gives_the_eager_outputs_and_is_invalidated_by_moved_tensors(tiny):
+    d, hf = tiny
+    reqs = lambda: ([_req(PROMPT_A, seed=50 + i, max_new=6 + 2 * i, ignore_eos=True) for i in range(3)]  # noqa: E731
+                    + [_req(p, max_new=9, temperature=0.0) for p in (PROMPT_B, [1, 2])])
+    eager, _ = _run(d, reqs(), max_running=6, max_len=128)
+    m = _model(d)
+    eng = Engine(m, max_running=6, max_len=128)
+    m.use_cuda_graphs = True
+    m.graphs = _EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 6, 128)
+    eng.start()
+    try:
+        graphed = [f.result(timeout=120) for f in eng.submit_many(reqs())]
+        first = m.graphs.captures
+        again = [f.result(timeout=120) for f in eng.submit_many(reqs())]
+        assert m.graphs.captures == first                       # same buckets: replayed, not recaptured
+        eng.control(lambda: m.alloc_cache(6, 128)).result(timeout=30)   # a resume: maybe other addresses
+        eng.control(lambda: setattr(m, "inv_freq", m.inv_freq.clone())).result(timeout=30)  # a moved tensor
+        moved = [f.result(timeout=120) for f in eng.submit_many(reqs())]
+        assert m.graphs.captures > first                        # the moved tensor forced a recapture
+    finally:
+        eng.stop()
+    assert {b for b, _ in m.graphs.graphs} <= {1, 2, 4, 6}
+    for outs in (graphed, again, moved):
+        for a, b in zip(outs, eager):
+            _same(a, b)

@@ -16,8 +16,9 @@ actually in use rather than ``max_len``.
 
 Graphs bake in the addresses of every tensor they read. They stay valid across a memory release
 and resume (`/release_memory_occupation`, every RL step when colocated) as long as the weights and
-the cache come back at the same addresses, which `signature` checks; otherwise they are dropped
-and recaptured lazily.
+the cache come back at the same addresses, which `signature` checks (all of them after a
+release/resume, the model's non-parameter tensors every step); otherwise they are dropped and
+recaptured lazily.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class DecodeGraphs:
     every tensor the body reads."""
 
     def __init__(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor],
-                 signature: Callable[[], Tuple[int, ...]], device: torch.device, max_rows: int, max_len: int):
+                 signature: Callable[..., Tuple[int, ...]], device: torch.device, max_rows: int, max_len: int):
         self.body, self.signature, self.device = body, signature, device
         self.max_rows, self.max_len = max_rows, max_len
         self.buckets = batch_buckets(max_rows)
@@ -59,7 +60,8 @@ class DecodeGraphs:
         self.host = torch.zeros(2, max_rows, dtype=torch.long, pin_memory=device.type == "cuda")
         self.graphs: Dict[Tuple[int, int], Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
-        self.sig: Optional[Tuple[int, ...]] = None
+        self.sig: Optional[Tuple[int, ...]] = None         # signature(): every address
+        self.quick: Optional[Tuple[int, ...]] = None       # signature(params=False)
         self.dirty = False
         self.captures = 0
 
@@ -68,7 +70,7 @@ class DecodeGraphs:
         self.dirty = True
 
     def clear(self) -> None:
-        self.graphs, self.pool, self.sig = {}, None, None
+        self.graphs, self.pool, self.sig, self.quick = {}, None, None, None
 
     def run(self, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Logits ``[B, V]`` for rows ``[0, B)`` (a view of the graph's static output, valid until
@@ -76,10 +78,12 @@ class DecodeGraphs:
         B = len(tokens)
         Bb = next(b for b in self.buckets if b >= B)
         Lk = len_bucket(int(positions.max()) + 1, self.max_len)
-        if self.dirty:
-            if self.sig is not None and self.signature() != self.sig:
+        if self.sig is not None:
+            if self.dirty and self.signature() != self.sig:
                 self.clear()
-            self.dirty = False
+            elif not self.dirty and self.signature(params=False) != self.quick:
+                self.clear()
+        self.dirty = False
         host = self.host
         host[0, :B] = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
         host[1, :B] = torch.from_numpy(np.asarray(positions, dtype=np.int64))
@@ -94,7 +98,7 @@ class DecodeGraphs:
 
     def _capture(self, Bb: int, Lk: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         if self.sig is None:
-            self.sig = self.signature()
+            self.sig, self.quick = self.signature(), self.signature(params=False)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         ids, pos = self.io[0, :Bb], self.io[1, :Bb]

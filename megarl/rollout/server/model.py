@@ -328,12 +328,15 @@ class DecoderModel:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def tensor_addresses(self) -> Tuple[int, ...]:
-        """Addresses of every tensor the forward reads: the parameters and any tensor attribute
-        (the cache, rope tables, ...), one level into dicts/lists. Decode graphs captured under
-        one set of addresses are valid exactly while it stays the same."""
-        out = [t.data_ptr() for t in self.params.values()]
-        for v in vars(self).values():
+    def tensor_addresses(self, params: bool = True) -> Tuple[int, ...]:
+        """Addresses of every tensor the forward reads: the parameters (``params``) and any tensor
+        attribute (the cache, rope tables, ...), one level into dicts/lists. Decode graphs
+        captured under one set of addresses are valid exactly while it stays the same. Without
+        ``params`` it is a handful of pointers, cheap enough to check every step."""
+        out = [t.data_ptr() for t in self.params.values()] if params else []
+        for k, v in vars(self).items():
+            if k == "params":
+                continue
             items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
             out.extend(t.data_ptr() for t in items if isinstance(t, torch.Tensor))
         return tuple(out)
