@@ -1,24 +1,44 @@
-"""End-to-end GRPO steps of the default recipe's loop at a GPU size: per-phase time and reward.
+"""End-to-end GRPO steps of the default recipe's loop: per-phase time, in-loop rollout tokens/s.
 
-Runs the real trainer (backend ``local``: Megatron actor in-process, embedded rollout server as a
-child process on the same GPU, weights pushed by CUDA IPC handles) on a random-init model of a
-given shape with SmolLM2's tokenizer, on arithmetic prompts written to a JSONL file. Random
-weights never answer correctly, so the reward is a non-constant text statistic
-(``tests.helpers.rewards:distinct_token_reward``) that keeps gradients flowing: the point here is
-the time of each phase, not learning. Prints one JSON line; the ratio is train tokens/s of the
-whole step against the rollout phase alone.
+Full mode runs the real trainer (backend ``local``: Megatron actor in-process, embedded rollout
+server as a child process, weights pushed every step) and prints one JSON line with the phase
+times of the steps after the first (which pays graph capture and compilation).
 
+``--rollout-only`` runs just the trainer's rollout phase (`Trainer.collect`: the same prompts,
+chat template, per-sample seeds, sampling and reward as in the loop) against two servers started
+with the trainer's own flags, alternating between them step by step so both see the same load:
+  * "after": this checkout's server and the batched manager;
+  * "before": one request per sample (``RolloutManager(per_sample=True)``) to a server without
+    prefix sharing (``--disable-radix-cache``), or, with ``--baseline-code DIR``, to the server of
+    another checkout (e.g. ``git worktree add /tmp/main main``: the code before issue 18).
+Both modes draw the same prompts with the same seeds; the line says whether their tokens agreed.
+Reported per mode: median/min wall seconds of the rollout phase, generated tokens/s, and the
+server's own CPU seconds (on a shared CPU box the wall time is inflated by other jobs; CPU seconds
+are not), plus the after/before ratios.
+
+Model: ``--model DIR|builtin:smollm2-135m-instruct`` (real weights) or ``--shape`` (random init,
+with ``--tokenizer``). Data: arithmetic prompts from a JSONL file, or ``--recipe-data`` for the
+recipe's own (reasoning-gym). ``--recipe-defaults`` keeps the recipe's batch, sampling and server
+sizes (the CPU recipe's rollout phase as `megarl train` runs it).
+
+    python benchmarks/bench_e2e.py --rollout-only --recipe-defaults --recipe-data --device cpu
+    python benchmarks/bench_e2e.py --rollout-only --model builtin:smollm2-135m-instruct --device cuda \\
+        --prompts 64 --n 8 --new-tokens 128 --steps 4
     python benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer DIR --steps 6 --device cuda
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
+import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -30,6 +50,7 @@ SHAPES = {
                          num_key_value_heads=2),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
 }
+RECIPE = ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml"
 
 
 def make_model(out: Path, shape: str, tokenizer_dir: Path) -> Path:
@@ -59,69 +80,235 @@ def write_prompts(path: Path, n: int, seed: int) -> Path:
     return path
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    ap.add_argument("--tokenizer", type=Path, required=True, help="folder with SmolLM2 tokenizer files + config.json")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/megarl_bench_e2e"))
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--resume-check", action="store_true", help="afterwards resume from the final checkpoint for one step")
-    args = ap.parse_args()
+def overrides_for(args: argparse.Namespace) -> list[str]:
+    """Recipe overrides: the model, device, data and sizes of this benchmark run."""
+    args.work.mkdir(parents=True, exist_ok=True)
+    gpu = args.device == "cuda"
+    recipe_model = args.model is None and args.tokenizer is None and args.recipe_defaults
+    if recipe_model:
+        model, tag = None, "recipe"
+    elif args.model:
+        model = args.model
+        tag = Path(model).name if not model.startswith("builtin:") else model.split(":", 1)[1]
+    else:
+        if args.tokenizer is None:
+            raise SystemExit("--shape needs --tokenizer (a folder with SmolLM2's tokenizer files + config.json)")
+        model, tag = str(make_model(args.work / f"model_{args.shape}", args.shape, args.tokenizer)), args.shape
+    out = [] if model is None else [f"model.hf_path={model}"]
+    out += [f"output_dir={args.work / ('run_' + tag)}", "checkpoint.resume=none",
+           f"model.dtype={'bfloat16' if gpu else 'float32'}", f"cluster.device={args.device}",
+           f"cluster.gpus_per_node={1 if gpu else 0}", "cluster.backend=local", f"rollout.gpus={1 if gpu else 0}",
+           f"trainer.total_steps={args.steps}", "checkpoint.interval=0", "checkpoint.export_hf=false",
+           "trainer.eval_before_after=false", "logging.progress_bar=false"]
+    if not args.recipe_data:
+        data = write_prompts(args.work / "train.jsonl", 4096, 1)
+        out += ["data.source=jsonl", f"data.path={data}", "reward.kind=function",
+                "reward.function=tests.helpers.rewards:distinct_token_reward"]
+    if not args.recipe_defaults:
+        out += [f"batch.prompts_per_step={args.prompts}", f"rollout.n_per_prompt={args.n}",
+                f"batch.global_batch_size={max(1, args.prompts * args.n // 4)}",
+                f"rollout.sampling.max_new_tokens={args.new_tokens}",
+                f"rollout.max_running_requests={args.max_running or args.prompts * args.n}",
+                "actor.max_tokens_per_micro_batch=16384", "actor.optim.lr=1e-6"]  # step-0 bound: calibrated
+    if not args.model and not recipe_model:   # a random shape: the architecture comes from the HF config
+        out += [f"model.arch.{k}=0" for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                              "num_kv_heads", "vocab_size")] + ["model.arch.tie_word_embeddings=false"]
+    return out
 
-    from megarl.config import load_config
+
+# ---------------------------------------------------------------------------------------------
+# rollout only
+# ---------------------------------------------------------------------------------------------
+
+class _Server:
+    """One embedded server with the trainer's flags, importing megarl from ``code`` (``-P``: the
+    working directory is not put first on sys.path)."""
+
+    def __init__(self, cfg: Any, model_dir: Path, code: Path, extra: list[str], log: Path, index: int):
+        from megarl.parallel.launcher import free_port
+        from megarl.rollout.launch import LaunchSpec, ServerHost, embedded_args
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        weights = log.parent / f"weights_{index}"
+        cmd = [sys.executable, "-P", "-m", "megarl.rollout.server"] + embedded_args(
+            cfg, model_dir, LaunchSpec(index, "127.0.0.1", self.port), weights) + extra
+        env = dict(os.environ, PYTHONPATH=str(code), HF_HUB_OFFLINE="1")
+        env.pop("MEGARL_API_KEY", None)
+        self.host = ServerHost()
+        self.host.start(cmd, env, str(log))
+
+    def wait(self, timeout_s: float = 600.0) -> None:
+        t_end = time.time() + timeout_s
+        while time.time() < t_end:
+            if self.host.poll() is not None:
+                raise RuntimeError(f"server exited: {self.host.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.url} not healthy after {timeout_s}s")
+
+    def cpu_s(self) -> Optional[float]:
+        """The server's CPU seconds so far (its own stat, or /proc for an older server)."""
+        try:
+            with urllib.request.urlopen(self.url + "/get_model_info", timeout=30) as r:
+                cpu = json.loads(r.read()).get("megarl_stats", {}).get("cpu_s")
+            if cpu is not None:
+                return float(cpu)
+        except OSError:
+            pass
+        try:
+            import psutil
+
+            t = psutil.Process(self.host.proc.pid).cpu_times()
+            return t.user + t.system
+        except Exception:  # noqa: BLE001
+            return None
+
+
+def rollout_only(args: argparse.Namespace, cfg: Any) -> dict:
+    from megarl.rollout.manager import RolloutManager
     from megarl.trainer import Trainer
 
-    args.work.mkdir(parents=True, exist_ok=True)
-    model = make_model(args.work / f"model_{args.shape}", args.shape, args.tokenizer)
-    data = write_prompts(args.work / "train.jsonl", 4096, 1)
-    gpu = args.device == "cuda"
-    overrides = [
-        f"model.hf_path={model}", f"output_dir={args.work / ('run_' + args.shape)}", "checkpoint.resume=none",
-        f"model.dtype={'bfloat16' if gpu else 'float32'}", f"cluster.device={args.device}",
-        f"cluster.gpus_per_node={1 if gpu else 0}", "cluster.backend=local", f"rollout.gpus={1 if gpu else 0}",
-        "data.source=jsonl", f"data.path={data}", "reward.kind=function",
-        "reward.function=tests.helpers.rewards:distinct_token_reward", f"trainer.total_steps={args.steps}",
-        f"batch.prompts_per_step={args.prompts}", f"rollout.n_per_prompt={args.n}",
-        f"batch.global_batch_size={args.prompts * args.n // 4}", f"rollout.sampling.max_new_tokens={args.new_tokens}",
-        "rollout.max_running_requests=256", "actor.max_tokens_per_micro_batch=16384", "checkpoint.interval=0",
-        "checkpoint.export_hf=false", "trainer.eval_before_after=false", "logging.progress_bar=false",
-        "actor.optim.lr=1e-6",  # step-0 bound: calibrated from the dtypes (megarl/algos/fidelity.py)
-    ] + [f"model.arch.{k}=0" for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                                       "num_kv_heads", "vocab_size")] + ["model.arch.tie_word_embeddings=false"]
-    cfg = load_config(ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml", overrides)
+    trainer = Trainer(cfg)
+    trainer.setup_data()
+    logs = args.work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    r = cfg.rollout
+    base_code = args.baseline_code or ROOT
+    servers = {"after": _Server(cfg, trainer.model_dir, ROOT, [], logs / "server_after.log", 0),
+               "before": _Server(cfg, trainer.model_dir, base_code, [] if args.baseline_code else ["--disable-radix-cache"],
+                                 logs / "server_before.log", 1)}
+    for s in servers.values():
+        s.wait()
+    managers = {k: RolloutManager([s.url], max_concurrency=r.max_running_requests, timeout_s=r.request_timeout_s,
+                                  per_sample=(k == "before")) for k, s in servers.items()}
+    modes = ("before", "after")
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    agree = True
+
+    class _Urls:
+        urls = [servers["after"].url]
+        api_key = None
+    trainer.servers = _Urls()
+    try:
+        for rep in range(args.steps + 1):                  # rep 0: warm-up (graph capture), not timed
+            state = trainer.loader.state_dict()
+            outs = {}
+            for mode in (modes if rep % 2 else modes[::-1]):
+                trainer.loader.load_state_dict(state)
+                trainer._manager = managers[mode]
+                cpu0 = servers[mode].cpu_s()
+                t0 = time.perf_counter()
+                samples, _ = trainer.collect(rep)
+                wall = time.perf_counter() - t0
+                cpu1 = servers[mode].cpu_s()
+                tokens = sum(len(s.response_ids) for s in samples)
+                outs[mode] = [s.response_ids for s in samples]
+                if rep:
+                    runs[mode].append({"wall_s": wall, "tokens": tokens, "samples": len(samples),
+                                       "server_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+                                       "requests": managers[mode].requests})
+                print(json.dumps({"rep": rep, "mode": mode, "wall_s": round(wall, 3), "tokens": tokens,
+                                  "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2)}),
+                      file=sys.stderr, flush=True)
+            agree = agree and outs["before"] == outs["after"]
+    finally:
+        for m in managers.values():
+            m.close()
+        for s in servers.values():
+            s.host.stop()
+
+    def summary(rs: list[dict]) -> dict:
+        walls = [x["wall_s"] for x in rs]
+        cpus = [x["server_cpu_s"] for x in rs if x["server_cpu_s"] is not None]
+        toks = statistics.median(x["tokens"] for x in rs)
+        return {"rollout_s_median": round(statistics.median(walls), 3), "rollout_s_min": round(min(walls), 3),
+                "tokens_per_step": toks, "tokens_per_s": round(toks / statistics.median(walls), 1),
+                "tokens_per_s_best": round(max(x["tokens"] / x["wall_s"] for x in rs), 1),
+                "server_cpu_s_median": round(statistics.median(cpus), 2) if cpus else None,
+                "samples_per_step": rs[0]["samples"]}
+    before, after = summary(runs["before"]), summary(runs["after"])
+    return {"bench": "e2e_rollout_only", "model": str(cfg.model.hf_path), "device": args.device,
+            "samples_per_step": after["samples_per_step"], "n_per_prompt": r.n_per_prompt,
+            "max_new_tokens": r.sampling.max_new_tokens, "max_running_requests": r.max_running_requests,
+            "steps_timed": args.steps, "baseline": str(args.baseline_code) if args.baseline_code else
+            "per-sample requests, --disable-radix-cache", "before": before, "after": after,
+            "speedup_wall_median": round(before["rollout_s_median"] / after["rollout_s_median"], 2),
+            "speedup_server_cpu": (round(before["server_cpu_s_median"] / after["server_cpu_s_median"], 2)
+                                   if before["server_cpu_s_median"] and after["server_cpu_s_median"] else None),
+            "same_tokens_before_after": agree}
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole loop
+# ---------------------------------------------------------------------------------------------
+
+def full(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> dict:
+    from megarl.config import load_config
+    from megarl.trainer import Trainer, latest_checkpoint
+
     t0 = time.time()
     trainer = Trainer(cfg)
     results = trainer.run()
     steps = results["steps"][1:] or results["steps"]  # step 1 includes CUDA-graph capture and warm-up
     mean = lambda k: sum(s[k] for s in steps) / len(steps)  # noqa: E731
     phases = {k[len("time/"):-2]: round(mean(k), 3) for k in steps[0] if k.startswith("time/")}
-    out = {"bench": "e2e_grpo", "shape": args.shape, "device": args.device, "samples_per_step": args.prompts * args.n,
-           "max_new_tokens": args.new_tokens, "steps_timed": len(steps), "phase_s": phases,
+    out = {"bench": "e2e_grpo", "model": str(cfg.model.hf_path), "device": args.device,
+           "samples_per_step": cfg.batch.prompts_per_step * cfg.rollout.n_per_prompt,
+           "max_new_tokens": cfg.rollout.sampling.max_new_tokens, "steps_timed": len(steps), "phase_s": phases,
            "response_tokens_per_step": mean("batch/response_tokens"),
            "rollout_tokens_per_s": round(mean("throughput/rollout_tokens_per_s"), 1),
            "train_tokens_per_s": round(mean("throughput/train_tokens_per_s"), 1),
            "step_tokens_per_s": round(mean("batch/response_tokens") / mean("time/step_s"), 1),
            "ratio_step_vs_rollout_only": round(mean("time/rollout_s") / mean("time/step_s"), 3),
-           "logprob_diff_mean": mean("rollout/logprob_diff_mean"), "logprob_diff_max": max(s["rollout/logprob_diff_max"] for s in steps),
+           "logprob_diff_mean": mean("rollout/logprob_diff_mean"),
+           "logprob_diff_max": max(s["rollout/logprob_diff_max"] for s in steps),
            "sync_s": round(mean("sync/seconds"), 3), "sync_GBps": round(mean("sync/bytes_per_s") / 1e9, 2),
            "reward_curve": [round(s["reward/mean"], 3) for s in results["steps"]],
            "wall_s": round(time.time() - t0, 1)}
     # the end-of-run checkpoint (model + optimizer state); --resume-check loads it in a new trainer
     # and runs one more step from it
-    from megarl.trainer import latest_checkpoint
     ckpt = latest_checkpoint(trainer.ckpt_dir)
     out["checkpoint"] = None if ckpt is None else {"path": str(ckpt), "bytes": sum(
         f.stat().st_size for f in ckpt.rglob("*") if f.is_file())}
     if args.resume_check:
-        more = load_config(ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml",
-                           overrides + ["checkpoint.resume=auto", f"trainer.total_steps={args.steps + 1}"])
+        more = load_config(RECIPE, overrides + ["checkpoint.resume=auto", f"trainer.total_steps={args.steps + 1}"])
         resumed = Trainer(more).run()["steps"]
         out["resume_check"] = {"steps_run_after_resume": len(resumed),  # 1 = it went on from step `steps`
                                "reward": [round(s["reward/mean"], 3) for s in resumed]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    ap.add_argument("--model", default=None, help="real weights: an HF folder or builtin:smollm2-135m-instruct")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="with --shape: SmolLM2 tokenizer files + config.json")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/megarl_bench_e2e"))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-running", type=int, default=0, help="rollout.max_running_requests (0: every sample)")
+    ap.add_argument("--recipe-defaults", action="store_true", help="keep the recipe's batch/sampling/server sizes")
+    ap.add_argument("--recipe-data", action="store_true", help="keep the recipe's data and reward")
+    ap.add_argument("--rollout-only", action="store_true", help="only the rollout phase, before vs after")
+    ap.add_argument("--baseline-code", type=Path, default=None,
+                    help="--rollout-only: the 'before' server runs this checkout's megarl (e.g. main)")
+    ap.add_argument("--resume-check", action="store_true", help="afterwards resume from the final checkpoint for one step")
+    args = ap.parse_args()
+
+    from megarl.config import load_config
+
+    overrides = overrides_for(args)
+    cfg = load_config(RECIPE, overrides)
+    out = rollout_only(args, cfg) if args.rollout_only else full(args, cfg, overrides)
     print(json.dumps(out))
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_rollout.py [--batch 8] [--new 64] [--model DIR | --smollm2]
     python benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --parity
+    python benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 128 --temperature 1 --no-hf
 Default model: a random llama (hidden 256, 4 layers, vocab 4096), fp32 on CPU.  ``--shape`` builds a
 random-init HF model of that shape (bf16 on GPU) in a temp dir.  On GPU each line also reports the
 memory-bandwidth bound: (weight bytes + mean KV bytes read per step) / measured copy bandwidth.
@@ -33,6 +34,8 @@ def main():
     ap.add_argument("--shape", default=None, help="random-init HF model shape, e.g. qwen2.5-0.5b")
     ap.add_argument("--parity", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
     a = ap.parse_args()
     if a.device != "cpu" or "," in str(a.batch) or a.shape:
         return main_gpu(a)
@@ -68,8 +71,8 @@ def main():
 
     def run_engine():
         t = time.perf_counter()
-        futs = [eng.submit(Request(p.tolist(), Sampling(max_new_tokens=a.new, temperature=0.0, ignore_eos=True)))
-                for p in prompts]
+        futs = eng.submit_many([Request(p.tolist(), Sampling(max_new_tokens=a.new, temperature=0.0, ignore_eos=True))
+                                for p in prompts])
         outs = [f.result() for f in futs]
         return time.perf_counter() - t, len(outs[0]["output_ids"])
 
@@ -149,8 +152,9 @@ def main_gpu(a):
         def run_engine():
             _sync(dev)
             t = time.perf_counter()
-            futs = [eng.submit(Request(p.tolist(), Sampling(max_new_tokens=a.new, temperature=0.0, ignore_eos=True)))
-                    for p in prompts]
+            futs = eng.submit_many([Request(p.tolist(), Sampling(max_new_tokens=a.new, temperature=a.temperature,
+                                                                 sampling_seed=i, ignore_eos=True))
+                                    for i, p in enumerate(prompts)])
             outs = [f.result() for f in futs]
             return time.perf_counter() - t, sum(len(o["output_ids"]) for o in outs)
 
@@ -168,8 +172,10 @@ def main_gpu(a):
         eng.stop()
         res = {"bench": "rollout_decode", "model": name + " (random init)", "dtype": str(dtype).replace("torch.", ""),
                "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
-               "batch": B, "prompt_len": a.prompt, "new_tokens": a.new,
-               "embedded_tokens_per_s": ne / te, "embedded_eager_tokens_per_s": nx / tx}
+               "batch": B, "prompt_len": a.prompt, "new_tokens": a.new, "temperature": a.temperature,
+               "embedded_tokens_per_s": ne / te, "embedded_eager_tokens_per_s": nx / tx,
+               "ratio_graphs_over_eager": (ne / te) / (nx / tx),
+               "graph_captures": model.graphs.captures if model.graphs is not None else 0}
         if hf is not None:
             pi = prompts.to(dev)
 

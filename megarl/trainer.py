@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -232,7 +232,10 @@ class Trainer:
         note(f"resumed from {path} at step {self.state.step}")
 
     # ------------------------------------------------------------------ rollout
-    def generate(self, records: list[Any], n: int, greedy: bool = False, seed_base: int = 0) -> list[Sample]:
+    def generate(self, records: list[Any], n: int, greedy: bool = False, seed_base: int = 0,
+                 on_group: Optional[Callable[[list[Sample]], None]] = None) -> list[Sample]:
+        """``n`` samples per record, in record order. ``on_group`` (e.g. ``score``) is called on each
+        group's samples as soon as its request completes, while the rest still generate."""
         from megarl.data import encode_prompt
         from megarl.rollout.manager import RolloutManager
 
@@ -258,17 +261,19 @@ class Trainer:
 
         routes = self.moe_routing is not None and not greedy
         replay = cfg.algorithm.routing_replay == "rollout"
-        outputs = self._manager.generate(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base,
-                                         return_routed_experts=routes)
-        samples = []
-        for g, (rec, ids, outs) in enumerate(zip(kept, prompts, outputs)):
+        groups: list[list[Sample]] = [[] for _ in prompts]
+        for g, outs in self._manager.stream(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base,
+                                            return_routed_experts=routes):
+            rec, ids = kept[g], prompts[g]
             for out in outs:
                 response = list(out.output_ids)
                 text = self.tokenizer.decode(response, skip_special_tokens=True)
-                samples.append(Sample(rec, g, ids, response, list(out.logprobs or []), out.finish_reason, text=text,
-                                      routed_experts=sample_routes(out.routed_experts, len(ids) + len(response),
-                                                                   self.moe_routing, replay) if routes else None))
-        return samples
+                groups[g].append(Sample(rec, g, ids, response, list(out.logprobs or []), out.finish_reason, text=text,
+                                        routed_experts=sample_routes(out.routed_experts, len(ids) + len(response),
+                                                                     self.moe_routing, replay) if routes else None))
+            if on_group is not None:
+                on_group(groups[g])
+        return [s for group in groups for s in group]
 
     def score(self, samples: list[Sample]) -> None:
         """Rewards (plus DAPO overlong shaping when enabled)."""
@@ -303,8 +308,13 @@ class Trainer:
         rounds, drawn = 0, 0
         while True:
             records = self.loader.next_batch()
-            samples = self.generate(records, n, seed_base=(cfg.seed * 1_000_003 + step * 1009 + rounds) & 0x7FFFFFFF)
-            self.score(samples)
+            # rule/function rewards score each group as it arrives, overlapping the generation
+            # tail; a reward model scores the whole batch in one call afterwards
+            inline = self.reward_fn is not None
+            samples = self.generate(records, n, seed_base=(cfg.seed * 1_000_003 + step * 1009 + rounds) & 0x7FFFFFFF,
+                                    on_group=self.score if inline else None)
+            if not inline:
+                self.score(samples)
             drawn += len(records)
             rounds += 1
             if not ds.enabled:

@@ -168,9 +168,15 @@ class FlakyServer:
         if self.generate_calls <= self.stalls:
             await asyncio.sleep(self.stall_s)
         body = await request.json()
-        ids = [int(body["input_ids"][-1]) + i for i in range(1, 4)]
-        return web.json_response({"output_ids": ids, "meta_info": {
-            "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, t, None] for t in ids]}})
+        batched = isinstance(body["input_ids"][0], list)   # SGLang's batch form: prompt-major, n each
+        params = body.get("sampling_params") or {}
+        n = int((params[0] if isinstance(params, list) else params).get("n", 1))
+        outs = []
+        for prompt in (body["input_ids"] if batched else [body["input_ids"]]):
+            ids = [int(prompt[-1]) + i for i in range(1, 4)]
+            outs += [{"output_ids": ids, "meta_info": {
+                "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, t, None] for t in ids]}}] * n
+        return web.json_response(outs if batched or n > 1 else outs[0])
 
     def __enter__(self) -> "FlakyServer":
         import threading
@@ -198,16 +204,17 @@ def _manager(urls: list[str], retries: int = 2):
 
 def test_generation_timeout_keeps_a_server_that_answers_health():
     """One timed-out generation: the server answers /health, so it stays in use, the request is
-    sent again and succeeds, and the retry is counted (was: marked dead, NoServerLeft)."""
+    sent again and succeeds, and the retry is counted (was: marked dead, NoServerLeft). Both
+    prompts' samples travel in one batched request (SGLang's list of input_ids, n per item)."""
     with FlakyServer(stalls=1) as server:
         mgr = _manager([server.url])
         try:
             out = mgr.generate([[10], [20]], n=2, sampling={"max_new_tokens": 3})
             assert [[o.output_ids for o in group] for group in out] == [[[11, 12, 13]] * 2, [[21, 22, 23]] * 2]
             assert mgr.dead == set() and mgr.retried == 1 and server.health_calls == 1
-            assert server.generate_calls == 5
+            assert server.generate_calls == 2
             mgr.generate([[30]], n=1, sampling={"max_new_tokens": 3})   # still in use afterwards
-            assert server.generate_calls == 6 and mgr.retried == 1
+            assert server.generate_calls == 3 and mgr.retried == 1
         finally:
             mgr.close()
 
@@ -218,8 +225,8 @@ def test_generation_failing_on_a_healthy_server_gives_up_after_the_retries():
     with FlakyServer(stalls=100, stall_s=1.5) as server:
         mgr = _manager([server.url], retries=1)
         try:
-            with pytest.raises(GenerationFailed, match=r"prompt 0 sample 0: failed 2 time\(s\) on rollout servers "
-                                                       r"that answer /health \(rollout.request_retries = 1\)"):
+            with pytest.raises(GenerationFailed, match=r"prompt 0 \(1 sample\): failed 2 time\(s\) on rollout "
+                                                       r"servers that answer /health \(rollout.request_retries = 1\)"):
                 mgr.generate([[10]], n=1, sampling={"max_new_tokens": 3})
             assert server.generate_calls == 2 and mgr.retried == 1 and mgr.dead == set()
         finally:
@@ -228,13 +235,13 @@ def test_generation_failing_on_a_healthy_server_gives_up_after_the_retries():
 
 def test_timed_out_server_without_health_is_dropped_and_its_requests_move():
     """The first server hangs, /health included: it is marked dead and every request lands on the
-    second; the requests that moved are counted."""
+    second; the requests that moved are counted (one request per server: a prompt's 2 samples)."""
     with FlakyServer(stalls=100, health_status=None, stall_s=2.0) as hung, FlakyServer(stalls=0) as good:
         mgr = _manager([hung.url, good.url])
         try:
             out = mgr.generate([[10], [20]], n=2, sampling={"max_new_tokens": 3})
             assert all(len(o.output_ids) == 3 for group in out for o in group)
             assert mgr.dead_urls == [hung.url] and len(mgr.failures) == 1 and "does not answer /health" in mgr.failures[0]
-            assert mgr.retried == 2 and good.generate_calls == 4
+            assert mgr.retried == 1 and good.generate_calls == 2
         finally:
             mgr.close()

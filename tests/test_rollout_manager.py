@@ -1,4 +1,5 @@
-"""RolloutManager over real embedded servers: spread, n samples, a dying server's requests retried."""
+"""RolloutManager over real embedded servers: spread, n samples, batching, streaming, a dying server's
+requests retried."""
 import threading
 import time
 
@@ -63,3 +64,28 @@ def test_all_servers_down_raises():
     with pytest.raises(NoServerLeft):
         mgr.generate([[1, 2]], n=1, sampling=sampling_params(max_new_tokens=2))
     mgr.close()
+
+
+def test_batched_requests_give_the_per_sample_results(model_dir):
+    """The batched path (chunks of whole groups, one item per seeded sample) returns, sample for
+    sample, what one request per sample returns; it sends a few requests instead of one per
+    sample, and streams every prompt back exactly once."""
+    with ServerProcess(model_dir, extra=["--max-running-requests", "32"]) as s:
+        batched, old = RolloutManager([s.url]), RolloutManager([s.url], per_sample=True)
+        prompts = [[i + 1, i + 2, i + 3] for i in range(6)] + [[1, 2, 3]]    # a repeated prompt too
+        sp = sampling_params(max_new_tokens=8, temperature=1.0)
+        try:
+            a = batched.generate(prompts, n=4, sampling=sp, seed=11)
+            b = old.generate(prompts, n=4, sampling=sp, seed=11)
+            for ga, gb in zip(a, b):
+                for oa, ob in zip(ga, gb):
+                    assert oa.output_ids == ob.output_ids
+                    assert max(abs(x - y) for x, y in zip(oa.logprobs, ob.logprobs)) < 1e-5
+            assert old.requests == 28 and batched.requests < 28
+            seen = [p for p, outs in batched.stream(prompts, n=2, sampling=sp, seed=3) if len(outs) == 2]
+            assert sorted(seen) == list(range(len(prompts)))
+            free = batched.generate(prompts[:2], n=3, sampling=sp)               # no seed: one item with n=3
+            assert all(len(g) == 3 and len({tuple(o.output_ids) for o in g}) > 1 for g in free)
+        finally:
+            batched.close()
+            old.close()

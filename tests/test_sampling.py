@@ -54,3 +54,17 @@ def test_greedy_rows_take_the_argmax():
     logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 1.0]])
     tokens, _ = sample(logits, [_req(1, temperature=0.0), _req(2, top_k=1)], torch.Generator())
     assert tokens == [1, 0]
+
+
+def test_fast_noise_has_the_reference_bits():
+    """The int32 hash path the sampler uses gives exactly the int64 reference's noise (and so the
+    tokens seeded requests got before it)."""
+    from megarl.rollout.server.sampler import _fast_ok, _gumbel_fast, _gumbel_reference, seeded_gumbel
+
+    g = torch.Generator().manual_seed(3)
+    seeds = torch.cat([torch.randint(0, 2**31 - 1, (6,), generator=g), torch.tensor([0, 2**31 - 1, -5, 2**40])])
+    steps = torch.randint(0, 5000, (10,), generator=g)
+    ref = _gumbel_reference(seeds, steps, 49152)
+    assert _fast_ok(seeds.device)
+    assert torch.equal(_gumbel_fast(seeds, steps, 49152), ref)
+    assert torch.equal(seeded_gumbel(seeds, steps, 49152), ref)

@@ -107,3 +107,32 @@ def test_concurrent_requests_are_batched(tmp_path, capsys):
         print(f"\n[batching] two requests in a row: {seq:.3f}s, at once: {conc:.3f}s "
               f"(x{seq / conc:.2f}), max decode batch {info['megarl_stats']['max_batch']}")
     assert info["megarl_stats"]["max_batch"] >= 2  # both were in one decode batch
+
+
+def test_batch_form_with_n_and_per_item_params(tmp_path):
+    """SGLang's batch form: a list of input_ids with one sampling_params per item and n per item;
+    the answer is prompt-major (n per item). Seeded samples of one item differ (seeds derived per
+    sample), sample 0 is the item's seed itself, greedy items are HF's."""
+    d = str(tmp_path / "m")
+    hf = make_tiny_hf_model(d, "llama", std=0.3)
+
+    async def run(url):
+        async with SGLangClient(url) as c:
+            batch = await c.generate(PROMPTS[:2], [sampling_params(max_new_tokens=5, temperature=1.0, n=3, sampling_seed=9),
+                                                   sampling_params(max_new_tokens=7, temperature=0.0, n=3)])
+            single = await c.generate(PROMPTS[0], sampling_params(max_new_tokens=5, temperature=1.0, sampling_seed=9))
+            again = await c.generate(PROMPTS[:1], [sampling_params(max_new_tokens=5, temperature=1.0, n=3,
+                                                                   sampling_seed=9)])
+            return batch, single, again
+    with ServerProcess(d) as s:
+        batch, single, again = asyncio.run(run(s.url))
+    assert len(batch) == 6 and [len(o.output_ids) for o in batch] == [5, 5, 5, 7, 7, 7]
+    assert batch[0].output_ids == single[0].output_ids
+    assert len({tuple(o.output_ids) for o in batch[:3]}) == 3
+    assert [o.output_ids for o in again] == [o.output_ids for o in batch[:3]]
+    ref = hf.generate(torch.tensor([PROMPTS[1]]), attention_mask=torch.ones(1, len(PROMPTS[1]), dtype=torch.long),
+                      max_new_tokens=7, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(PROMPTS[1]):].tolist()
+    assert all(o.output_ids == ref for o in batch[3:])
+    for o in batch[:3]:
+        diff = (hf_logprobs(hf, PROMPTS[0], o.output_ids) - torch.tensor(o.logprobs)).abs().max().item()
+        assert diff < 1e-4, diff

@@ -207,12 +207,15 @@ class SGLangClient:
         raise ServerDown(self.url, f"{path} unreachable after {attempts} attempt(s): {type(last).__name__}: {last}")
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, input_ids: Union[List[int], List[List[int]]], sampling: Optional[Dict[str, Any]] = None,
+    async def generate(self, input_ids: Union[List[int], List[List[int]]],
+                       sampling: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None,
                        return_logprob: bool = True, rid: Optional[Union[str, List[str]]] = None,
                        return_routed_experts: bool = False) -> List[GenerateOutput]:
-        """Token ids in -> outputs (always a list: prompt-major, n per prompt). With
-        ``return_routed_experts`` (MoE, server started with --enable-return-routed-experts) each
-        output carries the experts of every prompt and output position (``routed_experts``)."""
+        """Token ids in -> outputs (always a list: prompt-major, n per prompt). A batch is a list
+        of prompts with one sampling dict for all or a list of one per prompt (SGLang's batch
+        form: every item must have the same ``n``). With ``return_routed_experts`` (MoE, server
+        started with --enable-return-routed-experts) each output carries the experts of every
+        prompt and output position (``routed_experts``)."""
         payload: Dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling or sampling_params(),
                                    "return_logprob": return_logprob, "stream": False}
         if return_routed_experts:

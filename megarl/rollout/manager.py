@@ -1,8 +1,19 @@
 """Spread a batch of prompts over N rollout servers and collect n samples per prompt.
 
-Each of the ``n`` samples of a prompt is its own ``/generate`` request (with its own
-``sampling_seed`` when a seed is given, so a run is reproducible whatever the batching on the
-server), assigned round-robin so servers get equal work.
+Requests are batched, in SGLang's batch form (one ``/generate`` with a list of ``input_ids`` and
+one ``sampling_params`` per item; responses are prompt-major), because per-sample requests cost a
+fixed overhead each -- HTTP, JSON, a scheduler admission -- which dominated the in-loop rollout
+(issue 18). The prompts are cut into chunks of whole groups (every sample of a prompt in the same
+request, so the server prefills the prompt once and shares it); each chunk goes to the live
+server with the fewest samples in flight, all chunks are in flight at once, and each chunk's
+outputs are handed back (:meth:`RolloutManager.stream`) as soon as it completes, so the caller
+scores early groups while later ones still generate.
+
+Seeds: with a ``seed``, sample ``k`` of prompt ``p`` is sampled with ``sampling_seed = seed +
+(p * n + k) * 7919`` (the seed the per-sample requests of earlier versions used), so a run is
+reproducible whatever the batching. Seeded samples are sent as separate items (``n = 1`` each):
+SGLang copies one item's ``sampling_seed`` to all of its ``n`` samples, which under its
+deterministic mode would make them identical. Without a seed a prompt is one item with ``n``.
 
 A request that fails (connection refused, timeout, 5xx) is sent again, to the next live server,
 and counted in ``retried``. Whether the server that failed stays in use is decided by its
@@ -24,7 +35,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from typing import Any, Optional, Sequence
+import math
+import queue
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import aiohttp
 
@@ -32,6 +46,8 @@ from megarl.rollout.client import GenerateOutput, LoopThread, RequestFailed, SGL
 from megarl.rollout.protocol import ENDPOINTS
 
 log = logging.getLogger("megarl.rollout.manager")
+
+SEED_STRIDE = 7919
 
 
 class NoServerLeft(RuntimeError):
@@ -42,10 +58,45 @@ class GenerationFailed(RuntimeError):
     """One request kept failing on servers that still answer /health."""
 
 
+def sample_seed(seed: int, job: int) -> int:
+    """The ``sampling_seed`` of sample number ``job`` (= prompt * n + k) of a seeded batch."""
+    return (seed + job * SEED_STRIDE) & 0x7FFFFFFF
+
+
+@dataclass
+class _Chunk:
+    """One ``/generate`` request: prompts ``first .. first + count - 1``, all their samples."""
+
+    first: int
+    count: int
+    samples: int
+
+    def describe(self) -> str:
+        last = self.first + self.count - 1
+        what = f"prompt {self.first}" if self.count == 1 else f"prompts {self.first}-{last}"
+        return f"{what} ({self.samples} sample{'s' if self.samples != 1 else ''})"
+
+
+def plan_chunks(num_prompts: int, n: int, servers: int, chunks_per_server: int, min_chunk_samples: int) -> list[_Chunk]:
+    """Contiguous runs of whole groups: at least one per server (when there are prompts enough),
+    at most ``chunks_per_server`` per server, none smaller than ``min_chunk_samples`` unless that
+    would leave a server idle."""
+    if num_prompts == 0:
+        return []
+    by_size = max(1, (num_prompts * n) // max(1, min_chunk_samples))
+    count = max(min(servers, num_prompts), min(num_prompts, servers * chunks_per_server, by_size))
+    size = math.ceil(num_prompts / count)
+    return [_Chunk(p, min(size, num_prompts - p), min(size, num_prompts - p) * n) for p in range(0, num_prompts, size)]
+
+
 class RolloutManager:
+    """``per_sample=True`` sends one request per sample (the behaviour before issue 18), kept as
+    the benchmarks' baseline."""
+
     def __init__(self, urls: Sequence[str], max_concurrency: int = 64, timeout_s: float = 600.0,
                  request_retries: int = 2, health_timeout_s: float = 10.0, api_key: Optional[str] = None,
-                 healer: Optional[Any] = None):
+                 healer: Optional[Any] = None, chunks_per_server: int = 4, min_chunk_samples: int = 16,
+                 per_sample: bool = False):
         if not urls:
             raise ValueError("RolloutManager needs at least one server URL")
         if request_retries < 0:
@@ -59,10 +110,14 @@ class RolloutManager:
         self.clients = [SGLangClient(u, **self._client_kw) for u in self.urls]
         self.request_retries = request_retries
         self.health_timeout_s = health_timeout_s
+        self.chunks_per_server = chunks_per_server
+        self.min_chunk_samples = min_chunk_samples
+        self.per_sample = per_sample
         self.dead: set[int] = set()
         self.failures: list[str] = []
-        self.outstanding: list[int] = [0] * len(self.urls)   # requests in flight per server
+        self.outstanding: list[int] = [0] * len(self.urls)   # samples in flight per server
         self.retried = 0                                      # requests sent again after a failure (whole run)
+        self.requests = 0                                     # /generate requests sent (whole run)
         self._probes: dict[int, asyncio.Task] = {}
         self._probe_session: Optional[aiohttp.ClientSession] = None
         self.healer = healer                                  # revive(i) -> new url; max_restarts
@@ -92,7 +147,27 @@ class RolloutManager:
                  seed: Optional[int] = None, return_routed_experts: bool = False) -> list[list[GenerateOutput]]:
         """``n`` outputs per prompt, in prompt order, each with per-token rollout logprobs (and the
         routed experts of every position when asked: MoE routing replay)."""
-        return self.io.run(self._generate(prompts, n, sampling, seed, return_routed_experts))
+        groups: list[list[GenerateOutput]] = [[] for _ in prompts]
+        for p, outs in self.stream(prompts, n, sampling, seed, return_routed_experts):
+            groups[p] = outs
+        return groups
+
+    def stream(self, prompts: list[list[int]], n: int, sampling: dict[str, Any],
+               seed: Optional[int] = None, return_routed_experts: bool = False
+               ) -> Iterator[tuple[int, list[GenerateOutput]]]:
+        """Yield ``(prompt index, its n outputs)`` as the requests that carry them complete (every
+        prompt exactly once; order of completion). An error is raised once the requests in flight
+        have finished or failed."""
+        box: "queue.Queue[Any]" = queue.Queue()
+        done = object()
+        fut = self.io.submit(self._generate(prompts, n, sampling, seed, box.put, return_routed_experts))
+        fut.add_done_callback(lambda _f: box.put(done))
+        while True:
+            item = box.get()
+            if item is done:
+                break
+            yield item
+        fut.result()
 
     async def healthy(self, server: int) -> bool:
         """Does server ``server`` answer ``/health`` within ``health_timeout_s``? Concurrent callers
@@ -142,78 +217,126 @@ class RolloutManager:
         while self._revivals:
             await asyncio.wait(list(self._revivals.values()))
 
-    async def _generate(self, prompts, n, sampling, seed, return_routed_experts=False):
-        jobs = [(p, k) for p in range(len(prompts)) for k in range(n)]
-        results: list[list[Optional[GenerateOutput]]] = [[None] * n for _ in prompts]
-        count = len(self.clients)
-        comebacks = count * self.healer.max_restarts if self.healer is not None else 0
-        max_attempts = count + comebacks + self.request_retries + 1
+    def _least_loaded(self, order: int) -> int:
+        live = [s for s in range(len(self.urls)) if s not in self.dead]
+        if not live:
+            return -1
+        return min(live, key=lambda s: (self.outstanding[s], (s - order) % len(self.urls)))
 
-        async def one(job_index: int, p: int, k: int):
-            params = dict(sampling, n=1)
-            if seed is not None:
-                params["sampling_seed"] = (seed + job_index * 7919) & 0x7FFFFFFF
-            start = job_index % count
-            retries_left = self.request_retries
-            failed: Optional[BaseException] = None
-            attempt = 0
-            while attempt < max_attempts:
-                if self.fatal is not None:
-                    raise self.fatal
-                live = [s for s in ((start + attempt + i) % count for i in range(count)) if s not in self.dead]
-                if not live:
-                    if not self._revivals:
-                        break
-                    await self._until_revived()   # no server left but one is being restarted: wait for it
-                    continue
-                server = live[0]
-                if attempt:
-                    self.retried += 1
-                attempt += 1
-                self.outstanding[server] += 1
-                try:
-                    out = await self.clients[server].generate(prompts[p], params, return_logprob=True,
-                                                              return_routed_experts=return_routed_experts)
-                    results[p][k] = out[0] if isinstance(out, list) else out
-                    return
-                except ServerError as err:
-                    if isinstance(err, RequestFailed) and err.status < 500:
-                        raise  # our request is wrong; another server would refuse it too
-                    failed = err
-                finally:
-                    self.outstanding[server] -= 1
-                if server not in self.dead and not await self.healthy(server):
-                    if server in self.dead:  # another request saw it die while this one probed
-                        continue
-                    self.dead.add(server)
-                    then = "restarting it" if self.healer is not None else "retrying its requests elsewhere"
-                    message = (f"rollout server {self.urls[server]} failed: {failed}; it does not answer /health: "
-                               f"{then}")
-                    self.failures.append(message)
-                    log.warning(message)
-                    if self.healer is not None:
-                        self._revive(server)
-                elif server not in self.dead:
-                    if retries_left == 0:
-                        raise GenerationFailed(
-                            f"prompt {p} sample {k}: failed {self.request_retries + 1} time(s) on rollout servers that "
-                            f"answer /health (rollout.request_retries = {self.request_retries}); last: {failed}")
-                    retries_left -= 1
-                    log.warning(f"rollout server {self.urls[server]}: {failed}; it answers /health: kept, "
-                                f"request sent again")
-            if self.fatal is not None:
-                raise self.fatal
-            if len(self.dead) < count:
-                raise GenerationFailed(f"prompt {p} sample {k}: gave up after {max_attempts} attempts; last: {failed}")
-            raise NoServerLeft(f"no rollout server left for prompt {p}: {'; '.join(self.failures)}")
-
+    async def _generate(self, prompts, n, sampling, seed, emit: Callable[[tuple[int, list[GenerateOutput]]], None],
+                        routes: bool = False):
         try:
-            await asyncio.gather(*(one(i, p, k) for i, (p, k) in enumerate(jobs)))
+            await self._generate_all(prompts, n, sampling, seed, emit, routes)
         finally:
             await self._until_revived()   # a step ends with its restarts done (none overlaps a weight push)
         if self.fatal is not None:
             raise self.fatal
-        return results
+
+    async def _generate_all(self, prompts, n, sampling, seed, emit, routes):
+        if self.per_sample:
+            chunks = [(_Chunk(p, 1, 1), k) for p in range(len(prompts)) for k in range(n)]
+            partial: dict[int, list[Optional[GenerateOutput]]] = {}
+
+            async def one_sample(i: int, c: _Chunk, k: int):
+                params = dict(sampling, n=1)
+                if seed is not None:
+                    params["sampling_seed"] = sample_seed(seed, c.first * n + k)
+                outs = await self._send(i, c, prompts[c.first], params, f"prompt {c.first} sample {k}", routes)
+                slot = partial.setdefault(c.first, [None] * n)
+                slot[k] = outs[0]
+                if all(o is not None for o in slot):
+                    emit((c.first, partial.pop(c.first)))
+            await self._gather(one_sample(i, c, k) for i, (c, k) in enumerate(chunks))
+            return
+        live = len(self.urls) - len(self.dead)
+        chunks = plan_chunks(len(prompts), n, max(1, live), self.chunks_per_server, self.min_chunk_samples)
+
+        async def one_chunk(i: int, c: _Chunk):
+            ids = prompts[c.first:c.first + c.count]
+            if seed is not None:   # one item per sample, each with its own seed
+                ids = [p for p in ids for _ in range(n)]
+                params: Any = [dict(sampling, n=1, sampling_seed=sample_seed(seed, c.first * n + j))
+                               for j in range(c.samples)]
+            else:
+                params = [dict(sampling, n=n) for _ in ids]
+            outs = await self._send(i, c, ids, params, c.describe(), routes)
+            if len(outs) != c.samples:
+                raise GenerationFailed(f"{c.describe()}: the server answered {len(outs)} outputs for {c.samples} "
+                                       f"samples")
+            for j in range(c.count):
+                emit((c.first + j, outs[j * n:(j + 1) * n]))
+        await self._gather(one_chunk(i, c) for i, c in enumerate(chunks))
+
+    @staticmethod
+    async def _gather(coros) -> None:
+        """Run all; on the first error let the others finish (their outputs still stream back),
+        then raise it."""
+        results = await asyncio.gather(*coros, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _send(self, order: int, c: _Chunk, input_ids: Any, params: Any, what: str,
+                    routes: bool = False) -> list[GenerateOutput]:
+        """One request (a chunk, or one sample), with the retry / health-probe / restart policy."""
+        count = len(self.clients)
+        comebacks = count * self.healer.max_restarts if self.healer is not None else 0
+        max_attempts = count + comebacks + self.request_retries + 1
+        retries_left = self.request_retries
+        server = -1
+        failed: Optional[BaseException] = None
+        attempt = 0
+        while attempt < max_attempts:
+            if self.fatal is not None:
+                raise self.fatal
+            if attempt == 0:
+                server = self._least_loaded(order)
+            else:
+                live = [s for s in ((server + i) % count for i in range(1, count + 1)) if s not in self.dead]
+                server = live[0] if live else -1
+            if server < 0:
+                if not self._revivals:
+                    break
+                await self._until_revived()   # no server left but one is being restarted: wait for it
+                server = order % count
+                continue
+            if attempt:
+                self.retried += 1
+            attempt += 1
+            self.outstanding[server] += c.samples
+            self.requests += 1
+            try:
+                return await self.clients[server].generate(input_ids, params, return_logprob=True,
+                                                           return_routed_experts=routes)
+            except ServerError as err:
+                if isinstance(err, RequestFailed) and err.status < 500:
+                    raise  # our request is wrong; another server would refuse it too
+                failed = err
+            finally:
+                self.outstanding[server] -= c.samples
+            if server not in self.dead and not await self.healthy(server):
+                if server in self.dead:  # another request saw it die while this one probed
+                    continue
+                self.dead.add(server)
+                then = "restarting it" if self.healer is not None else "retrying its requests elsewhere"
+                message = (f"rollout server {self.urls[server]} failed: {failed}; it does not answer /health: {then}")
+                self.failures.append(message)
+                log.warning(message)
+                if self.healer is not None:
+                    self._revive(server)
+            elif server not in self.dead:
+                if retries_left == 0:
+                    raise GenerationFailed(
+                        f"{what}: failed {self.request_retries + 1} time(s) on rollout servers that "
+                        f"answer /health (rollout.request_retries = {self.request_retries}); last: {failed}")
+                retries_left -= 1
+                log.warning(f"rollout server {self.urls[server]}: {failed}; it answers /health: kept, "
+                            f"request sent again")
+        if self.fatal is not None:
+            raise self.fatal
+        if len(self.dead) < count:
+            raise GenerationFailed(f"{what}: gave up after {max_attempts} attempts; last: {failed}")
+        raise NoServerLeft(f"no rollout server left for {what}: {'; '.join(self.failures)}")
 
     def close(self) -> None:
         async def _close():

@@ -107,7 +107,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
             "megarl_tp_size": state.tp_size,
             "megarl_num_weight_updates": state.worker.receiver.num_updates,
             "megarl_weight_sessions": state.gate.opened,
-            "megarl_stats": dict(eng.stats),
+            "megarl_stats": dict(eng.stats, cpu_s=time.process_time()),   # cpu_s: this process, all threads
         })
 
     @routes.get("/get_server_info")
@@ -145,6 +145,9 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
         routes_start = body.get("routed_experts_start_len") or 0
         try:
             reqs: List[Request] = []
+            ns = {int((s or {}).get("n", 1) or 1) for s in sps}
+            if len(ns) > 1:   # SGLang: "The parallel_sample_num should be the same for all samples"
+                raise ValueError("n must be the same for every item of a batch")
             for i, (p, s, r) in enumerate(zip(prompts, sps, rls)):
                 samp = Sampling.from_dict(s)
                 if routes and not 0 <= int(routes_start) <= len(p):
@@ -152,20 +155,24 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
                     raise ValueError(f"routed_experts_start_len={routes_start} must be in [0, number of input "
                                      f"tokens {len(p)}]")
                 n = int((s or {}).get("n", 1) or 1)
-                for j in range(n):
+                ids_i = [int(t) for t in p]
+                for j in range(n):   # prompt-major, as SGLang answers n > 1
                     base = rid[i] if isinstance(rid, list) else (rid or uuid.uuid4().hex)
                     sub = f"{base}" if (n == 1 and not batched) else f"{base}-{i}-{j}"
-                    reqs.append(Request(input_ids=[int(t) for t in p], sampling=samp, return_logprob=bool(r), rid=sub,
+                    reqs.append(Request(input_ids=ids_i, sampling=samp.for_sample(j), return_logprob=bool(r), rid=sub,
                                         return_routed_experts=routes, routed_experts_start_len=int(routes_start)))
-            futs = []
-            for q in reqs:
+            loop = asyncio.get_running_loop()
+            futs: List[Any] = [None] * len(reqs)
+            todo = []
+            for k, q in enumerate(reqs):
                 if q.sampling.max_new_tokens == 0:
                     q.finish_reason = {"type": "length", "length": 0}
-                    f = asyncio.get_running_loop().create_future()
-                    f.set_result(q.result(eng.weight_version))
-                    futs.append(f)
+                    futs[k] = loop.create_future()
+                    futs[k].set_result(q.result(eng.weight_version))
                 else:
-                    futs.append(asyncio.wrap_future(eng.submit(q)))
+                    todo.append(k)
+            for k, f in zip(todo, eng.submit_many([reqs[k] for k in todo])):
+                futs[k] = asyncio.wrap_future(f)
         except (ValueError, RuntimeError) as e:
             return _json_error(400, str(e))
         try:

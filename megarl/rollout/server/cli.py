@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=32, help="KV-cache slots = max concurrent sequences")
     p.add_argument("--context-length", type=int, default=2048, help="max prompt + output tokens per sequence")
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="prompt tokens admitted per step")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="no prefix sharing: prefill every request on its own, even the samples of one prompt "
+                        "(SGLang's flag of the same name; for benchmarks)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--skip-tokenizer-init", action="store_true", help="token ids only (no text in/out)")
     p.add_argument("--random-seed", type=int, default=0)
@@ -82,7 +85,8 @@ def _load(state, opts, hf_config, args, on_fatal) -> None:
             except Exception as e:  # a weights-only folder: token ids only
                 log.info("no tokenizer (%s); serving token ids only", type(e).__name__)
         eng = Engine(handle, max_running=args.max_running_requests, max_len=args.context_length,
-                     max_prefill_tokens=args.max_prefill_tokens, seed=args.random_seed)
+                     max_prefill_tokens=args.max_prefill_tokens, seed=args.random_seed,
+                     prefix_sharing=not args.disable_radix_cache)
         state.worker, state.handle = worker, handle
         eng.start()
         state.engine = eng

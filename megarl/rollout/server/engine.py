@@ -3,29 +3,38 @@
 Loop (one iteration = one "step"):
   1. run queued control ops (weight updates, memory release/resume, flush) -- between steps,
      never in the middle of a forward;
-  2. admit waiting requests into free KV slots (up to `max_running`, `max_prefill_tokens` per
-     step) and prefill them as one right-padded batch;
-  3. one decode step over every running request (new and old together);
-  4. sample each row with its own params; finished requests free their slot and resolve.
+  2. admit waiting requests into free KV rows (up to `max_running`, `max_prefill_tokens` of
+     prefill per step): requests with the same prompt -- the n samples of a group -- are
+     prefilled once and the prompt's KV is copied to the others' rows (prefix sharing); a prompt
+     already held by a running row is copied from it and only its last token recomputed;
+  3. one decode step over every running row, sampled in one batched op (`sampler.py`), one
+     device->host transfer of the step's tokens and logprobs;
+  4. finished requests resolve; the last running rows move into their gaps, so the next step
+     decodes rows [0, B) of the cache (`batch.py`): cost follows the rows still running.
 
 Logprobs are computed from the same fp32 logits the token is sampled from:
 `log_softmax(logits / temperature)` (raw logits when temperature == 0), before top-k/top-p/min-p
 filtering -- the same convention as sglang's default `output_token_logprobs`.
+
+Prefix sharing reuses KV only within one weight epoch: every control op (a weight update among
+them) starts a new epoch, and a prompt's KV computed before it is never copied after it.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import queue
 import threading
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
+from .batch import RunningBatch
 from .model import DecoderModel
+from .request import Request, Sampling, derive_seed  # noqa: F401  (re-exported: the engine's API)
+from .sampler import RowParams, sample_rows, seeded_gumbel  # noqa: F401
 
 if TYPE_CHECKING:
     from .worker import ModelHandle
@@ -33,167 +42,53 @@ if TYPE_CHECKING:
 log = logging.getLogger("megarl.rollout.engine")
 
 
-@dataclass
-class Sampling:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    min_new_tokens: int = 0
-    stop_token_ids: tuple = ()
-    ignore_eos: bool = False
-    sampling_seed: Optional[int] = None
-
-    @classmethod
-    def from_dict(cls, d: Optional[Dict[str, Any]]) -> "Sampling":
-        d = dict(d or {})
-        s = cls()
-        for k in ("max_new_tokens", "min_new_tokens", "top_k", "sampling_seed"):
-            if d.get(k) is not None:
-                setattr(s, k, int(d[k]))
-        for k in ("temperature", "top_p", "min_p"):
-            if d.get(k) is not None:
-                setattr(s, k, float(d[k]))
-        if d.get("ignore_eos") is not None:
-            s.ignore_eos = bool(d["ignore_eos"])
-        if d.get("stop_token_ids"):
-            s.stop_token_ids = tuple(int(t) for t in d["stop_token_ids"])
-        if s.max_new_tokens < 0 or s.temperature < 0 or not (0 < s.top_p <= 1) or s.top_k == 0:
-            raise ValueError(f"invalid sampling params {d}")
-        return s
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-
-@dataclass
-class Request:
-    input_ids: List[int]
-    sampling: Sampling
-    return_logprob: bool = False
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    output_ids: List[int] = field(default_factory=list)
-    logprobs: List[float] = field(default_factory=list)
-    finish_reason: Optional[dict] = None
-    slot: int = -1
-    pending: int = -1          # last sampled token, not yet written to the KV cache
-    t_start: float = field(default_factory=time.time)
-    return_routed_experts: bool = False   # SGLang's request field (R3); needs a recording model
-    routed_experts_start_len: int = 0
-    routed_experts: Optional[str] = None  # meta_info["routed_experts"]: base64 of int32 [rows, layers, k]
-
-    def result(self, weight_version: str) -> dict:
-        meta = {
-            "id": self.rid,
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": len(self.input_ids),
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
-            "weight_version": weight_version,
-            "e2e_latency": time.time() - self.t_start,
-        }
-        if self.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
-        if self.routed_experts is not None:
-            meta["routed_experts"] = self.routed_experts
-        return {"output_ids": list(self.output_ids), "meta_info": meta}
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix (xorshift-multiply, as in Wang/Mueller hashes) on int64 tensors whose
-    values stay below 2^58, so the arithmetic is exact and identical on CPU and CUDA."""
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
-    return (x >> 16) ^ x
-
-
-def seeded_gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel noise ``[B, V]`` that depends only on (request seed, decode step, token id): a
-    seeded request samples the same tokens whether it is batched with others or alone, on any
-    device, and without a per-request generator (the rows are sampled in one batched op)."""
-    key = _hash32((_hash32(seeds & _MASK32) ^ ((steps * 0x27D4EB2D) & _MASK32)) & _MASK32)
-    vocab_ids = _hash32(torch.arange(vocab, device=seeds.device, dtype=torch.int64))
-    bits = _hash32(key[:, None] ^ vocab_ids[None, :])
-    u = (bits.to(torch.float64) + 0.5) / 4294967296.0
-    return -torch.log(-torch.log(u)).to(torch.float32)
-
-
-def _filtered_logp(logp: torch.Tensor, s: "Sampling") -> torch.Tensor:
-    """Row ``logp`` with the tokens that top-k / top-p / min-p exclude set to -inf."""
-    p = logp.exp()
-    keep = torch.ones_like(p, dtype=torch.bool)
-    if 0 < s.top_k < p.numel():
-        keep &= p >= torch.topk(p, s.top_k).values[-1]
-    if s.top_p < 1.0:
-        sp, si = torch.sort(p, descending=True)
-        cum = torch.cumsum(sp, 0)
-        drop_sorted = (cum - sp) > s.top_p * cum[-1]
-        keep &= ~torch.zeros_like(keep).scatter_(0, si, drop_sorted)
-    if s.min_p > 0.0:
-        keep &= p >= s.min_p * p.max()
-    return torch.where(keep, logp, torch.full_like(logp, float("-inf")))
+def _to_host(tokens: torch.Tensor, lps: torch.Tensor) -> Tuple[np.ndarray, np.ndarray]:
+    """The step's one device->host transfer: tokens (exact in float64) and logprobs together."""
+    both = torch.stack((tokens.to(torch.float64), lps.to(torch.float64))).cpu().numpy()
+    return both[0].astype(np.int64), both[1].astype(np.float32)
 
 
 def sample(logits: torch.Tensor, reqs: List[Request], default_gen: torch.Generator):
-    """logits fp32 [B, V] -> (tokens [B], logprobs [B]) with per-row params.
-
-    Every non-greedy row is sampled by Gumbel-max on its (filtered) temperature-scaled log-probs,
-    with noise from ``seeded_gumbel`` keyed by the request's seed and its number of generated
-    tokens (requests without ``sampling_seed`` get one from the server's generator on admission),
-    all rows in one batched op. Logprobs are those of the unfiltered temperature-scaled
-    distribution, SGLang's convention."""
-    B, V = logits.shape
-    temps = torch.tensor([r.sampling.temperature if not r.sampling.greedy else 1.0 for r in reqs],
-                         dtype=torch.float32, device=logits.device)
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = logits.argmax(dim=-1)
-    stochastic = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
-    if stochastic:
-        for r in (reqs[i] for i in stochastic):
-            if r.sampling.sampling_seed is None:
-                r.sampling.sampling_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=default_gen))
-        index = torch.tensor(stochastic, device=logits.device)
-        rows = logp.index_select(0, index)
-        filtered = [j for j, i in enumerate(stochastic) if reqs[i].sampling.top_k > 0 or reqs[i].sampling.top_p < 1.0
-                    or reqs[i].sampling.min_p > 0.0]
-        if filtered:
-            rows = rows.clone()
-            for j in filtered:
-                rows[j] = _filtered_logp(rows[j], reqs[stochastic[j]].sampling)
-        seeds = torch.tensor([reqs[i].sampling.sampling_seed for i in stochastic], dtype=torch.int64, device=logits.device)
-        steps = torch.tensor([len(reqs[i].output_ids) for i in stochastic], dtype=torch.int64, device=logits.device)
-        tokens[index] = (rows + seeded_gumbel(seeds, steps, V)).argmax(dim=-1)
-    lps = logp.gather(1, tokens[:, None])[:, 0]
+    """logits fp32 [B, V] -> (tokens, logprobs) as lists, one row per request with its own params
+    (the per-request form of `sampler.sample_rows`). Requests without ``sampling_seed`` get one
+    from ``default_gen``, as on admission to the engine."""
+    for r in reqs:
+        if not r.sampling.greedy and r.sampling.sampling_seed is None:
+            r.sampling.sampling_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=default_gen))
+    batch = RunningBatch(len(reqs), 1 << 30, (), logits.device)
+    batch.add(reqs)
+    steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=logits.device)
+    rp = batch.params(0, len(reqs))
+    rp.steps = steps
+    tokens, lps = sample_rows(logits, rp, batch.any_stochastic(0, len(reqs)), batch.filter_rows(0, len(reqs)))
     return tokens.tolist(), lps.tolist()
 
 
 class Engine:
     """The scheduler loop. `model` is a `DecoderModel` (tests) or, in the server, a
-    `worker.ModelHandle` whose every call runs on all TP ranks."""
+    `worker.ModelHandle` whose every call runs on all TP ranks.
+
+    ``prefix_sharing`` False prefills every request on its own (SGLang's ``--disable-radix-cache``)."""
 
     def __init__(self, model: Union[DecoderModel, "ModelHandle"], max_running: int = 32, max_len: int = 2048,
-                 max_prefill_tokens: int = 8192, seed: int = 0):
+                 max_prefill_tokens: int = 8192, seed: int = 0, prefix_sharing: bool = True):
         self.model = model
         self.max_running = max_running
         self.max_len = max_len
         self.max_prefill_tokens = max_prefill_tokens
-        self.waiting: "queue.Queue[Request]" = queue.Queue()
+        self.prefix_sharing = prefix_sharing
+        self.waiting: "queue.Queue[List[Request]]" = queue.Queue()
         self.controls: "queue.Queue[tuple]" = queue.Queue()
-        self.running: List[Request] = []
-        self.free_slots = list(range(max_running))
+        self.batch = RunningBatch(max_running, max_len, model.spec.eos_token_ids, model.device)
         self.weight_version = "default"
         self.gen = torch.Generator().manual_seed(seed)
-        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "max_batch": 0}
+        self.epoch = 0
+        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0,
+                      "max_batch": 0, "admissions": 0}
         self.released: set = set()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._backlog: List[Request] = []
+        self._backlog: "collections.deque[Request]" = collections.deque()
         self._thread: Optional[threading.Thread] = None
         model.alloc_cache(max_running, max_len)
 
@@ -209,16 +104,22 @@ class Engine:
             self._thread.join(timeout=10)
 
     def submit(self, req: Request) -> concurrent.futures.Future:
-        n = len(req.input_ids)
-        if n == 0:
-            raise ValueError("empty input_ids")
-        if n >= self.max_len:
-            raise ValueError(f"prompt of {n} tokens does not fit max_len {self.max_len}")
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: Sequence[Request]) -> List[concurrent.futures.Future]:
+        """Queue requests together: they are admitted in one step when rows and the prefill
+        budget allow (so a group's samples share one prefill)."""
+        for req in reqs:
+            n = len(req.input_ids)
+            if n == 0:
+                raise ValueError("empty input_ids")
+            if n >= self.max_len:
+                raise ValueError(f"prompt of {n} tokens does not fit max_len {self.max_len}")
         if "kv_cache" in self.released or "weights" in self.released:
             raise RuntimeError(f"memory released ({sorted(self.released)}); call /resume_memory_occupation")
-        self.waiting.put(req)
+        self.waiting.put(list(reqs))
         self._wake.set()
-        return req.done
+        return [r.done for r in reqs]
 
     def control(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run fn on the engine thread between steps; returns a future of its result."""
@@ -227,25 +128,30 @@ class Engine:
         self._wake.set()
         return fut
 
+    @property
+    def running(self) -> List[Request]:
+        return self.batch.live()
+
     def num_active(self) -> int:
-        return len(self.running) + self.waiting.qsize() + len(self._backlog)
+        with self.waiting.mutex:
+            queued = sum(len(x) for x in self.waiting.queue)
+        return self.batch.size + queued + len(self._backlog)
 
     # ------------------------------------------------------------ engine thread
     def _loop(self):
         while not self._stop.is_set():
             try:
                 self._run_controls()
-                admitted = self._admit()
-                if not self.running:
+                self._admit()
+                if not self.batch.size:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     continue
-                self._decode(skip=admitted)
+                self._decode()
             except Exception as e:  # never die silently: fail the running requests
                 log.exception("engine step failed")
-                for r in self.running:
-                    self._finish(r, {"type": "abort", "message": f"engine error: {e}"}, error=e)
-                self.running = []
+                for r in self.batch.clear():
+                    self._resolve(r, {"type": "abort", "message": f"engine error: {e}"}, error=e)
 
     def _run_controls(self):
         while True:
@@ -253,6 +159,7 @@ class Engine:
                 fn, fut = self.controls.get_nowait()
             except queue.Empty:
                 return
+            self.epoch += 1   # weights may change: no prefix computed before is shared after
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
@@ -260,67 +167,105 @@ class Engine:
             except BaseException as e:
                 fut.set_exception(e)
 
-    def _admit(self) -> List[Request]:
+    def _admit(self) -> None:
         while True:
             try:
-                self._backlog.append(self.waiting.get_nowait())
+                self._backlog.extend(self.waiting.get_nowait())
             except queue.Empty:
                 break
-        new, budget = [], self.max_prefill_tokens
-        while self._backlog and self.free_slots:
-            r = self._backlog[0]
-            if new and len(r.input_ids) > budget:
-                break
-            self._backlog.pop(0)
-            if r.done.cancelled():
-                continue
-            r.slot = self.free_slots.pop()
-            budget -= len(r.input_ids)
-            new.append(r)
-        if not new:
-            return []
-        logits = self.model.prefill([r.input_ids for r in new], [r.slot for r in new])
-        self.stats["prefill_tokens"] += sum(len(r.input_ids) for r in new)
-        self.running.extend(new)
-        self._consume(new, logits)
-        return new
-
-    def _decode(self, skip: List[Request]):
-        # requests admitted this step already got their first token from the prefill logits;
-        # they join the decode batch from the next step on -- except that we still want to
-        # batch them now: feed every running request's pending token.
-        batch = [r for r in self.running if r.finish_reason is None]
-        if not batch:
-            self.running = []
+        b = self.batch
+        free = b.cap - b.size
+        if not self._backlog or not free:
             return
-        pos = [len(r.input_ids) + len(r.output_ids) - 1 for r in batch]
-        logits = self.model.decode([r.pending for r in batch], [r.slot for r in batch], pos)
+        held: Optional[Dict[tuple, int]] = None   # prompt -> running row holding its KV (this epoch)
+        take: List[Request] = []
+        reps: Dict[Any, int] = {}       # prompt key -> index into `firsts`
+        firsts: List[Request] = []      # one request per distinct prompt: its row is prefilled
+        src: List[int] = []             # per first: the running row to copy from (-1: none)
+        budget = self.max_prefill_tokens
+        while self._backlog and len(take) < free:
+            r = self._backlog[0]
+            if r.done.cancelled():
+                self._backlog.popleft()
+                continue
+            key = r.key if self.prefix_sharing else id(r)
+            if key not in reps:
+                if held is None:
+                    held = {q.key: i for i, q in enumerate(b.reqs[:b.size])
+                            if q is not None and q.kv_epoch == self.epoch} if self.prefix_sharing else {}
+                row = held.get(key, -1)
+                cost = 1 if row >= 0 else len(r.input_ids)
+                if take and cost > budget:
+                    break
+                budget -= cost
+                reps[key] = len(firsts)
+                firsts.append(r)
+                src.append(row)
+            take.append(self._backlog.popleft())
+        if not take:
+            return
+        for r in take:   # seeds in arrival order, as the per-request sampler drew them
+            if not r.sampling.greedy and r.sampling.sampling_seed is None:
+                r.sampling.sampling_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.gen))
+            r.kv_epoch = self.epoch
+        first_ids = {id(r) for r in firsts}
+        siblings = [r for r in take if id(r) not in first_ids]
+        a, _ = b.add(firsts + siblings)
+        # a prompt a running row holds: copy all but its last token, recompute that one
+        hits = [(u, row) for u, row in enumerate(src) if row >= 0]
+        if hits:
+            self.model.copy_rows([row for _, row in hits], [a + u for u, _ in hits],
+                                 max(len(firsts[u].input_ids) - 1 for u, _ in hits))
+        starts = [len(r.input_ids) - 1 if row >= 0 else 0 for r, row in zip(firsts, src)]
+        seqs = [r.input_ids[s:] for r, s in zip(firsts, starts)]
+        logits = self.model.prefill(seqs, a, starts if hits else None)
+        for r, s in zip(firsts, starts):
+            r.cached_tokens = s
+        # the group's other samples: copy the prompt's rows, sample from the same logits
+        U = len(firsts)
+        which = [reps[r.key if self.prefix_sharing else id(r)] for r in siblings]
+        if siblings:
+            self.model.copy_rows([a + u for u in which], list(range(a + U, a + U + len(siblings))),
+                                 max(len(r.input_ids) for r in siblings))
+            for r in siblings:
+                r.cached_tokens = len(r.input_ids)
+            logits = logits[torch.tensor(list(range(U)) + which, device=logits.device)]
+        self.stats["admissions"] += 1
+        self.stats["prefill_tokens"] += sum(len(q) for q in seqs)
+        self.stats["shared_prefill_tokens"] += sum(starts) + sum(len(r.input_ids) for r in siblings)
+        self._sample_and_record(logits, a, a + len(take))
+
+    def _decode(self):
+        b = self.batch
+        B = b.size
+        logits = self.model.decode(b.pending[:B], b.positions())[:B]
         self.stats["steps"] += 1
-        self.stats["decode_tokens"] += len(batch)
-        self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
-        self._consume(batch, logits)
+        self.stats["decode_tokens"] += B
+        self.stats["max_batch"] = max(self.stats["max_batch"], B)
+        self._sample_and_record(logits, 0, B)
 
-    def _consume(self, reqs: List[Request], logits: torch.Tensor):
-        toks, lps = sample(logits, reqs, self.gen)
-        eos = set(self.model.spec.eos_token_ids)
-        for r, t, lp in zip(reqs, toks, lps):
-            r.output_ids.append(t)
-            r.logprobs.append(lp)
-            r.pending = t
-            s = r.sampling
-            n = len(r.output_ids)
-            if n >= s.min_new_tokens and (t in s.stop_token_ids or (not s.ignore_eos and t in eos)):
-                self._finish(r, {"type": "stop", "matched": t})
-            elif n >= s.max_new_tokens:
-                self._finish(r, {"type": "length", "length": s.max_new_tokens})
-            elif len(r.input_ids) + n >= self.max_len:
-                self._finish(r, {"type": "length", "length": n})
-        self.running = [r for r in self.running if r.finish_reason is None]
+    def _sample_and_record(self, logits: torch.Tensor, a: int, z: int) -> None:
+        """Sample rows ``[a, z)`` from ``logits`` (one row each), record, finish, compact."""
+        b = self.batch
+        tokens, lps = sample_rows(logits, b.params(a, z), b.any_stochastic(a, z), b.filter_rows(a, z))
+        toks, lp = _to_host(tokens, lps)
+        done = b.record(a, z, toks, lp)
+        if not done:
+            return
+        for row, reason in done.items():
+            r = b.take(row)        # the row's cache stays intact until compact() below
+            if r.return_routed_experts:
+                self._collect_routes(r, row)
+            self._resolve(r, reason)
+        src, dst, length = b.compact(list(done))
+        if src:
+            self.model.copy_rows(src, dst, length)
 
-    def _collect_routes(self, r: Request) -> None:
+    def _collect_routes(self, r: Request, row: int) -> None:
         """SGLang's ``_maybe_collect_routed_experts``: the experts of positions
-        ``[routed_experts_start_len, seqlen - 1)`` (the last sampled token never ran through the
-        model), base64 of the int32 array, when the model records them (else nothing, as SGLang)."""
+        ``[routed_experts_start_len, seqlen - 1)`` of cache row ``row`` (the last sampled token
+        never ran through the model), base64 of the int32 array, when the model records them
+        (else nothing, as SGLang)."""
         from megarl.rollout.routed_experts import encode_routed_experts
 
         read = getattr(self.model, "routed_experts", None)
@@ -328,15 +273,10 @@ class Engine:
             return
         seqlen = len(r.input_ids) + len(r.output_ids)
         start = min(r.routed_experts_start_len, seqlen - 1)
-        r.routed_experts = encode_routed_experts(read(r.slot, start, seqlen - 1))
+        r.routed_experts = encode_routed_experts(read(row, start, seqlen - 1))
 
-    def _finish(self, r: Request, reason: dict, error: Optional[BaseException] = None):
+    def _resolve(self, r: Request, reason: dict, error: Optional[BaseException] = None):
         r.finish_reason = reason
-        if error is None and r.return_routed_experts and r.slot >= 0:
-            self._collect_routes(r)
-        if r.slot >= 0:
-            self.free_slots.append(r.slot)
-            r.slot = -1
         if not r.done.done():
             if error is not None:
                 r.done.set_exception(error)

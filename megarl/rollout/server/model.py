@@ -5,10 +5,18 @@ qwen3_moe (qk-norm + top-k routed experts).  Parameters are held under their HF 
 names (experts stacked per layer, addressable as `...mlp.experts.{e}.{gate,up,down}_proj.weight`),
 so weight updates load by HF name.
 
-KV cache: slot-based and preallocated: per layer `k`, `v` of shape
-[max_slots, kv_heads, max_len, head_dim].  A request owns one slot for its lifetime.
-Attention runs through `scaled_dot_product_attention` with an explicit mask, in the model dtype
-(fp32 on CPU by default); logits are returned in fp32.
+KV cache: row-based and preallocated: `k_cache`, `v_cache` of shape
+[layers, rows, kv_heads, max_len, head_dim], one tensor each, so one op moves or copies rows in
+every layer. The engine keeps its running requests in rows [0, B): decode attends over a view of
+the cache (no gather of the running rows), rows are copied to share a prompt's prefill between the
+samples of a group (`copy_rows`), and moved to close the gaps finished requests leave. Prefill can
+start at an offset: a row whose first positions were copied from another row computes only the
+rest. Attention runs through `scaled_dot_product_attention` with an explicit mask, in the model
+dtype (fp32 on CPU by default); logits are returned in fp32.
+
+Parameters live in one flat buffer (views per HF name), so a release/resume of the weights brings
+them back as one allocation -- at the same address, typically, which keeps the decode CUDA graphs
+(`graphs.py`) valid across the colocated trainer's every-step release.
 
 Tensor parallel (`tp_size` > 1, see `shard.py`): this object is ONE rank's part of the model --
 its heads, its slice of the MLP / experts, its kv heads in the cache; `all_reduce` sums the
@@ -21,13 +29,15 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from megarl.algos.fidelity import fp32_logits
 
+from .graphs import DecodeGraphs
 from .shard import local_part, local_shape
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -151,25 +161,25 @@ class DecoderModel:
         self.inv_freq = inv.to(self.device)
         self.params: Dict[str, torch.Tensor] = {}
         self.full_shapes = self._shapes()   # internal name -> FULL shape (as in the HF checkpoint)
+        self._flat: Optional[torch.Tensor] = None          # every parameter's bytes (params are views)
+        self._layout: Dict[str, Tuple[int, torch.dtype, Tuple[int, ...]]] = {}
         self._alloc()
-        self.k_cache: List[torch.Tensor] = []
-        self.v_cache: List[torch.Tensor] = []
+        self.k_cache: Optional[torch.Tensor] = None   # [layers, rows, kv_heads, max_len, head_dim]
+        self.v_cache: Optional[torch.Tensor] = None
+        self.row_ids: Optional[torch.Tensor] = None   # arange(rows) on the device
         # routed experts of every cached position (SGLang's --enable-return-routed-experts): int32
-        # [slots, max_len, num_layers, top_k], filled by prefill/decode of MoE layers (rank 0 only:
-        # routing is replicated over TP ranks); rows of dense layers stay 0, as in SGLang
+        # [rows, max_len, num_layers, top_k], written by prefill/decode of MoE layers where the
+        # keys/values go, moved with them (copy_rows); rows of dense layers stay 0, as in SGLang
         self.record_routes = record_routes and bool(s.moe_layers)
         self.routes: Optional[torch.Tensor] = None
-        self._route_ctx: Optional[tuple] = None
+        self._route_ctx: Optional["_Attn"] = None
         self.max_slots = 0
         self.max_len = 0
-        # CUDA graphs for decode (CUDA only): one graph per (batch bucket, kv-length bucket),
-        # captured lazily; dropped whenever the cache or the parameter tensors are replaced.
+        # CUDA graphs for decode (CUDA only), captured lazily per (batch, key-length) bucket.
         # (not with TP: the all-reduce would have to be captured in the graph on every rank)
         self.use_cuda_graphs = (self.device.type == "cuda" and tp_size == 1
                                 and os.environ.get("MEGARL_CUDA_GRAPHS", "1") != "0")
-        self._graphs: Dict[Tuple[int, int], tuple] = {}
-        self._graph_pool = None
-        self._graph_io = None
+        self.graphs: Optional[DecodeGraphs] = None
 
     # ---------------------------------------------------------------- parameters
     def _shapes(self) -> Dict[str, Tuple[int, ...]]:
@@ -213,9 +223,19 @@ class DecoderModel:
         return out
 
     def _alloc(self):
+        """Every parameter as a view into one zeroed byte buffer (256-byte aligned slices)."""
+        off = 0
         for n, shp in self.full_shapes.items():
-            self.params[n] = torch.zeros(local_shape(n, shp, self.tp_rank, self.tp_size),
-                                         device=self.device, dtype=self.dtype)
+            local = tuple(local_shape(n, shp, self.tp_rank, self.tp_size))
+            self._layout[n] = (off, self.dtype, local)
+            off += -(-math.prod(local) * self.dtype.itemsize // 256) * 256
+        self._flat = torch.zeros(off, dtype=torch.uint8, device=self.device)
+        self._carve(self._flat)
+
+    def _carve(self, flat: torch.Tensor) -> None:
+        for n, (off, dtype, shape) in self._layout.items():
+            size = math.prod(shape) * dtype.itemsize
+            self.params[n] = flat[off:off + size].view(dtype).view(shape)
 
     def hf_names(self) -> Dict[str, Tuple[int, ...]]:
         """Every HF checkpoint name this model accepts, with its FULL shape (experts expanded)."""
@@ -294,16 +314,42 @@ class DecoderModel:
             self.load_state([(name, full)])
 
     def offload_weights(self) -> None:
-        """Move the weights to host memory (`/release_memory_occupation` of "weights")."""
-        for k, t in self.params.items():
-            self.params[k] = t.to("cpu")
-        self._graphs, self._graph_io, self._graph_pool = {}, None, None
+        """Move the weights to host memory (`/release_memory_occupation` of "weights") and give the
+        device memory back to the driver, so a colocated trainer can use it."""
+        if self._flat is None or self._flat.device.type == "cpu":
+            return
+        host = self._flat.to("cpu")
+        self._flat = host
+        self._carve(host)
+        self._empty_device_cache()
 
     def reload_weights(self) -> None:
-        """Back onto the serving device (`/resume_memory_occupation`)."""
-        for k, t in self.params.items():
-            self.params[k] = t.to(self.device)
-        self._graphs, self._graph_io, self._graph_pool = {}, None, None
+        """Back onto the serving device (`/resume_memory_occupation`), as one allocation."""
+        if self._flat is None or self._flat.device == self.device:
+            return
+        flat = torch.empty(self._flat.numel(), dtype=torch.uint8, device=self.device)
+        flat.copy_(self._flat)
+        self._flat = flat
+        self._carve(flat)
+        if self.graphs is not None:
+            self.graphs.mark_dirty()
+
+    def _empty_device_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def tensor_addresses(self, params: bool = True) -> Tuple[int, ...]:
+        """Addresses of every tensor the forward reads: the parameters (``params``) and any tensor
+        attribute (the cache, rope tables, ...), one level into dicts/lists. Decode graphs
+        captured under one set of addresses are valid exactly while it stays the same. Without
+        ``params`` it is a handful of pointers, cheap enough to check every step."""
+        out = [t.data_ptr() for t in self.params.values()] if params else []
+        for k, v in vars(self).items():
+            if k == "params":
+                continue
+            items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
+            out.extend(t.data_ptr() for t in items if isinstance(t, torch.Tensor))
+        return tuple(out)
 
     def load_hf_dir(self, path: str):
         from safetensors import safe_open
@@ -321,47 +367,65 @@ class DecoderModel:
 
     # ---------------------------------------------------------------- KV cache
     def alloc_cache(self, max_slots: int, max_len: int):
+        """Rows ``[0, max_slots)`` of ``max_len`` positions each (zeroed)."""
         s = self.spec
-        self._graphs, self._graph_io, self._graph_pool = {}, None, None
-        # with CUDA graphs one extra scratch slot takes the padding rows of a bucketed batch
-        extra = 1 if self.use_cuda_graphs else 0
-        shp = (max_slots + extra, self.nkv, max_len, s.head_dim)
-        self.k_cache = [torch.zeros(shp, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
-        self.v_cache = [torch.zeros(shp, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
+        shp = (s.num_layers, max_slots, self.nkv, max_len, s.head_dim)
+        self.k_cache = self.v_cache = None
+        self.k_cache = torch.zeros(shp, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shp, device=self.device, dtype=self.dtype)
+        self.routes = None
         if self.record_routes:
-            self.routes = torch.zeros(max_slots + extra, max_len, s.num_layers, s.top_k, dtype=torch.int32,
-                                      device=self.device)
+            self.routes = torch.zeros(max_slots, max_len, s.num_layers, s.top_k, dtype=torch.int32, device=self.device)
+        if self.row_ids is None or self.row_ids.numel() != max_slots:
+            self.row_ids = torch.arange(max_slots, device=self.device)
+        if self.graphs is not None and (self.max_slots, self.max_len) != (max_slots, max_len):
+            self.graphs = None
         self.max_slots, self.max_len = max_slots, max_len
+        if self.graphs is not None:
+            self.graphs.mark_dirty()
 
     def free_cache(self):
-        self._graphs, self._graph_io, self._graph_pool = {}, None, None
-        self.k_cache, self.v_cache = [], []
+        self.k_cache, self.v_cache = None, None
         self.routes = None
+        self._empty_device_cache()
 
     def records_routes(self) -> bool:
         return self.routes is not None
 
-    def routed_experts(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """Experts chosen at positions ``[start, end)`` of ``slot``: int32 ``[end - start,
+    def routed_experts(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Experts chosen at positions ``[start, end)`` of cache row ``row``: int32 ``[end - start,
         num_hidden_layers, top_k]`` on the CPU (SGLang's layout; rows of dense layers are 0)."""
         if self.routes is None:
             raise RuntimeError("routed experts are not recorded (--enable-return-routed-experts, MoE models only)")
-        return self.routes[slot, start:end].to("cpu", copy=True)
+        return self.routes[row, start:end].to("cpu", copy=True)
 
     def _record_routes(self, layer: int, idx: torch.Tensor) -> None:
-        """Store one MoE layer's top-k choices ``idx`` [B, T, k] at the positions being run."""
-        if self.routes is None or self._route_ctx is None:
+        """Store one MoE layer's top-k choices ``idx`` [B, T, k] where this forward stores its keys."""
+        a = self._route_ctx
+        if self.routes is None or a is None:
             return
-        kind, slots, where = self._route_ctx
         idx = idx.to(torch.int32)
-        if kind == "prefill":
-            for b, (slot, n) in enumerate(zip(slots, where)):
-                self.routes[slot, :n, layer] = idx[b, :n]
-        else:
-            self.routes[slots, where, layer] = idx[:, 0]
+        if a.kind == "decode":
+            self.routes[a.rows, a.pos, layer] = idx[:, 0]
+        elif a.write is not None:
+            rows, pos, b, t = a.write
+            self.routes[rows, pos, layer] = idx[b, t]
 
     def cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+        return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache) if t is not None)
+
+    @torch.inference_mode()
+    def copy_rows(self, src: Sequence[int], dst: Sequence[int], length: int) -> None:
+        """Positions ``[0, length)`` of cache row ``src[i]`` into row ``dst[i]``, every layer: the
+        prompt of a group's first sample into its siblings, or a running row into a gap."""
+        if not len(src):
+            return
+        si = torch.as_tensor(np.asarray(src, dtype=np.int64), device=self.device)
+        di = torch.as_tensor(np.asarray(dst, dtype=np.int64), device=self.device)
+        for c in (self.k_cache, self.v_cache):
+            c[:, di, :, :length] = c[:, si, :, :length]
+        if self.routes is not None:
+            self.routes[di, :length] = self.routes[si, :length]
 
     # ---------------------------------------------------------------- forward
     def _rope(self, pos: torch.Tensor):
@@ -405,7 +469,7 @@ class DecoderModel:
             self._all_reduce(y)
         return y if bias is None else y + bias
 
-    def _layer(self, i: int, x, cos, sin, slots, pos, attn_mask, prefill_lens=None, Lm: Optional[int] = None):
+    def _layer(self, i: int, x, cos, sin, a: "_Attn"):
         s = self.spec
         P = self.params
         p = f"model.layers.{i}.self_attn."
@@ -420,41 +484,42 @@ class DecoderModel:
             k = _rms(k, P[p + "k_norm.weight"], s.rms_norm_eps)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        kc, vc = self.k_cache[i], self.v_cache[i]
-        if prefill_lens is not None:
-            # prefill: write the first len_b positions of each row into its slot, attend locally
-            for b in range(B):
-                L = prefill_lens[b]
-                kc[slots[b], :, :L] = k[b, :, :L]
-                vc[slots[b], :, :L] = v[b, :, :L]
-            kk, vv = k, v
-        else:
-            # decode (T == 1): write at pos, attend over the slot's prefix
-            kc[slots, :, pos] = k[:, :, 0]
-            vc[slots, :, pos] = v[:, :, 0]
-            if Lm is None:
-                Lm = int(pos.max().item()) + 1
-            kk = kc[slots, :, :Lm]
-            vv = vc[slots, :, :Lm]
-        if prefill_lens is None and nkv != nh:
-            # decode (T == 1), GQA: fold each kv head's query group into the query-length axis
-            # instead of repeating K/V (q head j uses kv head j // rep, as repeat_interleave does)
-            rep = nh // nkv
-            qg = q.reshape(B, nkv, rep, s.head_dim)
-            a = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=1.0 / math.sqrt(s.head_dim))
-            a = a.reshape(B, nh * s.head_dim)[:, None]
-            x = x + self._row_parallel_out(F.linear(a, P[p + "o_proj.weight"]), P.get(p + "o_proj.bias"))
-            h = _rms(x, P[f"model.layers.{i}.post_attention_layernorm.weight"], s.rms_norm_eps)
-            return x + self._mlp(i, h)
-        if nkv != nh:
-            rep = nh // nkv
-            kk = kk.repeat_interleave(rep, dim=1)
-            vv = vv.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, scale=1.0 / math.sqrt(s.head_dim))
-        a = a.transpose(1, 2).reshape(B, T, nh * s.head_dim)
-        x = x + self._row_parallel_out(F.linear(a, P[p + "o_proj.weight"]), P.get(p + "o_proj.bias"))
+        x = x + self._row_parallel_out(F.linear(self._attend(i, q, k, v, a), P[p + "o_proj.weight"]),
+                                       P.get(p + "o_proj.bias"))
         h = _rms(x, P[f"model.layers.{i}.post_attention_layernorm.weight"], s.rms_norm_eps)
         return x + self._mlp(i, h)
+
+    def _attend(self, i: int, q, k, v, a: "_Attn") -> torch.Tensor:
+        """Store the new keys/values where ``a`` says, attend, and return ``[B, T, heads*D]``."""
+        B, nh, T, D = q.shape
+        nkv = self.nkv
+        scale = 1.0 / math.sqrt(D)
+        if a.kind == "decode":
+            # T == 1; rows [0, B) of the cache: write at each row's position, attend over a view
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc[a.rows, :, a.pos] = k[:, :, 0]
+            vc[a.rows, :, a.pos] = v[:, :, 0]
+            kk, vv = kc[:B, :, :a.Lk], vc[:B, :, :a.Lk]
+            if nkv != nh:
+                # GQA: fold each kv head's query group into the query-length axis instead of
+                # repeating K/V (q head j uses kv head j // rep, as repeat_interleave does)
+                qg = q.reshape(B, nkv, nh // nkv, D)
+                return F.scaled_dot_product_attention(qg, kk, vv, attn_mask=a.mask, scale=scale).reshape(B, 1, nh * D)
+        else:
+            if a.write is not None:
+                rows, pos, b, t = a.write
+                self.k_cache[i][rows, :, pos] = k[b, :, t]
+                self.v_cache[i][rows, :, pos] = v[b, :, t]
+            if a.kind == "local":
+                kk, vv = k, v
+            else:   # "cache": rows [row0, row0 + B) hold earlier positions (copied prefixes)
+                kk = self.k_cache[i][a.row0:a.row0 + B, :, :a.Lk]
+                vv = self.v_cache[i][a.row0:a.row0 + B, :, :a.Lk]
+            if nkv != nh:
+                kk = kk.repeat_interleave(nh // nkv, dim=1)
+                vv = vv.repeat_interleave(nh // nkv, dim=1)
+        out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=a.mask, scale=scale)
+        return out.transpose(1, 2).reshape(B, T, nh * D)
 
     def _head(self, x) -> Optional[torch.Tensor]:
         if self.tp_rank != 0:
@@ -466,108 +531,102 @@ class DecoderModel:
         return F.linear(x, w).float()
 
     @torch.inference_mode()
-    def prefill(self, seqs: List[List[int]], slots: List[int]) -> Optional[torch.Tensor]:
-        """Run prompts (right-padded into one batch) and fill their slots; fp32 logits [B, V] of
-        each prompt's last position (None on TP ranks > 0)."""
-        B = len(seqs)
-        lens = [len(q) for q in seqs]
-        T = max(lens)
-        ids = torch.zeros(B, T, dtype=torch.long)
+    def prefill(self, seqs: List[List[int]], row0: int, starts: Optional[List[int]] = None) -> Optional[torch.Tensor]:
+        """Run ``seqs`` (right-padded into one batch) into cache rows ``row0, row0 + 1, ...``:
+        ``seqs[u]`` takes positions ``starts[u]...`` of its row, whose positions before that were
+        already filled (copied from a row holding the same prefix). fp32 logits ``[U, V]`` of each
+        sequence's last token (None on TP ranks > 0)."""
+        U = len(seqs)
+        lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
+        T = int(lens.max())
+        st = torch.tensor(starts if starts is not None else [0] * U, dtype=torch.long)
+        ids = torch.zeros(U, T, dtype=torch.long)
         for b, q in enumerate(seqs):
             ids[b, : len(q)] = torch.tensor(q, dtype=torch.long)
-        ids = ids.to(self.device)
-        pos = torch.arange(T, device=self.device)[None].expand(B, T)
+        t_ar = torch.arange(T)
+        pos = st[:, None] + t_ar[None, :]
+        b_idx, t_idx = torch.nonzero(t_ar[None, :] < lens[:, None], as_tuple=True)
+        dev = self.device
+        write = tuple(z.to(dev) for z in (b_idx + row0, pos[b_idx, t_idx], b_idx, t_idx))
+        if int(st.max()) == 0:   # from the start: attend over the batch's own keys (causal)
+            mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None].expand(U, 1, T, T)
+            a = _Attn("local", mask, write=write)
+        else:
+            Lk = int((st + lens).max())
+            mask = (torch.arange(Lk)[None, None, :] <= pos[:, :, None])[:, None].to(dev)
+            a = _Attn("cache", mask, row0=row0, Lk=Lk, write=write)
+        ids, pos = ids.to(dev), pos.to(dev)
         cos, sin = self._rope(pos)
-        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None].expand(B, 1, T, T)
         x = F.embedding(ids, self.params["model.embed_tokens.weight"])
-        self._route_ctx = ("prefill", slots, lens)
+        self._route_ctx = a
         try:
             for i in range(self.spec.num_layers):
-                x = self._layer(i, x, cos, sin, slots, None, mask, prefill_lens=lens)
+                x = self._layer(i, x, cos, sin, a)
         finally:
             self._route_ctx = None
-        last = x[torch.arange(B, device=self.device), torch.tensor(lens, device=self.device) - 1]
+        last = x[torch.arange(U, device=dev), (lens - 1).to(dev)]
         return self._head(last)
 
     @torch.inference_mode()
-    def decode(self, tokens: List[int], slots: List[int], positions: List[int]) -> Optional[torch.Tensor]:
-        """One step for B running requests: token b sits at positions[b] of slot slots[b].
-        Returns fp32 logits [B, V] (None on TP ranks > 0)."""
+    def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> Optional[torch.Tensor]:
+        """One step for the B running rows ``[0, B)``: token b sits at ``positions[b]`` of row b.
+        fp32 logits ``[B, V]`` (None on TP ranks > 0); with CUDA graphs a view of the graph's
+        output, valid until the next step."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
         if self.use_cuda_graphs and not self.spec.moe_layers:
-            return self._decode_graphed(tokens, slots, positions)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        sl = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self._route_ctx = ("decode", sl, pos)
+            if self.graphs is None:
+                self.graphs = DecodeGraphs(self._decode_body, self.tensor_addresses, self.device,
+                                           self.max_slots, self.max_len)
+            return self.graphs.run(tokens, positions)
+        ids = torch.from_numpy(tokens).to(self.device)
+        pos = torch.from_numpy(positions).to(self.device)
+        return self._decode_body(ids, pos, len(tokens), int(positions.max()) + 1, record=True)
+
+    def _decode_body(self, ids: torch.Tensor, pos: torch.Tensor, B: int, Lk: int,
+                     record: bool = False) -> Optional[torch.Tensor]:
+        """Decode rows ``[0, B)`` attending over positions ``[0, Lk)``; no host sync (graphed;
+        ``record``: MoE routes too, eager only -- graphs never run MoE models)."""
+        cos, sin = self._rope(pos[:, None])
+        mask = (torch.arange(Lk, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
+        a = _Attn("decode", mask, Lk=Lk, rows=self.row_ids[:B], pos=pos)
+        x = F.embedding(ids[:, None], self.params["model.embed_tokens.weight"])
+        self._route_ctx = a if record else None
         try:
-            return self._decode_body(ids, pos, sl, int(max(positions)) + 1)
+            for i in range(self.spec.num_layers):
+                x = self._layer(i, x, cos, sin, a)
         finally:
             self._route_ctx = None
-
-    def _decode_body(self, ids, pos, sl, Lm: int) -> torch.Tensor:
-        cos, sin = self._rope(pos[:, None])
-        mask = (torch.arange(Lm, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
-        x = F.embedding(ids[:, None], self.params["model.embed_tokens.weight"])
-        for i in range(self.spec.num_layers):
-            x = self._layer(i, x, cos, sin, sl, pos, mask, Lm=Lm)
         return self._head(x[:, 0])
-
-    _B_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-    _L_BUCKET = 256
-
-    def _decode_graphed(self, tokens, slots, positions) -> torch.Tensor:
-        B = len(tokens)
-        Bb = next((b for b in self._B_BUCKETS if b >= B), ((B + 63) // 64) * 64)
-        Lm = int(max(positions)) + 1
-        Lb = min(((Lm + self._L_BUCKET - 1) // self._L_BUCKET) * self._L_BUCKET, self.max_len)
-        if self._graph_io is None or self._graph_io.shape[1] < Bb:
-            nmax = max(Bb, self.max_slots)
-            self._graph_io = torch.zeros(3, ((nmax + 63) // 64) * 64, dtype=torch.long, device=self.device)
-            self._graphs, self._graph_pool = {}, None
-        io = self._graph_io
-        host = torch.empty(3, Bb, dtype=torch.long)
-        host[0, :B] = torch.tensor(tokens, dtype=torch.long)
-        host[1, :B] = torch.tensor(positions, dtype=torch.long)
-        host[2, :B] = torch.tensor(slots, dtype=torch.long)
-        host[0, B:] = 0
-        host[1, B:] = 0
-        host[2, B:] = self.max_slots  # scratch slot
-        io[:, :Bb].copy_(host)
-        ids, pos, sl = io[0, :Bb], io[1, :Bb], io[2, :Bb]
-        key = (Bb, Lb)
-        entry = self._graphs.get(key)
-        if entry is None:
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up: same inputs, so the KV writes are idempotent
-                    self._decode_body(ids, pos, sl, Lb)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                out = self._decode_body(ids, pos, sl, Lb)
-            entry = self._graphs[key] = (graph, out)
-        graph, out = entry
-        graph.replay()
-        return out[:B].clone()
 
     @torch.inference_mode()
     def forward_full(self, ids: List[int]) -> Optional[torch.Tensor]:
-        """Logits [T, V] over a whole sequence without touching running slots (uses slot 0 of a
-        private 1-slot cache; None on TP ranks > 0).  For tests and prompt logprobs."""
-        saved = (self.k_cache, self.v_cache, self.max_slots, self.max_len, self.routes)
-        try:
-            self.alloc_cache(1, len(ids))
-            T = len(ids)
-            t = torch.tensor(ids, dtype=torch.long, device=self.device)[None]
-            pos = torch.arange(T, device=self.device)[None]
-            cos, sin = self._rope(pos)
-            mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None]
-            x = F.embedding(t, self.params["model.embed_tokens.weight"])
-            for i in range(self.spec.num_layers):
-                x = self._layer(i, x, cos, sin, [0], None, mask, prefill_lens=[T])
-            return self._head(x[0])
-        finally:
-            self.k_cache, self.v_cache, self.max_slots, self.max_len, self.routes = saved
+        """Logits [T, V] over a whole sequence, without the cache (None on TP ranks > 0).  For
+        tests and prompt logprobs."""
+        T = len(ids)
+        t = torch.tensor(ids, dtype=torch.long, device=self.device)[None]
+        pos = torch.arange(T, device=self.device)[None]
+        cos, sin = self._rope(pos)
+        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None]
+        x = F.embedding(t, self.params["model.embed_tokens.weight"])
+        a = _Attn("local", mask)
+        for i in range(self.spec.num_layers):
+            x = self._layer(i, x, cos, sin, a)
+        return self._head(x[0])
+
+
+@dataclass
+class _Attn:
+    """How every layer of one forward stores keys/values and attends.
+
+    kind: "local" (over the call's own keys: a prefill from position 0, or a cache-less forward),
+    "cache" (over cache rows ``[row0, row0 + B)``, positions ``[0, Lk)``: a prefill after a copied
+    prefix), "decode" (one token per row over rows ``[0, B)``, positions ``[0, Lk)``)."""
+
+    kind: str
+    mask: torch.Tensor                          # bool, True = attend, broadcast over heads
+    row0: int = 0
+    Lk: int = 0
+    write: Optional[Tuple[torch.Tensor, ...]] = None   # (cache row, position, batch index, token index)
+    rows: Optional[torch.Tensor] = None                # decode: row ids [B]
+    pos: Optional[torch.Tensor] = None                 # decode: positions [B]

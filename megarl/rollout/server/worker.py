@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -79,11 +79,14 @@ class RankWorker:
     def free_cache(self) -> None:
         self.model.free_cache()
 
-    def prefill(self, seqs: List[List[int]], slots: List[int]) -> Optional[torch.Tensor]:
-        return self.model.prefill(seqs, slots)
+    def prefill(self, seqs: List[List[int]], row0: int, starts: Optional[List[int]] = None) -> Optional[torch.Tensor]:
+        return self.model.prefill(seqs, row0, starts)
 
-    def decode(self, tokens: List[int], slots: List[int], positions: List[int]) -> Optional[torch.Tensor]:
-        return self.model.decode(tokens, slots, positions)
+    def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> Optional[torch.Tensor]:
+        return self.model.decode(tokens, positions)
+
+    def copy_rows(self, src: Sequence[int], dst: Sequence[int], length: int) -> None:
+        self.model.copy_rows(src, dst, length)
 
     def forward_full(self, ids: List[int]) -> Optional[torch.Tensor]:
         return self.model.forward_full(ids)
@@ -126,11 +129,14 @@ class ModelHandle:
     def free_cache(self) -> None:
         self.lockstep.call("free_cache")
 
-    def prefill(self, seqs: List[List[int]], slots: List[int]) -> torch.Tensor:
-        return self.lockstep.call("prefill", seqs, slots)
+    def prefill(self, seqs: List[List[int]], row0: int, starts: Optional[List[int]] = None) -> torch.Tensor:
+        return self.lockstep.call("prefill", seqs, row0, starts)
 
-    def decode(self, tokens: List[int], slots: List[int], positions: List[int]) -> torch.Tensor:
-        return self.lockstep.call("decode", tokens, slots, positions)
+    def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        return self.lockstep.call("decode", tokens, positions)
+
+    def copy_rows(self, src: Sequence[int], dst: Sequence[int], length: int) -> None:
+        self.lockstep.call("copy_rows", src, dst, length)
 
     def forward_full(self, ids: List[int]) -> torch.Tensor:
         return self.lockstep.call("forward_full", ids)

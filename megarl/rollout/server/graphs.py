@@ -1,0 +1,115 @@
+"""CUDA graphs of the embedded engine's decode step.
+
+Why: a decode step of a small model is hundreds of tiny kernels; launching them from Python costs
+more than running them (benchmarks/RESULTS.md section 2: graphs gave 3.5-4x over eager). A graph
+is captured per (batch bucket, key-length bucket) on first use and replayed after that.
+
+Rows: the engine keeps its running requests in KV-cache rows ``[0, B)`` (it compacts the batch when
+requests finish), so a step of B requests replays the graph of the smallest batch bucket >= B; the
+padding rows ``[B, bucket)`` are free rows (their writes land on position 0 of unused rows). A long
+tail of a few unfinished requests therefore runs in a small graph: its cost follows the rows that
+are still running, not the ones that finished.
+
+Key lengths: attention reads positions ``[0, Lk)`` of each row, with Lk rounded up to a bucket
+(64 up to 512 positions, then an eighth of the next power of two), so a step costs the context
+actually in use rather than ``max_len``.
+
+Graphs bake in the addresses of every tensor they read. They stay valid across a memory release
+and resume (`/release_memory_occupation`, every RL step when colocated) as long as the weights and
+the cache come back at the same addresses, which `signature` checks (all of them after a
+release/resume, the model's non-parameter tensors every step); otherwise they are dropped and
+recaptured lazily.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+def batch_buckets(max_rows: int) -> Tuple[int, ...]:
+    """Batch sizes a graph is captured for: BATCH_BUCKETS, then every 64, up to ``max_rows``."""
+    out = [b for b in BATCH_BUCKETS if b < max_rows]
+    b = 320
+    while b < max_rows:
+        out.append(b)
+        b += 64
+    return tuple(out) + (max_rows,)
+
+
+def len_bucket(n: int, max_len: int) -> int:
+    """Key length attended over for a step whose longest row needs ``n`` positions."""
+    step = 64 if n <= 512 else 1 << max(6, (n - 1).bit_length() - 3)
+    return min(((n + step - 1) // step) * step, max_len)
+
+
+class DecodeGraphs:
+    """Captured decode steps of one model. ``body(ids, pos, rows, Lk)`` is the eager decode over
+    rows ``[0, rows)`` returning fp32 logits ``[rows, V]``; ``signature()`` lists the addresses of
+    every tensor the body reads."""
+
+    def __init__(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor],
+                 signature: Callable[..., Tuple[int, ...]], device: torch.device, max_rows: int, max_len: int):
+        self.body, self.signature, self.device = body, signature, device
+        self.max_rows, self.max_len = max_rows, max_len
+        self.buckets = batch_buckets(max_rows)
+        self.io = torch.zeros(2, max_rows, dtype=torch.long, device=device)   # static inputs: tokens, positions
+        self.host = torch.zeros(2, max_rows, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.graphs: Dict[Tuple[int, int], Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.sig: Optional[Tuple[int, ...]] = None         # signature(): every address
+        self.quick: Optional[Tuple[int, ...]] = None       # signature(params=False)
+        self.dirty = False
+        self.captures = 0
+
+    def mark_dirty(self) -> None:
+        """Tensors the graphs read may have moved (weights or cache reallocated): check first."""
+        self.dirty = True
+
+    def clear(self) -> None:
+        self.graphs, self.pool, self.sig, self.quick = {}, None, None, None
+
+    def run(self, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Logits ``[B, V]`` for rows ``[0, B)`` (a view of the graph's static output, valid until
+        the next step)."""
+        B = len(tokens)
+        Bb = next(b for b in self.buckets if b >= B)
+        Lk = len_bucket(int(positions.max()) + 1, self.max_len)
+        if self.sig is not None:
+            if self.dirty and self.signature() != self.sig:
+                self.clear()
+            elif not self.dirty and self.signature(params=False) != self.quick:
+                self.clear()
+        self.dirty = False
+        host = self.host
+        host[0, :B] = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+        host[1, :B] = torch.from_numpy(np.asarray(positions, dtype=np.int64))
+        host[:, B:Bb] = 0
+        self.io[:, :Bb].copy_(host[:, :Bb], non_blocking=True)
+        entry = self.graphs.get((Bb, Lk))
+        if entry is None:
+            entry = self.graphs[(Bb, Lk)] = self._capture(Bb, Lk)
+        graph, out = entry
+        graph.replay()
+        return out[:B]
+
+    def _capture(self, Bb: int, Lk: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if self.sig is None:
+            self.sig, self.quick = self.signature(), self.signature(params=False)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        ids, pos = self.io[0, :Bb], self.io[1, :Bb]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: same inputs, so the KV writes are idempotent
+                self.body(ids, pos, Bb, Lk)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.body(ids, pos, Bb, Lk)
+        self.captures += 1
+        return graph, out

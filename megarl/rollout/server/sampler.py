@@ -1,0 +1,152 @@
+"""Batched, seeded token sampling for the embedded engine: every row of a decode step in a fixed
+number of tensor ops, whatever mix of parameters the rows have, with no host sync inside.
+
+Why batched: the engine samples every running request each step; a per-request Python loop (one
+generator, one `tolist` each) made rollout cost scale with the number of requests instead of the
+number of tokens (benchmarks/RESULTS.md section 5, first row).
+
+Semantics (unchanged from the per-request sampler this replaces):
+* logprobs are `log_softmax(logits / T)` of the *unfiltered* distribution (raw logits for greedy
+  rows), gathered at the chosen token -- SGLang's default `output_token_logprobs`;
+* greedy rows (`temperature == 0` or `top_k == 1`) take `argmax(logits)`;
+* other rows take Gumbel-max over their (filtered) temperature-scaled logprobs with noise from
+  :func:`seeded_gumbel`, keyed by (request seed, number of tokens it has generated, token id):
+  a seeded request samples the same tokens alone or in any batch, on any device.
+Top-k / top-p / min-p keep-sets are computed with a stable sort, so ties are broken by token id
+and a row's keep-set does not depend on the other rows of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (xorshift-multiply, as in Wang/Mueller hashes) on int64 tensors whose
+    values stay below 2^58, so the arithmetic is exact and identical on CPU and CUDA."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def _hash32_i32(x: torch.Tensor) -> torch.Tensor:
+    """`_hash32` on int32 tensors holding the 32-bit patterns: the same bits (the multiplications
+    wrap modulo 2^32, the shifts are masked to be logical) with half the memory traffic and no
+    masking op per round. Checked against `_hash32` once per device (`_fast_ok`)."""
+    x = (((x >> 16) & 0xFFFF) ^ x) * 0x45D9F3B
+    x = (((x >> 16) & 0xFFFF) ^ x) * 0x45D9F3B
+    return ((x >> 16) & 0xFFFF) ^ x
+
+
+_VOCAB_HASH: Dict[Tuple[int, str, torch.dtype], torch.Tensor] = {}
+_FAST: Dict[str, bool] = {}
+
+
+def _vocab_hash(vocab: int, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """`_hash32(arange(vocab))`, computed once per (vocab, device, dtype): a third of the noise's
+    integer work otherwise repeated every step."""
+    key = (vocab, str(device), dtype)
+    h = _VOCAB_HASH.get(key)
+    if h is None:
+        h = _VOCAB_HASH[key] = _hash32(torch.arange(vocab, device=device, dtype=torch.int64)).to(dtype)
+    return h
+
+
+def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    return _hash32((_hash32(seeds & _MASK32) ^ ((steps * 0x27D4EB2D) & _MASK32)) & _MASK32)
+
+
+def _gumbel_reference(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    bits = _hash32(_row_keys(seeds, steps)[:, None] ^ _vocab_hash(vocab, seeds.device)[None, :])
+    u = (bits.to(torch.float64) + 0.5) / 4294967296.0
+    return -torch.log(-torch.log(u)).to(torch.float32)
+
+
+def _gumbel_fast(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    key = _row_keys(seeds, steps).to(torch.int32)
+    bits = _hash32_i32(key[:, None] ^ _vocab_hash(vocab, seeds.device, torch.int32)[None, :])
+    u = bits.view(torch.uint32).to(torch.float64)
+    # the reference's ops, in place: + 0.5, / 2^32, log, neg, log, neg (same values, fewer buffers)
+    return u.add_(0.5).div_(4294967296.0).log_().neg_().log_().neg_().to(torch.float32)
+
+
+def _fast_ok(device: torch.device) -> bool:
+    """Does the int32 path give the reference's bits on this device (once per device)?"""
+    ok = _FAST.get(str(device))
+    if ok is None:
+        g = torch.Generator().manual_seed(0)
+        seeds = torch.randint(-2**40, 2**40, (8,), generator=g).to(device)
+        steps = torch.randint(0, 1 << 20, (8,), generator=g).to(device)
+        try:
+            ok = bool(torch.equal(_gumbel_fast(seeds, steps, 4099), _gumbel_reference(seeds, steps, 4099)))
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        _FAST[str(device)] = ok
+    return ok
+
+
+def seeded_gumbel(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise ``[B, V]`` that depends only on (request seed, decode step, token id): a
+    seeded request samples the same tokens whether it is batched with others or alone, on any
+    device, and without a per-request generator (the rows are sampled in one batched op)."""
+    if _fast_ok(seeds.device):
+        return _gumbel_fast(seeds, steps, vocab)
+    return _gumbel_reference(seeds, steps, vocab)
+
+
+def filtered_logp(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Rows ``logp [R, V]`` with the tokens that each row's top-k / top-p / min-p exclude set to
+    -inf (``top_k <= 0`` or ``>= V``, ``top_p >= 1``, ``min_p <= 0``: that filter is off)."""
+    R, V = logp.shape
+    p = logp.exp()
+    sp, si = torch.sort(p, dim=-1, descending=True, stable=True)
+    keep = torch.ones_like(p, dtype=torch.bool)
+    k_on = (top_k > 0) & (top_k < V)
+    kth = sp.gather(1, (top_k.clamp(1, V) - 1)[:, None])
+    keep &= (p >= kth) | ~k_on[:, None]
+    cum = torch.cumsum(sp, dim=-1)
+    drop_sorted = ((cum - sp) > top_p[:, None] * cum[:, -1:]) & (top_p < 1.0)[:, None]
+    keep &= ~torch.zeros_like(keep).scatter_(1, si, drop_sorted)
+    keep &= (p >= min_p[:, None] * sp[:, :1]) | (min_p <= 0.0)[:, None]
+    return torch.where(keep, logp, torch.full_like(logp, float("-inf")))
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters of a batch, as tensors on the logits' device.
+
+    ``temperature`` is 1.0 for greedy rows (their logprobs are of the raw logits); ``steps`` is
+    the number of tokens each row has generated (the noise's step key)."""
+
+    temperature: torch.Tensor   # [B] fp32
+    greedy: torch.Tensor        # [B] bool
+    seeds: torch.Tensor         # [B] int64
+    steps: torch.Tensor         # [B] int64
+    top_k: torch.Tensor         # [B] int64
+    top_p: torch.Tensor         # [B] fp32
+    min_p: torch.Tensor         # [B] fp32
+
+
+def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True,
+                filter_rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``logits [B, V]`` -> (tokens [B] int64, logprobs [B] fp32), all on the device.
+
+    ``any_stochastic`` False (every row greedy, known on the host) skips the noise;
+    ``filter_rows`` (int64 row indices, or None) are the rows with a top-k/top-p/min-p filter."""
+    B, V = logits.shape
+    logp = torch.log_softmax(logits / rp.temperature[:, None], dim=-1)
+    tokens = logits.argmax(dim=-1)
+    if any_stochastic:
+        rows = logp
+        if filter_rows is not None and filter_rows.numel():
+            rows = logp.clone()
+            rows[filter_rows] = filtered_logp(logp[filter_rows], rp.top_k[filter_rows], rp.top_p[filter_rows],
+                                              rp.min_p[filter_rows])
+        drawn = (rows + seeded_gumbel(rp.seeds, rp.steps, V)).argmax(dim=-1)
+        tokens = torch.where(rp.greedy, tokens, drawn)
+    lps = logp.gather(1, tokens[:, None])[:, 0]
+    return tokens, lps

@@ -1,0 +1,215 @@
+"""The embedded engine's batching machinery against references that do not use it: prefix sharing,
+row compaction, the decode graph's padded/bucketed body, seeds per sample -- each must leave every
+request's tokens and logprobs what they are when the request runs alone (issue 18)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig
+
+from megarl.rollout.server.engine import Engine, Request, Sampling
+from megarl.rollout.server.graphs import DecodeGraphs, batch_buckets, len_bucket
+from megarl.rollout.server.model import DecoderModel
+from megarl.rollout.testing import make_tiny_hf_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("eng") / "m")
+    hf = make_tiny_hf_model(d, "llama", std=0.3)
+    return d, hf
+
+
+def _model(d: str) -> DecoderModel:
+    m = DecoderModel(AutoConfig.from_pretrained(d))
+    m.load_hf_dir(d)
+    return m
+
+
+def _run(d: str, reqs: list[Request], **kw) -> tuple[list[dict], dict]:
+    eng = Engine(_model(d), **kw)
+    eng.start()
+    try:
+        futs = eng.submit_many(reqs)
+        return [f.result(timeout=120) for f in futs], dict(eng.stats)
+    finally:
+        eng.stop()
+
+
+def _alone(d: str, req: Request) -> dict:
+    return _run(d, [req], max_running=1, max_len=128)[0][0]
+
+
+def _req(prompt, seed=None, max_new=12, **kw) -> Request:
+    return Request(list(prompt), Sampling(max_new_tokens=max_new, sampling_seed=seed, **kw), return_logprob=True)
+
+
+def _same(a: dict, b: dict, tol: float = 1e-5) -> None:
+    assert a["output_ids"] == b["output_ids"]
+    la = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+    lb = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+    assert max(abs(x - y) for x, y in zip(la, lb)) < tol
+
+
+PROMPT_A = [5, 17, 42, 99, 3, 250, 7, 8, 9]
+PROMPT_B = [11, 12, 13]
+
+
+def test_group_prefills_once_and_each_sample_matches_its_run_alone(tiny):
+    """8 samples of two prompts (4 each, own seeds, different lengths): 2 prefills, 6 copies;
+    every sample equals the same request run alone in a batch of one."""
+    d, _ = tiny
+    reqs = [_req(PROMPT_A if i < 4 else PROMPT_B, seed=100 + i, max_new=4 + 3 * (i % 4), ignore_eos=True)
+            for i in range(8)]
+    outs, stats = _run(d, [_req(r.input_ids, r.sampling.sampling_seed, r.sampling.max_new_tokens, ignore_eos=True)
+                           for r in reqs], max_running=8, max_len=128)
+    assert stats["prefill_tokens"] == len(PROMPT_A) + len(PROMPT_B)
+    assert stats["shared_prefill_tokens"] == 3 * len(PROMPT_A) + 3 * len(PROMPT_B)
+    assert stats["admissions"] == 1
+    for r, o in zip(reqs, outs):
+        _same(o, _alone(d, r))
+        assert len(o["output_ids"]) == r.sampling.max_new_tokens     # finished at different steps
+    assert outs[0]["meta_info"]["cached_tokens"] == 0 and outs[1]["meta_info"]["cached_tokens"] == len(PROMPT_A)
+    assert len({tuple(o["output_ids"]) for o in outs[:4]}) > 1           # the seeds differ
+
+
+def test_no_prefix_sharing_gives_the_same_outputs(tiny):
+    d, _ = tiny
+    reqs = lambda: [_req(PROMPT_A, seed=7 + i, max_new=8) for i in range(4)]  # noqa: E731
+    shared, s1 = _run(d, reqs(), max_running=4, max_len=128)
+    alone, s2 = _run(d, reqs(), max_running=4, max_len=128, prefix_sharing=False)
+    assert s1["prefill_tokens"] == len(PROMPT_A) and s2["prefill_tokens"] == 4 * len(PROMPT_A)
+    for a, b in zip(shared, alone):
+        _same(a, b)
+
+
+def test_prompt_held_by_a_running_row_is_copied_and_its_last_token_recomputed(tiny):
+    """Two rows only: the group's later samples wait for a row, then take the prompt's KV from a
+    sample still running (all but the last prompt token, which is recomputed at an offset)."""
+    d, _ = tiny
+    reqs = [_req(PROMPT_A, seed=30 + i, max_new=3 if i == 0 else 10, ignore_eos=True) for i in range(4)]
+    outs, stats = _run(d, [_req(r.input_ids, r.sampling.sampling_seed, r.sampling.max_new_tokens, ignore_eos=True)
+                           for r in reqs], max_running=2, max_len=128)
+    assert stats["admissions"] >= 2
+    assert stats["prefill_tokens"] < 4 * len(PROMPT_A)                     # later admissions reused the prompt
+    assert any(o["meta_info"]["cached_tokens"] == len(PROMPT_A) - 1 for o in outs)
+    for r, o in zip(reqs, outs):
+        _same(o, _alone(d, r))
+
+
+def test_greedy_batch_with_compaction_equals_hf_generate(tiny):
+    """Requests of different lengths and budgets finish at different steps; the survivors move to
+    the freed rows; every greedy output is still HF's."""
+    d, hf = tiny
+    prompts = [PROMPT_A, PROMPT_B, [200, 100, 50, 25], [1, 2], [9] * 11, [3, 4, 5, 6, 7]]
+    budgets = [2, 12, 5, 9, 1, 7]
+    outs, stats = _run(d, [_req(p, max_new=n, temperature=0.0) for p, n in zip(prompts, budgets)],
+                       max_running=6, max_len=64)
+    for p, n, o in zip(prompts, budgets, outs):
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=n,
+                          min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert o["output_ids"] == ref
+    assert stats["max_batch"] == 5     # the 1-token request finished on its prefill token
+
+
+def test_weight_change_ends_prefix_sharing_with_running_rows(tiny):
+    """KV computed before a control op (a weight update) is never copied after it."""
+    d, _ = tiny
+    eng = Engine(_model(d), max_running=4, max_len=256)
+    eng.start()
+    try:
+        first = eng.submit(_req(PROMPT_A, seed=1, max_new=200, ignore_eos=True))
+        while eng.stats["steps"] < 2:
+            time.sleep(0.01)
+        eng.control(lambda: None).result(timeout=30)
+        before = eng.stats["shared_prefill_tokens"]
+        eng.submit(_req(PROMPT_A, seed=2, max_new=2)).result(timeout=60)
+        assert eng.stats["shared_prefill_tokens"] == before          # prefilled again, not copied
+        first.result(timeout=120)
+    finally:
+        eng.stop()
+
+
+def test_padded_bucketed_decode_body_equals_the_exact_one(tiny):
+    """What a decode CUDA graph replays -- rows padded to a batch bucket (token 0 at position 0 in
+    free rows) and keys to a length bucket -- gives the running rows the logits of the exact step."""
+    d, _ = tiny
+    m = _model(d)
+    m.alloc_cache(8, 64)
+    m.prefill([PROMPT_A, PROMPT_B, [7, 7, 7]], 0)
+    toks, pos = np.array([4, 5, 6]), np.array([len(PROMPT_A), len(PROMPT_B), 3])
+    exact = m.decode(toks, pos).clone()
+    m.prefill([PROMPT_A, PROMPT_B, [7, 7, 7]], 0)        # same cache state again
+    Bb = next(b for b in batch_buckets(8) if b >= 3)
+    Lk = len_bucket(int(pos.max()) + 1, 64)
+    ids = torch.tensor(list(toks) + [0] * (Bb - 3))
+    p = torch.tensor(list(pos) + [0] * (Bb - 3))
+    with torch.inference_mode():
+        padded = m._decode_body(ids, p, Bb, Lk)[:3]
+    assert (Bb, Lk) == (4, 64)
+    assert (padded - exact).abs().max().item() < 1e-5
+
+
+def test_buckets():
+    assert batch_buckets(512) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert all(b <= 300 for b in batch_buckets(300)) and batch_buckets(300)[-1] == 300
+    assert len_bucket(1, 2048) == 64 and len_bucket(65, 2048) == 128 and len_bucket(100, 90) == 90
+    assert len_bucket(600, 4096) == 640 and len_bucket(1500, 4096) == 1536
+
+
+def test_samples_of_one_seeded_request_differ_and_sample_zero_keeps_the_seed():
+    s = Sampling(sampling_seed=5)
+    seeds = [s.for_sample(j).sampling_seed for j in range(8)]
+    assert seeds[0] == 5 and len(set(seeds)) == 8
+    assert [Sampling(sampling_seed=5).for_sample(j).sampling_seed for j in range(8)] == seeds
+    assert Sampling().for_sample(3).sampling_seed is None
+
+
+class _EmulatedGraphs(DecodeGraphs):
+    """`DecodeGraphs` on CPU: a "graph" replays the captured body on the static buffers (what a
+    CUDA graph replay does), so bucketing, padding, reuse and invalidation run as on the GPU."""
+
+    def _capture(self, Bb, Lk):
+        if self.sig is None:
+            self.sig, self.quick = self.signature(), self.signature(params=False)
+        ids, pos = self.io[0, :Bb], self.io[1, :Bb]
+        out = self.body(ids, pos, Bb, Lk).clone()
+        self.captures += 1
+
+        class Replay:
+            def replay(_):
+                out.copy_(self.body(ids, pos, Bb, Lk))
+        return Replay(), out
+
+
+def test_graph_path_gives_the_eager_outputs_and_is_invalidated_by_moved_tensors(tiny):
+    d, hf = tiny
+    reqs = lambda: ([_req(PROMPT_A, seed=50 + i, max_new=6 + 2 * i, ignore_eos=True) for i in range(3)]  # noqa: E731
+                    + [_req(p, max_new=9, temperature=0.0) for p in (PROMPT_B, [1, 2])])
+    eager, _ = _run(d, reqs(), max_running=6, max_len=128)
+    m = _model(d)
+    eng = Engine(m, max_running=6, max_len=128)
+    m.use_cuda_graphs = True
+    m.graphs = _EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 6, 128)
+    eng.start()
+    try:
+        graphed = [f.result(timeout=120) for f in eng.submit_many(reqs())]
+        first = m.graphs.captures
+        again = [f.result(timeout=120) for f in eng.submit_many(reqs())]
+        assert m.graphs.captures == first                       # same buckets: replayed, not recaptured
+        eng.control(lambda: m.alloc_cache(6, 128)).result(timeout=30)   # a resume: maybe other addresses
+        eng.control(lambda: setattr(m, "inv_freq", m.inv_freq.clone())).result(timeout=30)  # a moved tensor
+        moved = [f.result(timeout=120) for f in eng.submit_many(reqs())]
+        assert m.graphs.captures > first                        # the moved tensor forced a recapture
+    finally:
+        eng.stop()
+    assert {b for b, _ in m.graphs.graphs} <= {1, 2, 4, 6}
+    for outs in (graphed, again, moved):
+        for a, b in zip(outs, eager):
+            _same(a, b)
