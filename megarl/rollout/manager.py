@@ -27,6 +27,13 @@ from megarl.rollout.protocol import ENDPOINTS
 log = logging.getLogger("megarl.rollout.manager")
 
 
+def request_seed(seed: int, job_index: int) -> int:
+    """``sampling_seed`` of request ``job_index`` (prompt-major, ``p * n + k``) of a batch seeded
+    with ``seed``: what :meth:`RolloutManager.generate` sends, and what an off-policy source sends
+    for the same sample, so both draw the same tokens."""
+    return (seed + job_index * 7919) & 0x7FFFFFFF
+
+
 class NoServerLeft(RuntimeError):
     """Every rollout server failed."""
 
@@ -71,6 +78,12 @@ class RolloutManager:
             return dict(zip(self.live_urls(), outs))
         return self.io.run(go())
 
+    async def generate_one(self, input_ids: list[int], params: dict[str, Any], job_index: int = 0) -> GenerateOutput:
+        """One request (``params`` with its own ``n = 1`` and seed), with the retries of
+        :meth:`generate`, on the servers from ``job_index`` round-robin; an answer that finished
+        with ``abort`` (a pause) is returned like any other."""
+        return (await self._generate([input_ids], 1, params, None, first_job=job_index))[0][0]
+
     def generate(self, prompts: list[list[int]], n: int, sampling: dict[str, Any],
                  seed: Optional[int] = None) -> list[list[GenerateOutput]]:
         """``n`` outputs per prompt, in prompt order, each with per-token rollout logprobs."""
@@ -97,7 +110,7 @@ class RolloutManager:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
-    async def _generate(self, prompts, n, sampling, seed):
+    async def _generate(self, prompts, n, sampling, seed, first_job: int = 0):
         jobs = [(p, k) for p in range(len(prompts)) for k in range(n)]
         results: list[list[Optional[GenerateOutput]]] = [[None] * n for _ in prompts]
         count = len(self.clients)
@@ -105,8 +118,8 @@ class RolloutManager:
         async def one(job_index: int, p: int, k: int):
             params = dict(sampling, n=1)
             if seed is not None:
-                params["sampling_seed"] = (seed + job_index * 7919) & 0x7FFFFFFF
-            start = job_index % count
+                params["sampling_seed"] = request_seed(seed, job_index)
+            start = (first_job + job_index) % count
             retries_left = self.request_retries
             for attempt in range(count + self.request_retries + 1):
                 live = [s for s in ((start + attempt + i) % count for i in range(count)) if s not in self.dead]

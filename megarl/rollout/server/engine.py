@@ -21,9 +21,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
+
+from megarl.rollout.versions import weight_version_spans
 
 from .model import DecoderModel
 
@@ -81,15 +83,20 @@ class Request:
     slot: int = -1
     pending: int = -1          # last sampled token, not yet written to the KV cache
     t_start: float = field(default_factory=time.time)
+    # (old weight version, output tokens so far) at each weight change while this request lived
+    version_events: List[Tuple[str, int]] = field(default_factory=list)
+    retracted: bool = False    # back in the queue with its KV freed: re-prefilled with its output
 
     def result(self, weight_version: str) -> dict:
+        spans = weight_version_spans(self.version_events, weight_version, len(self.output_ids))
         meta = {
             "id": self.rid,
             "finish_reason": self.finish_reason,
             "prompt_tokens": len(self.input_ids),
             "completion_tokens": len(self.output_ids),
             "cached_tokens": 0,
-            "weight_version": weight_version,
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,     # SGLang 0.5.23: which version produced which tokens
             "e2e_latency": time.time() - self.t_start,
         }
         if self.return_logprob:
@@ -186,6 +193,7 @@ class Engine:
         self.gen = torch.Generator().manual_seed(seed)
         self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "max_batch": 0}
         self.released: set = set()
+        self.paused: Optional[str] = None   # SGLang pause mode (retract | in_place) while paused
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._backlog: List[Request] = []
@@ -225,11 +233,75 @@ class Engine:
     def num_active(self) -> int:
         return len(self.running) + self.waiting.qsize() + len(self._backlog)
 
+    # ------------------------------------------------------------ SGLang's pause / abort (engine thread)
+    # Called through `control(...)`, i.e. between steps, like SGLang's scheduler handles them.
+    def set_weight_version(self, version: str) -> None:
+        """New weights are in place: every live request records how many tokens it had under the
+        old version (SGLang's ``record_weight_version_events``), so its answer says which tokens
+        which version produced."""
+        if version == self.weight_version:
+            return
+        self._drain_waiting()
+        for r in self.running + list(self._backlog):
+            if r.output_ids:
+                r.version_events.append((self.weight_version, len(r.output_ids)))
+        self.weight_version = version
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        """Finish the matching requests now with the tokens they have (SGLang's ``AbortReq``: an
+        empty rid without ``abort_all`` matches nothing; a rid matches by prefix, as SGLang's
+        scheduler does, so the sub-requests of a batch go with it). Returns how many."""
+        if not abort_all and not rid:
+            return 0
+        self._drain_waiting()
+        hit = lambda r: abort_all or r.rid.startswith(rid)  # noqa: E731
+        victims = [r for r in self.running if hit(r)] + [r for r in self._backlog if hit(r)]
+        self._backlog = [r for r in self._backlog if not hit(r)]
+        for r in victims:
+            self._finish(r, {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None})
+        self.running = [r for r in self.running if r.finish_reason is None]
+        return len(victims)
+
+    def pause(self, mode: str) -> int:
+        """Stop scheduling. ``retract``: running requests go back to the front of the queue with
+        their KV freed (re-prefilled from prompt + output when continued, under whatever weights
+        are current then); ``in_place``: they stay as they are. Returns the running count."""
+        if mode not in ("retract", "in_place"):
+            raise ValueError(f"engine pause mode must be retract or in_place, got {mode!r}")
+        self.paused = mode
+        held = len(self.running)
+        if mode == "retract":
+            for r in self.running:
+                self.free_slots.append(r.slot)
+                r.slot, r.retracted = -1, True
+            self._backlog = self.running + self._backlog
+            self.running = []
+        return held
+
+    def unpause(self) -> None:
+        self.paused = None
+        self._wake.set()
+
+    def idle(self, ignore_waiting: bool = False) -> bool:
+        """SGLang's ``is_fully_idle``: nothing running (and, unless ignored, nothing queued)."""
+        return not self.running and (ignore_waiting or (not self._backlog and self.waiting.empty()))
+
+    def _drain_waiting(self) -> None:
+        while True:
+            try:
+                self._backlog.append(self.waiting.get_nowait())
+            except queue.Empty:
+                return
+
     # ------------------------------------------------------------ engine thread
     def _loop(self):
         while not self._stop.is_set():
             try:
                 self._run_controls()
+                if self.paused:
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+                    continue
                 admitted = self._admit()
                 if not self.running:
                     self._wake.wait(timeout=0.05)
@@ -256,26 +328,27 @@ class Engine:
                 fut.set_exception(e)
 
     def _admit(self) -> List[Request]:
-        while True:
-            try:
-                self._backlog.append(self.waiting.get_nowait())
-            except queue.Empty:
-                break
+        self._drain_waiting()
         new, budget = [], self.max_prefill_tokens
+        # a retracted request's context is its prompt and all it generated (its pending token too)
+        context = lambda r: r.input_ids + r.output_ids if r.retracted else r.input_ids  # noqa: E731
         while self._backlog and self.free_slots:
             r = self._backlog[0]
-            if new and len(r.input_ids) > budget:
+            if new and len(context(r)) > budget:
                 break
             self._backlog.pop(0)
             if r.done.cancelled():
                 continue
             r.slot = self.free_slots.pop()
-            budget -= len(r.input_ids)
+            budget -= len(context(r))
             new.append(r)
         if not new:
             return []
-        logits = self.model.prefill([r.input_ids for r in new], [r.slot for r in new])
-        self.stats["prefill_tokens"] += sum(len(r.input_ids) for r in new)
+        seqs = [context(r) for r in new]
+        for r in new:
+            r.retracted = False
+        logits = self.model.prefill(seqs, [r.slot for r in new])
+        self.stats["prefill_tokens"] += sum(len(q) for q in seqs)
         self.running.extend(new)
         self._consume(new, logits)
         return new
