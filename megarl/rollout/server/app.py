@@ -376,8 +376,14 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
         eng = engine()
         b = await _body(request)
         rid, abort_all = str(b.get("rid") or ""), bool(b.get("abort_all", False))
-        if abort_all or rid:   # SGLang ignores an empty rid without abort_all
-            await asyncio.wrap_future(eng.control(lambda: eng.abort(rid, abort_all)))
+
+        def op() -> int:
+            # SGLang's tokenizer manager forwards only a rid it holds (exact match), the scheduler then
+            # aborts every request whose rid starts with it; an empty rid without abort_all is ignored
+            if not abort_all and not eng.has_request(rid):
+                return 0
+            return eng.abort(rid, abort_all)
+        await asyncio.wrap_future(eng.control(op))
         return web.Response(status=200)
 
     # ------------------------------------------------------------------ cache / memory

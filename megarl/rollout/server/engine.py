@@ -262,6 +262,11 @@ class Engine:
         self.running = [r for r in self.running if r.finish_reason is None]
         return len(victims)
 
+    def has_request(self, rid: str) -> bool:
+        """Is a request with exactly this rid running or queued?"""
+        self._drain_waiting()
+        return bool(rid) and any(r.rid == rid for r in self.running + self._backlog)
+
     def pause(self, mode: str) -> int:
         """Stop scheduling. ``retract``: running requests go back to the front of the queue with
         their KV freed (re-prefilled from prompt + output when continued, under whatever weights
