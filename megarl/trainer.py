@@ -25,25 +25,14 @@ from megarl.checkpoint.atomic import replace_dir
 from megarl.config import RunConfig, load_config, validate_config
 from megarl.data.batch import TokenBatch
 from megarl.metrics_log import MetricsLogger, note
+from megarl.rollout.sample import Sample  # noqa: F401  (a trajectory; re-exported, it lived here)
+from megarl.rollout.versions import version_tag
 
 GROUP_FREE_ESTIMATORS = {"gae", "reinforce_plus_plus", "remax"}
 
 
 class LogprobMismatch(RuntimeError):
     """Rollout and trainer disagree on the sampled tokens' logprobs: wrong weights or naming."""
-
-
-@dataclass
-class Sample:
-    record: Any
-    group: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]
-    finish_reason: str
-    reward: float = 0.0
-    text: str = ""
-    routed_experts: Optional[torch.Tensor] = None  # MoE: int [len - 1, layers, top_k] chosen by the rollout
 
 
 @dataclass
@@ -202,7 +191,31 @@ class Trainer:
         self.logger = MetricsLogger(None, cfg.trainer.total_steps, cfg.logging.progress_bar,
                                     sinks=build_sinks(cfg, self.out))
         self._maybe_resume()
-        self._push_weights()
+        self._push_weights(version=version_tag(self.state.step))
+        if self.source.off_policy:
+            self.source.set_version(self.state.step, taken_batches=self.state.step)
+
+    def _make_source(self):
+        """Where batches come from (``rollout.mode``; megarl/rollout/source.py)."""
+        from megarl.rollout.source import OffPolicySource, SingleTurnRollout, SyncSource
+
+        cfg, r = self.cfg, self.cfg.rollout
+        if r.mode == "sync":
+            return SyncSource(self.collect, lambda: self._manager.retried if hasattr(self, "_manager") else 0,
+                              self.loader)
+        from megarl.data import PromptLoader
+
+        manager = self._rollout_manager()
+        ds = cfg.algorithm.dynamic_sampling
+        rollout = SingleTurnRollout(manager, self._sampling(greedy=False),
+                                    lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), self.score)
+        return OffPolicySource(
+            mode=r.mode, rollout=rollout, loader=PromptLoader(self.train_records, 1, cfg.seed, cfg.data.shuffle),
+            records={rec.index: rec for rec in self.train_records}, encode=self._prompt_ids, n=r.n_per_prompt,
+            groups_per_batch=cfg.batch.prompts_per_step, max_staleness=r.max_staleness, interrupt=r.interrupt,
+            stale=r.stale_samples, group_seed=lambda step: self._seed_base(step, 0), call_servers=manager.call_all,
+            run=manager.io.run, submit=manager.io.submit,
+            dynamic_sampling_rounds=ds.max_rounds if ds.enabled else None, ledger=self.out / "rollout_ledger.jsonl")
 
     def _start_servers(self, placement_groups: dict[str, Any]):
         """Servers go to the rollout pool (disaggregated) or the shared one (colocated) under Ray."""
@@ -225,45 +238,62 @@ class Trainer:
             if role in self.groups:
                 self.groups[role].call("load_checkpoint", str(path / role))
         self.state.step = state["step"]
-        self.loader.load_state_dict(state["loader"])
+        self.source.load_state_dict(state)   # the loader's position (and an off-policy source's buffer)
         self.kl_ctl.value = state["kl_coef"]
         random.setstate(tuple(_as_tuple(state["python_rng"])))
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         note(f"resumed from {path} at step {self.state.step}")
 
     # ------------------------------------------------------------------ rollout
+    def _prompt_ids(self, rec: Any) -> Optional[list[int]]:
+        """A record's prompt tokens, or None (with a note) when longer than rollout.max_prompt_len."""
+        from megarl.data import encode_prompt
+
+        cfg, r = self.cfg, self.cfg.rollout
+        ids = encode_prompt(self.tokenizer, rec, chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt)
+        if len(ids) > r.max_prompt_len:
+            note(f"prompt {rec.index} has {len(ids)} tokens > rollout.max_prompt_len {r.max_prompt_len}: dropped")
+            return None
+        return ids
+
+    def _sampling(self, greedy: bool) -> dict[str, Any]:
+        r = self.cfg.rollout
+        stop = sorted(set(r.sampling.stop_token_ids) | {t for t in [self.tokenizer.eos_token_id] if t is not None})
+        return {"max_new_tokens": r.sampling.max_new_tokens, "temperature": 0.0 if greedy else r.sampling.temperature,
+                "top_p": 1.0 if greedy else r.sampling.top_p, "top_k": -1 if greedy else r.sampling.top_k,
+                "stop_token_ids": stop}
+
+    def _rollout_manager(self):
+        if not hasattr(self, "_manager"):
+            from megarl.rollout.manager import RolloutManager
+
+            r = self.cfg.rollout
+            self._manager = RolloutManager(self.servers.urls, max_concurrency=r.max_running_requests,
+                                           timeout_s=r.request_timeout_s, request_retries=r.request_retries,
+                                           api_key=self.servers.api_key, healer=self._healer())
+        return self._manager
+
+    def _seed_base(self, step: int, rounds: int) -> int:
+        """Sampling seed of a step's rollout round (each request adds its index, manager.request_seed)."""
+        return (self.cfg.seed * 1_000_003 + step * 1009 + rounds) & 0x7FFFFFFF
+
     def generate(self, records: list[Any], n: int, greedy: bool = False, seed_base: int = 0,
                  on_group: Optional[Callable[[list[Sample]], None]] = None) -> list[Sample]:
         """``n`` samples per record, in record order. ``on_group`` (e.g. ``score``) is called on each
         group's samples as soon as its request completes, while the rest still generate."""
-        from megarl.data import encode_prompt
-        from megarl.rollout.manager import RolloutManager
-
-        cfg, r = self.cfg, self.cfg.rollout
-        prompts, kept = [], []
-        for rec in records:
-            ids = encode_prompt(self.tokenizer, rec, chat_template=cfg.data.chat_template,
-                                system_prompt=cfg.data.system_prompt)
-            if len(ids) > r.max_prompt_len:
-                note(f"prompt {rec.index} has {len(ids)} tokens > rollout.max_prompt_len {r.max_prompt_len}: dropped")
-                continue
-            prompts.append(ids)
-            kept.append(rec)
-        stop = sorted(set(r.sampling.stop_token_ids) | {t for t in [self.tokenizer.eos_token_id] if t is not None})
-        sampling = {"max_new_tokens": r.sampling.max_new_tokens, "temperature": 0.0 if greedy else r.sampling.temperature,
-                    "top_p": 1.0 if greedy else r.sampling.top_p, "top_k": -1 if greedy else r.sampling.top_k,
-                    "stop_token_ids": stop}
-        if not hasattr(self, "_manager"):
-            self._manager = RolloutManager(self.servers.urls, max_concurrency=r.max_running_requests,
-                                           timeout_s=r.request_timeout_s, request_retries=r.request_retries,
-                                           api_key=self.servers.api_key, healer=self._healer())
         from megarl.rollout.routed_experts import sample_routes
 
+        prompts, kept = [], []
+        for rec in records:
+            ids = self._prompt_ids(rec)
+            if ids is not None:
+                prompts.append(ids)
+                kept.append(rec)
         routes = self.moe_routing is not None and not greedy
-        replay = cfg.algorithm.routing_replay == "rollout"
+        replay = self.cfg.algorithm.routing_replay == "rollout"
         groups: list[list[Sample]] = [[] for _ in prompts]
-        for g, outs in self._manager.stream(prompts, n=n, sampling=sampling, seed=None if greedy else seed_base,
-                                            return_routed_experts=routes):
+        for g, outs in self._rollout_manager().stream(prompts, n=n, sampling=self._sampling(greedy),
+                                                      seed=None if greedy else seed_base, return_routed_experts=routes):
             rec, ids = kept[g], prompts[g]
             for out in outs:
                 response = list(out.output_ids)
@@ -311,7 +341,7 @@ class Trainer:
             # rule/function rewards score each group as it arrives, overlapping the generation
             # tail; a reward model scores the whole batch in one call afterwards
             inline = self.reward_fn is not None
-            samples = self.generate(records, n, seed_base=(cfg.seed * 1_000_003 + step * 1009 + rounds) & 0x7FFFFFFF,
+            samples = self.generate(records, n, seed_base=self._seed_base(step, rounds),
                                     on_group=self.score if inline else None)
             if not inline:
                 self.score(samples)
@@ -356,10 +386,8 @@ class Trainer:
         cfg, a = self.cfg, self.cfg.algorithm
         times: dict[str, float] = {}
         t = time.time()
-        retried = self._manager.retried if hasattr(self, "_manager") else 0
         restarted = self._manager.restarted if hasattr(self, "_manager") else 0
-        samples, metrics = self.collect(step)
-        metrics["rollout/retried_requests"] = self._manager.retried - retried  # after a failure or timeout
+        samples, metrics = self.source.next_batch(step)   # sync: generated now; off-policy: from the buffer
         metrics["rollout/restarted_servers"] = self._manager.restarted - restarted  # dead/hung, restarted
         times["rollout"] = time.time() - t
         self._rollout_memory("release")
@@ -369,6 +397,7 @@ class Trainer:
         mask = batch.response_mask()
         fields = batch.token_fields
         routes = tuple(batch.seq_fields)  # MoE: the rollout's experts, for replay and agreement (R3)
+        stale_weights = self._staleness(samples, batch, mask, step, metrics) if self.source.off_policy else None
 
         t = time.time()
         actor = self.groups["actor"]
@@ -403,7 +432,7 @@ class Trainer:
         adv = get_advantage_estimator(a.advantage)(
             rewards, mask, group_ids=group_ids, values=values, gamma=a.gamma, lam=a.lam, kl=kl_tokens,
             norm_std=a.norm_adv_by_std, baseline_rewards=baseline)
-        fields["advantages"] = batch.unpad(adv.advantages)
+        fields["advantages"] = batch.unpad(adv.advantages if stale_weights is None else adv.advantages * stale_weights)
         if values is not None:
             fields["returns"] = batch.unpad(adv.returns)
 
@@ -432,9 +461,11 @@ class Trainer:
 
         t = time.time()
         self._rollout_memory("resume")
-        sync = self._push_weights(version=f"step{step + 1}")
+        with self.source.weight_update(step + 1) as update:   # off-policy: pause or drain generation around it
+            sync = self._push_weights(version=version_tag(step + 1))
         times["sync"] = time.time() - t
         metrics.update(sync)
+        metrics.update(update)
 
         tokens = float(mask.sum())
         metrics.update({
@@ -474,6 +505,21 @@ class Trainer:
                     f"rollout servers do not hold the trainer's weights (wrong checkpoint, naming or dtype); a "
                     f"correct run differs by about the noise floor, a wrong weight by order 1")
         return out
+    def _staleness(self, samples: list[Sample], batch: TokenBatch, mask: torch.Tensor, step: int,
+                   metrics: dict[str, float]) -> Optional[torch.Tensor]:
+        """Off-policy batches: staleness metrics (the trainer holds version ``step``) and, with
+        ``rollout.stale_samples: downweight``, per-token weights for tokens past the bound."""
+        from megarl.algos.offpolicy import staleness_stats, staleness_weights
+
+        r = self.cfg.rollout
+        versions = batch.padded(torch.tensor([v for s in samples for v in s.versions], dtype=torch.int64))
+        metrics.update({f"offpolicy/{k}": v for k, v in staleness_stats(versions, mask, step).items()})
+        bound = 1 if r.mode == "one_step_off" else r.max_staleness
+        if r.stale_samples != "downweight":
+            return None
+        weights = staleness_weights(versions, mask, step, bound, r.stale_weight)
+        metrics["offpolicy/downweighted_token_frac"] = float(((weights < 1) & mask.bool()).sum() / mask.sum().clamp(min=1))
+        return weights
 
     def _rollout_memory(self, action: str) -> None:
         """Colocated on GPU: rollout servers give their KV cache and weights back to the trainer
@@ -572,7 +618,7 @@ class Trainer:
         for role in ("actor", "critic"):
             if role in self.groups:
                 self.groups[role].call("save_checkpoint", str(tmp / role))
-        state = {"step": step, "loader": self.loader.state_dict(), "kl_coef": self.kl_ctl.value,
+        state = {"step": step, **self.source.state_dict(), "kl_coef": self.kl_ctl.value,
                  "python_rng": random.getstate(), "torch_rng": torch.get_rng_state().tolist()}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         replace_dir(tmp, final)  # a checkpoint is either whole or absent
@@ -646,6 +692,8 @@ class Trainer:
                                     f"(resume with checkpoint.resume=auto)") from e
 
     def close(self) -> None:
+        if getattr(self, "source", None) is not None:
+            self.source.close()
         if self.logger is not None:
             self.logger.close()
         if getattr(self, "reward_pool", None) is not None:

@@ -175,6 +175,20 @@ class RolloutConfig:
     return_routed_experts: Optional[bool] = opt(None, "MoE: servers record the experts each token was routed to "
                                                 "(SGLang --enable-return-routed-experts, request field "
                                                 "return_routed_experts); null = on for MoE models")
+    mode: Literal["sync", "one_step_off", "async"] = opt(
+        "sync", "sync: generate each step's batch after the previous push; one_step_off: generate step k+1's batch "
+        "(weights k) while step k trains; async: a producer keeps generating, batches at most max_staleness versions "
+        "old (both need placement.mode=disaggregated)")
+    max_staleness: int = opt(1, "async: the oldest token of a trained sample is at most this many weight versions "
+                                "behind the trainer (one_step_off: 1)")
+    interrupt: Literal["abort", "retract", "none"] = opt(
+        "abort", "async: requests in flight at a weight push: abort (SGLang /pause_generation mode abort, answered with "
+        "their tokens and continued by the client from them), retract (kept by the server, KV recomputed, continued "
+        "under the new weights), none (the push waits for them)")
+    stale_samples: Literal["drop", "downweight"] = opt(
+        "drop", "async: groups whose oldest token is past max_staleness are dropped (counted), or kept with tokens "
+        "past the bound weighted stale_weight per extra version")
+    stale_weight: float = opt(0.5, "stale_samples=downweight: loss weight factor per version beyond max_staleness")
 
 
 @dataclass

@@ -316,6 +316,26 @@ def _check_routing_replay(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.model.recompute == "full" and p.pp > 1:
         problems.append("model.recompute: full recompute with pp > 1 re-runs forwards out of order; routing replay "
                         "needs recompute none or selective there")
+def _check_rollout_mode(cfg: RunConfig, problems: list[str]) -> None:
+    """Off-policy rollouts overlap generation with training: they need rollout servers that keep
+    their device while the trainer trains (disaggregated; on one GPU both may share it)."""
+    r = cfg.rollout
+    if r.mode == "sync" or cfg.trainer.mode != "rl":
+        return
+    if cfg.placement.mode == "colocated":
+        problems.append(f"rollout.mode: {r.mode} overlaps generation with training, but colocated rollout servers give "
+                        f"their GPUs to the trainer while it trains; set placement.mode=disaggregated or keep "
+                        f"rollout.mode=sync")
+    if r.mode == "one_step_off" and r.max_staleness != 1:
+        problems.append(f"rollout.max_staleness: one_step_off trains every batch one version behind (1), got "
+                        f"{r.max_staleness}; use rollout.mode=async for another bound")
+    if r.max_staleness < 0:
+        problems.append(f"rollout.max_staleness: must be >= 0, got {r.max_staleness}")
+    if not 0 < r.stale_weight <= 1:
+        problems.append(f"rollout.stale_weight: must be in (0, 1], got {r.stale_weight}")
+    if cfg.reward.kind == "model":
+        problems.append(f"reward.kind: model scores on the trainer's reward-model ranks, which rollout.mode={r.mode} "
+                        f"would call from the producer while they train; use rollout.mode=sync")
 
 
 def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
@@ -397,6 +417,7 @@ def collect_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
     _check_batches(cfg, problems)
     _check_pools(cfg, problems)
     _check_algorithm(cfg, problems)
+    _check_rollout_mode(cfg, problems)
     _check_rest(cfg, problems)
     return problems
 

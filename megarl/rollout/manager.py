@@ -59,8 +59,13 @@ class GenerationFailed(RuntimeError):
 
 
 def sample_seed(seed: int, job: int) -> int:
-    """The ``sampling_seed`` of sample number ``job`` (= prompt * n + k) of a seeded batch."""
+    """The ``sampling_seed`` of sample number ``job`` (= prompt * n + k) of a seeded batch: what
+    :meth:`RolloutManager.generate` sends, and what an off-policy source sends for the same
+    sample, so both draw the same tokens."""
     return (seed + job * SEED_STRIDE) & 0x7FFFFFFF
+
+
+request_seed = sample_seed
 
 
 @dataclass
@@ -142,6 +147,13 @@ class RolloutManager:
                                           for i in range(len(self.urls)) if i not in self.dead))
             return dict(zip(self.live_urls(), outs))
         return self.io.run(go())
+
+    async def generate_one(self, input_ids: list[int], params: dict[str, Any], job_index: int = 0) -> GenerateOutput:
+        """One request (``params`` with its own ``n = 1`` and seed), with the retries of
+        :meth:`generate`, on the least loaded server (ties from ``job_index`` round-robin); an
+        answer that finished with ``abort`` (a pause) is returned like any other."""
+        outs = await self._send(job_index, _Chunk(0, 1, 1), input_ids, params, f"request {job_index}")
+        return outs[0] if isinstance(outs, list) else outs
 
     def generate(self, prompts: list[list[int]], n: int, sampling: dict[str, Any],
                  seed: Optional[int] = None, return_routed_experts: bool = False) -> list[list[GenerateOutput]]:

@@ -16,6 +16,15 @@ megarl's embedded engine on TP rank 0; generation results go back as SGLang's ow
 `BatchTokenIDOutput` (the `--skip-tokenizer-init` path), which SGLang's tokenizer manager turns
 into the `/generate` response. Before every generation batch all TP ranks compare a digest of
 their weights: an update that reached one rank and not another fails the request.
+
+Pause, abort and weight versions follow SGLang's scheduler (`scheduler.py`): `AbortReq` finishes
+the matching requests (rid prefix, or all) with `FINISH_ABORT` and the tokens they have;
+`PauseGenerationReqInput` (`retract` | `in_place`; `abort` never reaches the scheduler) stops
+scheduling, `retract` sending running requests back to the queue with their KV freed;
+`ContinueGenerationReqInput` resumes; a weight-version change records, for every live request,
+how many tokens the old version produced, and finished outputs carry SGLang's own
+`compute_weight_version_spans`. The cache flush after an update succeeds only when nothing runs
+(queued requests ignored while paused), as SGLang's `flush_cache` decides.
 """
 from __future__ import annotations
 
@@ -106,16 +115,17 @@ class CpuScheduler:
 
             self.engine = Engine(self.runner.model.decoder, max_running=server_args.max_running_requests or 16,
                                  max_len=self.model_config.context_len, seed=server_args.random_seed or 0)
+            self.engine.weight_version = get_serving().weight_version
             self.engine.start()
         self.finished: "queue.Queue[tuple]" = queue.Queue()
         self.in_flight = 0
-        self.paused = False
+        self._engine_paused = False   # the attribute SGLang's weight updater reads
         wu = self.weight_updater
         self.dispatch = TypeBasedDispatcher([
             (TokenizedGenerateReqInput, self.generate),
             (BatchTokenizedGenerateReqInput, lambda batch: [self.generate(r) for r in batch] and None),
             (FlushCacheReqInput, lambda req: FlushCacheReqOutput(success=self.flush_cache())),
-            (AbortReq, lambda req: None),
+            (AbortReq, self.abort),
             (UpdateWeightFromDiskReqInput, wu.update_weights_from_disk),
             (InitWeightsUpdateGroupReqInput, wu.init_weights_update_group),
             (DestroyWeightsUpdateGroupReqInput, wu.destroy_weights_update_group),
@@ -133,22 +143,37 @@ class CpuScheduler:
 
     # ------------------------------------------------------------------ what SGLang's updater asks
     def flush_cache(self, empty_cache: bool = True) -> bool:
-        return self.is_fully_idle()
+        return self.is_fully_idle(ignore_waiting=self._engine_paused)
 
     def is_fully_idle(self, for_health_check: bool = False, ignore_waiting: bool = False) -> bool:
-        return self.in_flight == 0
+        return self.engine is None or self._on_engine(lambda: self.engine.idle(ignore_waiting))
+
+    def _on_engine(self, fn):
+        """Run fn on the engine thread between decode steps (SGLang's scheduler is one thread)."""
+        return self.engine.control(fn).result(timeout=60)
 
     def record_weight_version_change(self, new_version: Optional[str]) -> None:
         from sglang.srt.runtime_context import get_context, get_serving
 
         if new_version is not None and new_version != get_serving().weight_version:
             get_context().override("scheduler.weight_version", weight_version=new_version)
+            if self.engine is not None:
+                self._on_engine(lambda: self.engine.set_weight_version(new_version))
+
+    def abort(self, req) -> None:
+        if self.engine is not None:
+            self._on_engine(lambda: self.engine.abort(req.rid or "", bool(req.abort_all)))
 
     def pause(self, req) -> None:
-        self.paused = True
+        assert req.mode in ("in_place", "retract")   # as SGLang's Scheduler.pause_generation
+        self._engine_paused = True
+        if self.engine is not None:
+            self._on_engine(lambda: self.engine.pause(req.mode))
 
     def resume(self, req) -> None:
-        self.paused = False
+        if self.engine is not None:
+            self._on_engine(self.engine.unpause)
+        self._engine_paused = False
 
     def init_info(self) -> dict:
         return {"status": "ready", "max_total_num_tokens": 1 << 20,
@@ -182,16 +207,19 @@ class CpuScheduler:
         request = Request(input_ids=[int(t) for t in req.input_ids], sampling=sampling,
                           return_logprob=bool(req.return_logprob), rid=req.rid)
         self.in_flight += 1
-        self.engine.submit(request).add_done_callback(lambda fut: self.finished.put((req, request, fut)))
+        engine = self.engine   # the callback runs on the engine thread: the version it finished under
+        self.engine.submit(request).add_done_callback(
+            lambda fut: self.finished.put((req, request, fut, engine.weight_version)))
         return None
 
     def _send_finished(self) -> None:
         from sglang.srt.managers.io_struct import BatchTokenIDOutput
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_TOKEN
+        from sglang.srt.utils.weight_versions import WeightVersionEvent, compute_weight_version_spans
 
         while True:
             try:
-                req, request, fut = self.finished.get_nowait()
+                req, request, fut, version = self.finished.get_nowait()
             except queue.Empty:
                 return
             self.in_flight -= 1
@@ -199,6 +227,8 @@ class CpuScheduler:
             reason = request.finish_reason or {}
             if error is not None:
                 finish = FINISH_ABORT(message=f"generation failed: {error}").to_json()
+            elif reason.get("type") == "abort":
+                finish = FINISH_ABORT().to_json()
             elif reason.get("type") == "stop":
                 finish = FINISH_MATCHED_TOKEN(matched=reason.get("matched")).to_json()
             else:
@@ -218,7 +248,10 @@ class CpuScheduler:
                 output_top_logprobs_idx=[], input_token_ids_logprobs_val=[], input_token_ids_logprobs_idx=[],
                 output_token_ids_logprobs_val=[], output_token_ids_logprobs_idx=[], output_token_entropy_val=None,
                 output_token_sampling_mask=None, output_hidden_states=[], routed_experts=None, indexer_topk=None,
-                placeholder_tokens_idx=None, placeholder_tokens_val=None, retraction_counts=[0])
+                placeholder_tokens_idx=None, placeholder_tokens_val=None, retraction_counts=[0],
+                weight_versions=[compute_weight_version_spans(
+                    [WeightVersionEvent(old_version=v, num_output_tokens=k) for v, k in request.version_events],
+                    current_version=version, num_output_tokens=len(request.output_ids))])
             self.ipc.send_to_detokenizer.send_output(out, req)
 
     # ------------------------------------------------------------------ loop

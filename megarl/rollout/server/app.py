@@ -25,6 +25,7 @@ from aiohttp import web
 
 from .auth import api_key_middleware
 from .engine import Engine, Request, Sampling
+from .pause import PAUSE_MODES, GenerationGate
 from .session import SessionError, SessionGate, applies_to_target, check_selector
 from .tp import RankFailure
 from .weights import receive_layout, resolve_disk_path
@@ -47,6 +48,7 @@ class ServerState:
         self.ready = False
         self.load_error: Optional[str] = None
         self.gate = SessionGate()
+        self.generation = GenerationGate()   # SGLang's pause flag + model-update lock
 
 
 def _json_error(status: int, msg: str) -> web.Response:
@@ -123,6 +125,10 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
     async def generate(request):
         eng = engine()
         body = await _body(request)
+        async with state.generation.generating():   # waits out a pause; holds off weight updates
+            return await _generate(eng, body)
+
+    async def _generate(eng: Engine, body: Dict[str, Any]) -> web.Response:
         if body.get("stream"):
             return _json_error(400, "stream=True is not supported by the embedded server")
         ids = body.get("input_ids")
@@ -187,15 +193,18 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
         return web.json_response(outs)
 
     # ------------------------------------------------------------------ weights
-    async def _on_ranks(op: str, *args: Any) -> Any:
-        """Run weight op `op` on every TP rank (engine thread, between steps). Returns its result;
-        a (message, timings) result gets `handoff_s` (the wait for the engine thread)."""
+    async def _on_ranks(op: str, *args: Any, after: Optional[Any] = None) -> Any:
+        """Run weight op `op` on every TP rank (engine thread, between steps), then `after()` on the
+        engine thread too (no decode step between them). Returns its result; a (message, timings)
+        result gets `handoff_s` (the wait for the engine thread)."""
         eng = engine()
         t_submit = time.perf_counter()
 
         def run():
             t_start = time.perf_counter()
             res = state.handle.weights(op, *args)
+            if after is not None:
+                after()
             if isinstance(res, tuple):
                 msg, timings = res
                 return msg, dict(timings, handoff_s=t_start - t_submit)
@@ -203,19 +212,35 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
         return await asyncio.wrap_future(eng.control(run))
 
     async def _update(op: str, args: tuple, body: Dict[str, Any], extra: Optional[dict] = None) -> web.Response:
-        """Dispatch an update already checked on rank 0; map the outcome to SGLang's answer."""
+        """Dispatch an update already checked on rank 0; map the outcome to SGLang's answer: the
+        new `weight_version` is recorded on the engine thread right after the load (so the version
+        spans of live requests switch exactly there), and with `flush_cache` (SGLang's default) an
+        update that finds requests running -- or queued, unless paused -- reports the flush
+        failure SGLang reports (the weights are updated all the same)."""
         extra = extra or {}
+        eng = engine()
+        if body.get("abort_all_requests"):
+            await asyncio.wrap_future(eng.control(lambda: eng.abort(abort_all=True)))
+        version = body.get("weight_version")
+        flushed: Dict[str, bool] = {}
+
+        def after() -> None:
+            if version is not None:
+                eng.set_weight_version(str(version))
+            flushed["ok"] = eng.idle(ignore_waiting=state.generation.paused)
         try:
-            msg, timings = await _on_ranks(op, *args)
+            msg, timings = await _on_ranks(op, *args, after=after)
         except RankFailure as e:
             return _result(False, str(e), **extra)
         except Exception as e:  # noqa: BLE001 - an unexpected failure: report it, do not crash the server
             log.exception("weight op %s failed", op)
             return _result(False, f"{type(e).__name__}: {e}", **extra)
         state.gate.loaded()
-        if body.get("weight_version") is not None:
-            state.engine.weight_version = str(body["weight_version"])
-            msg += f" Weight version updated to {body['weight_version']}."
+        if body.get("flush_cache", True) and not flushed.get("ok", True):
+            return _result(False, "Weights were updated, but the cache was not flushed because requests are still "
+                                  "running or queued. Retract or finish them, then call /flush_cache.", **extra)
+        if version is not None:
+            msg += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": msg, **extra,
                                   "megarl_timings": timings})   # megarl extension: seconds per phase
 
@@ -223,7 +248,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
     async def begin(request):
         engine()
         b = await _body(request)
-        async with weights_lock:
+        async with state.generation.updating(), weights_lock:
             try:
                 return _result(True, state.gate.begin(b.get("selector")))
             except SessionError as e:
@@ -233,7 +258,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
     async def end(request):
         engine()
         await _body(request)
-        async with weights_lock:
+        async with state.generation.updating(), weights_lock:
             try:
                 return _result(True, state.gate.end())
             except SessionError as e:
@@ -269,7 +294,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
     async def upd_dist(request):
         engine()
         b = await _body(request)
-        async with weights_lock:
+        async with state.generation.updating(), weights_lock:
             # every check that can refuse happens before any rank joins the broadcast: here, and
             # for the group on each rank before its receive (`WeightReceiver.from_distributed`)
             try:
@@ -293,7 +318,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
     async def upd_tensor(request):
         engine()
         b = await _body(request)
-        async with weights_lock:
+        async with state.generation.updating(), weights_lock:
             try:
                 state.gate.require("update_weights_from_tensor")
                 payloads = b.get("serialized_named_tensors")
@@ -315,7 +340,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
     async def upd_disk(request):
         engine()
         b = await _body(request)
-        async with weights_lock:
+        async with state.generation.updating(), weights_lock:
             if "model_path" not in b:
                 return _result(False, "missing field model_path", num_paused_requests=0)
             try:
@@ -323,6 +348,57 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
             except ValueError as e:
                 return _result(False, str(e), num_paused_requests=0)
             return await _update("update_from_disk", (path,), b, {"num_paused_requests": 0})
+
+    # ------------------------------------------------------------------ pause / continue / abort
+    @routes.post("/pause_generation")
+    async def pause_generation(request):
+        eng = engine()
+        b = await _body(request)
+        mode = b.get("mode", "abort")
+        if mode not in PAUSE_MODES:   # SGLang's Literal field: FastAPI answers 422
+            return web.json_response({"detail": [{"loc": ["body", "mode"], "msg": f"Input should be "
+                                                  f"{' or '.join(repr(m) for m in PAUSE_MODES)}", "input": mode}]},
+                                     status=422)
+
+        async def abort_all() -> None:
+            await asyncio.wrap_future(eng.control(lambda: eng.abort(abort_all=True)))
+
+        async def pause_engine(m: str) -> None:
+            await asyncio.wrap_future(eng.control(lambda: eng.pause(m)))
+        await state.generation.pause(mode, abort_all, pause_engine)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    @routes.post("/continue_generation")
+    async def continue_generation(request):
+        eng = engine()
+        b = await _body(request)
+
+        def op() -> None:
+            if b.get("torch_empty_cache", True) and eng.model.device.type == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()
+            eng.unpause()
+
+        async def resume_engine() -> None:
+            await asyncio.wrap_future(eng.control(op))
+        await state.generation.resume(resume_engine)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    @routes.post("/abort_request")
+    async def abort_request(request):
+        eng = engine()
+        b = await _body(request)
+        rid, abort_all = str(b.get("rid") or ""), bool(b.get("abort_all", False))
+
+        def op() -> int:
+            # SGLang's tokenizer manager forwards only a rid it holds (exact match), the scheduler then
+            # aborts every request whose rid starts with it; an empty rid without abort_all is ignored
+            if not abort_all and not eng.has_request(rid):
+                return 0
+            return eng.abort(rid, abort_all)
+        await asyncio.wrap_future(eng.control(op))
+        return web.Response(status=200)
 
     # ------------------------------------------------------------------ cache / memory
     @routes.route("*", "/flush_cache")

@@ -65,7 +65,15 @@ class RunningBatch:
             self.stop[a + i, :len(s)] = s
         sp = [r.sampling for r in reqs]
         self.plen[a:b] = [len(r.input_ids) for r in reqs]
-        self.n[a:b] = 0
+        # a retracted request comes back with the tokens it had (its step count continues too,
+        # so a seeded request draws what it would have drawn without the pause)
+        done = [len(r.output_ids) if r.retracted else 0 for r in reqs]
+        self.n[a:b] = done
+        for i, (r, k) in enumerate(zip(reqs, done)):
+            if k:
+                self.out_tok[a + i, :k] = r.output_ids
+                self.out_lp[a + i, :k] = r.logprobs
+                self.pending[a + i] = r.output_ids[-1]
         self.max_new[a:b] = [s.max_new_tokens for s in sp]
         self.min_new[a:b] = [s.min_new_tokens for s in sp]
         self.greedy[a:b] = [s.greedy for s in sp]
@@ -73,7 +81,7 @@ class RunningBatch:
         host = {"temperature": [1.0 if s.greedy else s.temperature for s in sp],
                 "greedy": [s.greedy for s in sp],
                 "seeds": [s.sampling_seed if s.sampling_seed is not None else 0 for s in sp],
-                "steps": [0] * len(sp),
+                "steps": done,
                 "top_k": [s.top_k for s in sp], "top_p": [s.top_p for s in sp], "min_p": [s.min_p for s in sp]}
         for k, t in self.d.items():
             t[a:b] = torch.tensor(host[k], dtype=t.dtype)

@@ -42,6 +42,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("megarl.rollout.engine")
 
 
+def _context(r: Request) -> List[int]:
+    """What a prefill runs for ``r``: its prompt, or for a retracted request its prompt and all it
+    generated (its pending token too: the next token is sampled from that position)."""
+    return r.input_ids + r.output_ids if r.retracted else r.input_ids
+
+
 def _to_host(tokens: torch.Tensor, lps: torch.Tensor) -> Tuple[np.ndarray, np.ndarray]:
     """The step's one device->host transfer: tokens (exact in float64) and logprobs together."""
     both = torch.stack((tokens.to(torch.float64), lps.to(torch.float64))).cpu().numpy()
@@ -86,6 +92,7 @@ class Engine:
         self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0,
                       "max_batch": 0, "admissions": 0}
         self.released: set = set()
+        self.paused: Optional[str] = None   # SGLang pause mode (retract | in_place) while paused
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._backlog: "collections.deque[Request]" = collections.deque()
@@ -137,11 +144,90 @@ class Engine:
             queued = sum(len(x) for x in self.waiting.queue)
         return self.batch.size + queued + len(self._backlog)
 
+    # ------------------------------------------------------------ SGLang's pause / abort (engine thread)
+    # Called through `control(...)`, i.e. between steps, like SGLang's scheduler handles them.
+    def set_weight_version(self, version: str) -> None:
+        """New weights are in place: every live request records how many tokens it had under the
+        old version (SGLang's ``record_weight_version_events``), so its answer says which tokens
+        which version produced."""
+        if version == self.weight_version:
+            return
+        self._drain_waiting()
+        b = self.batch
+        held = [(r, int(b.n[i])) for i, r in enumerate(b.reqs[:b.size]) if r is not None]
+        held += [(r, len(r.output_ids)) for r in self._backlog]
+        for r, n in held:
+            if n:
+                r.version_events.append((self.weight_version, n))
+        self.weight_version = version
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        """Finish the matching requests now with the tokens they have (SGLang's ``AbortReq``: an
+        empty rid without ``abort_all`` matches nothing; a rid matches by prefix, as SGLang's
+        scheduler does, so the sub-requests of a batch go with it). Returns how many."""
+        if not abort_all and not rid:
+            return 0
+        self._drain_waiting()
+        hit = lambda r: abort_all or r.rid.startswith(rid)  # noqa: E731
+        reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        b = self.batch
+        rows = [i for i, r in enumerate(b.reqs[:b.size]) if r is not None and hit(r)]
+        queued = [r for r in self._backlog if hit(r)]
+        self._backlog = collections.deque(r for r in self._backlog if not hit(r))
+        for r in [b.take(i) for i in rows] + queued:
+            self._resolve(r, reason)
+        if rows:
+            src, dst, length = b.compact(rows)
+            if src:
+                self.model.copy_rows(src, dst, length)
+        return len(rows) + len(queued)
+
+    def has_request(self, rid: str) -> bool:
+        """Is a request with exactly this rid running or queued?"""
+        self._drain_waiting()
+        return bool(rid) and any(r.rid == rid for r in self.running + list(self._backlog))
+
+    def pause(self, mode: str) -> int:
+        """Stop scheduling. ``retract``: running requests go back to the front of the queue with
+        their KV freed (re-prefilled from prompt + output when continued, under whatever weights
+        are current then); ``in_place``: they stay as they are. Returns the running count."""
+        if mode not in ("retract", "in_place"):
+            raise ValueError(f"engine pause mode must be retract or in_place, got {mode!r}")
+        self.paused = mode
+        b = self.batch
+        held = b.size
+        if mode == "retract":
+            back = [b.take(i) for i in range(b.size) if b.reqs[i] is not None]
+            b.clear()
+            for r in back:
+                r.retracted = True
+            self._backlog.extendleft(reversed(back))
+        return held
+
+    def unpause(self) -> None:
+        self.paused = None
+        self._wake.set()
+
+    def idle(self, ignore_waiting: bool = False) -> bool:
+        """SGLang's ``is_fully_idle``: nothing running (and, unless ignored, nothing queued)."""
+        return not self.batch.size and (ignore_waiting or (not self._backlog and self.waiting.empty()))
+
+    def _drain_waiting(self) -> None:
+        while True:
+            try:
+                self._backlog.extend(self.waiting.get_nowait())
+            except queue.Empty:
+                return
+
     # ------------------------------------------------------------ engine thread
     def _loop(self):
         while not self._stop.is_set():
             try:
                 self._run_controls()
+                if self.paused:
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+                    continue
                 self._admit()
                 if not self.batch.size:
                     self._wake.wait(timeout=0.05)
@@ -168,11 +254,7 @@ class Engine:
                 fut.set_exception(e)
 
     def _admit(self) -> None:
-        while True:
-            try:
-                self._backlog.extend(self.waiting.get_nowait())
-            except queue.Empty:
-                break
+        self._drain_waiting()
         b = self.batch
         free = b.cap - b.size
         if not self._backlog or not free:
@@ -188,13 +270,13 @@ class Engine:
             if r.done.cancelled():
                 self._backlog.popleft()
                 continue
-            key = r.key if self.prefix_sharing else id(r)
+            key = self._share_key(r)
             if key not in reps:
                 if held is None:
                     held = {q.key: i for i, q in enumerate(b.reqs[:b.size])
                             if q is not None and q.kv_epoch == self.epoch} if self.prefix_sharing else {}
                 row = held.get(key, -1)
-                cost = 1 if row >= 0 else len(r.input_ids)
+                cost = 1 if row >= 0 else len(_context(r))
                 if take and cost > budget:
                     break
                 budget -= cost
@@ -217,13 +299,14 @@ class Engine:
             self.model.copy_rows([row for _, row in hits], [a + u for u, _ in hits],
                                  max(len(firsts[u].input_ids) - 1 for u, _ in hits))
         starts = [len(r.input_ids) - 1 if row >= 0 else 0 for r, row in zip(firsts, src)]
-        seqs = [r.input_ids[s:] for r, s in zip(firsts, starts)]
+        seqs = [_context(r)[s:] for r, s in zip(firsts, starts)]
         logits = self.model.prefill(seqs, a, starts if hits else None)
         for r, s in zip(firsts, starts):
             r.cached_tokens = s
+            r.retracted = False     # its KV is back (prompt and output so far, current weights)
         # the group's other samples: copy the prompt's rows, sample from the same logits
         U = len(firsts)
-        which = [reps[r.key if self.prefix_sharing else id(r)] for r in siblings]
+        which = [reps[self._share_key(r)] for r in siblings]
         if siblings:
             self.model.copy_rows([a + u for u in which], list(range(a + U, a + U + len(siblings))),
                                  max(len(r.input_ids) for r in siblings))
@@ -234,6 +317,11 @@ class Engine:
         self.stats["prefill_tokens"] += sum(len(q) for q in seqs)
         self.stats["shared_prefill_tokens"] += sum(starts) + sum(len(r.input_ids) for r in siblings)
         self._sample_and_record(logits, a, a + len(take))
+
+    def _share_key(self, r: Request) -> Any:
+        """Requests with the same key share one prefill (a group's samples); a retracted request
+        brings its own output along, so it shares with nobody."""
+        return r.key if self.prefix_sharing and not r.retracted else id(r)
 
     def _decode(self):
         b = self.batch

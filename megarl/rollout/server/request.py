@@ -8,6 +8,8 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
+from megarl.rollout.versions import weight_version_spans
+
 _SEED_MASK = 0x7FFFFFFF
 
 
@@ -82,6 +84,9 @@ class Request:
     t_start: float = field(default_factory=time.time)
     cached_tokens: int = 0     # prompt tokens whose KV was copied, not computed (SGLang's meta field)
     kv_epoch: int = -1         # engine weight epoch its prompt KV was computed under
+    # (old weight version, output tokens so far) at each weight change while this request lived
+    version_events: List[Tuple[str, int]] = field(default_factory=list)
+    retracted: bool = False    # back in the queue with its KV freed: re-prefilled with its output
     return_routed_experts: bool = False   # SGLang's request field (R3); needs a recording model
     routed_experts_start_len: int = 0
     routed_experts: Optional[str] = None  # meta_info["routed_experts"]: base64 of int32 [rows, layers, k]
@@ -95,13 +100,15 @@ class Request:
         return self._key
 
     def result(self, weight_version: str) -> dict:
+        spans = weight_version_spans(self.version_events, weight_version, len(self.output_ids))
         meta = {
             "id": self.rid,
             "finish_reason": self.finish_reason,
             "prompt_tokens": len(self.input_ids),
             "completion_tokens": len(self.output_ids),
             "cached_tokens": self.cached_tokens,
-            "weight_version": weight_version,
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,     # SGLang 0.5.23: which version produced which tokens
             "e2e_latency": time.time() - self.t_start,
         }
         if self.return_logprob:

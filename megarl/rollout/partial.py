@@ -1,0 +1,77 @@
+"""Partial rollouts: a generation interrupted by a weight update continues from its own tokens.
+
+With ``/pause_generation`` mode ``abort`` (SGLang 0.5.23), every request in flight is answered at
+once with ``finish_reason: {"type": "abort"}`` and the tokens (and logprobs) it has so far; new
+requests wait at the server until ``/continue_generation``. ``generate_resumable`` sends such a
+request again as prompt + the tokens already produced, with the remaining token budget, and
+concatenates the answers: the token ids are exactly the server's, in order; each token keeps the
+logprob and the weight version it was sampled under (``megarl.rollout.versions``), so the trainer
+knows which policy produced what. Modes ``retract`` / ``in_place`` keep the request on the server;
+it comes back as one answer whose ``meta_info.weight_versions`` spans say the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional
+
+from megarl.rollout.client import GenerateOutput
+from megarl.rollout.versions import token_versions, version_number
+
+Send = Callable[[list[int], dict[str, Any]], Awaitable[GenerateOutput]]
+
+MAX_EMPTY_ABORTS = 100   # aborted this often in a row without one new token: the server is not pausing
+
+
+@dataclass
+class Trajectory:
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]            # weight version of each output token
+    finish_reason: str             # of the last answer: stop | length (abort only if the budget ran out)
+    resumed: int = 0               # answers that ended in abort and were continued
+
+
+def continuation_seed(seed: int, produced: int) -> int:
+    """``sampling_seed`` of a continuation after ``produced`` tokens: a fresh stream (a server
+    starts a request's noise at step 0, so reusing the seed would repeat the first tokens' noise)."""
+    x = (int(seed) * 0x9E3779B1 + produced * 0x85EBCA77 + 0x2545F491) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    return (x ^ (x >> 12)) & 0x7FFFFFFF
+
+
+async def generate_resumable(send: Send, prompt_ids: list[int], sampling: dict[str, Any],
+                             seed: Optional[int] = None) -> Trajectory:
+    """One sample of ``prompt_ids``; answers that end in ``abort`` are continued from their tokens."""
+    budget = int(sampling["max_new_tokens"])
+    stops = set(int(t) for t in sampling.get("stop_token_ids") or ())
+    ids: list[int] = []
+    lps: list[float] = []
+    versions: list[int] = []
+    resumed, empty = 0, 0
+    while True:
+        params = dict(sampling, max_new_tokens=budget - len(ids))
+        if sampling.get("min_new_tokens"):
+            params["min_new_tokens"] = max(int(sampling["min_new_tokens"]) - len(ids), 0)
+        if seed is not None:
+            params["sampling_seed"] = seed if not ids else continuation_seed(seed, len(ids))
+        out = await send(prompt_ids + ids, params)
+        n = len(out.output_ids)
+        if out.logprobs is None or len(out.logprobs) != n:
+            raise ValueError(f"a /generate answer has {n} tokens but "
+                             f"{'no' if out.logprobs is None else len(out.logprobs)} logprobs")
+        ids.extend(int(t) for t in out.output_ids)
+        lps.extend(float(x) for x in out.logprobs)
+        versions.extend(version_number(v) for v in token_versions(out.meta_info, n))
+        if out.finish_reason != "abort":
+            return Trajectory(ids, lps, versions, out.finish_reason, resumed)
+        # SGLang finishes an aborted request on its next step, which may have sampled a stop token
+        if ids and ids[-1] in stops and len(ids) >= int(sampling.get("min_new_tokens") or 0):
+            return Trajectory(ids, lps, versions, "stop", resumed)
+        if len(ids) >= budget:
+            return Trajectory(ids, lps, versions, "length", resumed)
+        empty = empty + 1 if n == 0 else 0
+        if empty >= MAX_EMPTY_ABORTS:
+            raise RuntimeError(f"a request was aborted {empty} times in a row without a new token: "
+                               f"{out.meta_info.get('finish_reason')}")
+        resumed += 1

@@ -1,0 +1,30 @@
+"""One trajectory as the trainer consumes it: prompt tokens, the model's tokens exactly as the
+server returned them, their rollout logprobs and the weight version that produced each of them.
+
+A rollout source (``megarl/rollout/source.py``) yields lists of these, grouped by prompt (``group``:
+the n samples of one prompt, numbered contiguously within a batch). ``versions`` is empty for
+on-policy batches (every token from the weights being trained); an off-policy source fills it with
+one version per response token -- a partial rollout continued after a weight update has older
+versions first, then newer ones. An agent loop (multi-turn, tools) is a rollout source of the same
+samples whose ``response_ids`` interleave model and environment tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class Sample:
+    record: Any
+    group: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: str
+    reward: float = 0.0
+    text: str = ""
+    versions: list[int] = field(default_factory=list)   # weight version of each response token (off-policy)
+    routed_experts: Optional[torch.Tensor] = None        # MoE: int [len - 1, layers, top_k] chosen by the rollout
