@@ -54,21 +54,20 @@ def engine_logprobs(model, prompts, outs) -> list[torch.Tensor]:
     """Teacher-forced through the engine's cached path: prefill, then one batched decode step per
     output token (the path the rollout's logprobs come from)."""
     B = len(prompts)
-    model.alloc_cache(B, max(len(p) + len(o) for p, o in zip(prompts, outs)) + 1)
-    slots = list(range(B))
+    # rows [0, B) decode together every step; a row whose output is done keeps decoding padding
+    # (ignored) at positions past its own, so the cache spans the longest prompt + output
+    model.alloc_cache(B, max(map(len, prompts)) + max(map(len, outs)) + 1)
     lps = [[] for _ in range(B)]
-    logits = model.prefill(prompts, slots)
+    logits = model.prefill(prompts, 0)
     for t in range(max(map(len, outs))):
         lp = torch.log_softmax(logits.float(), -1)
         for b in range(B):
             if t < len(outs[b]):
                 lps[b].append(float(lp[b, outs[b][t]]))
-        rows = [b for b in range(B) if t + 1 < len(outs[b])]
-        if not rows:
+        if not any(t + 1 < len(o) for o in outs):
             break
-        step = model.decode([outs[b][t] for b in rows], rows, [len(prompts[b]) + t for b in rows])
-        logits = torch.zeros(B, step.shape[-1])
-        logits[rows] = step.float().cpu()
+        tokens = [outs[b][t] if t < len(outs[b]) else 0 for b in range(B)]
+        logits = model.decode(tokens, [len(prompts[b]) + t for b in range(B)]).float().cpu()
     model.free_cache()
     return [torch.tensor(x) for x in lps]
 

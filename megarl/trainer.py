@@ -190,6 +190,7 @@ class Trainer:
 
         self.logger = MetricsLogger(None, cfg.trainer.total_steps, cfg.logging.progress_bar,
                                     sinks=build_sinks(cfg, self.out))
+        self.source = self._make_source()
         self._maybe_resume()
         self._push_weights(version=version_tag(self.state.step))
         if self.source.off_policy:

@@ -21,7 +21,7 @@ parallelism keeps megatron's own function (its per-rank zig-zag slicing).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -77,14 +77,17 @@ _ORIGINAL_THD = None
 
 def apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotary_interleaved: bool = False,
                              multi_latent_attention: bool = False, mscale: float = 1.0,
-                             cp_group: Optional[torch.distributed.ProcessGroup] = None) -> Tensor:
+                             cp_group: Optional[torch.distributed.ProcessGroup] = None, **newer: Any) -> Tensor:
     """Drop-in for megatron's ``_apply_rotary_pos_emb_thd`` (same arguments, same result).
 
     ``t`` is ``[T, heads, dim]``; ``freqs`` either ``[max_seqlen, 1, 1, d]`` (positions restart per
-    sequence) or ``[T, 1, 1, d]`` (one row per packed token, megatron's "exact mapping" case)."""
+    sequence) or ``[T, 1, 1, d]`` (one row per packed token, megatron's "exact mapping" case).
+    ``newer``: keywords of later megatron-core versions (0.19: ``mla_rotary_interleaved``), passed on
+    unchanged to megatron's own functions, which take them in those versions."""
     if cp_group is not None and cp_group.size() > 1:
         return _ORIGINAL_THD(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                             multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+                             multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group,
+                             **newer)
     from megatron.core.models.common.embeddings import rope_utils
 
     total = t.size(0)
@@ -93,7 +96,7 @@ def apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotar
     # looked up at call time: the compiled copy when fusions are on (fusions.install_rope_fusion)
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs, rotary_interleaved=rotary_interleaved,
                                                  multi_latent_attention=multi_latent_attention,
-                                                 mscale=mscale).squeeze(1)
+                                                 mscale=mscale, **newer).squeeze(1)
 
 
 def install_thd_rope() -> None:
