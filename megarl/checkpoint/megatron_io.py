@@ -115,13 +115,18 @@ def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, glob
 
 
 class _InProcessWrites:
+    """megatron-core 0.16's forked bucket writers replaced by in-process writes while saving;
+    later versions (0.19) write with threads and have no forked writer: nothing to replace."""
+
     def __enter__(self):
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-        self.fa, self.orig = fa, fa.FileSystemWriterAsync.__dict__["write_preloaded_data_multiproc"]
-        fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
+        self.fa, self.orig = fa, fa.FileSystemWriterAsync.__dict__.get("write_preloaded_data_multiproc")
+        if self.orig is not None:
+            fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
 
     def __exit__(self, *exc):
-        self.fa.FileSystemWriterAsync.write_preloaded_data_multiproc = self.orig
+        if self.orig is not None:
+            self.fa.FileSystemWriterAsync.write_preloaded_data_multiproc = self.orig
 
 
 def _save_strategy():
