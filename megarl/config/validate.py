@@ -198,9 +198,10 @@ def _check_pools(cfg: RunConfig, problems: list[str]) -> None:
         # Disaggregated: the reference and reward model may share the actor's pool (they run in
         # different phases), the critic and rollout need their own GPUs.
         need = cfg.actor.gpus + cfg.rollout.gpus + (cfg.critic.gpus if cfg.critic.enabled else 0)
-        if need > total:
+        if need > total and not _one_shared_gpu(cfg):
             problems.append(f"rollout.gpus: disaggregated pools need actor + critic + rollout = {need} GPUs, "
-                            f"the cluster has {total}")
+                            f"the cluster has {total} (one GPU may be shared: cluster.backend=local, actor.gpus=1, "
+                            f"rollout.gpus=1, no critic)")
     if cfg.rollout.server_tp:
         _check_server_tp(cfg, problems)
     elif cfg.rollout.gpus or (c.device == "cuda" and cfg.rollout.engine == "sglang"):
@@ -316,6 +317,16 @@ def _check_routing_replay(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.model.recompute == "full" and p.pp > 1:
         problems.append("model.recompute: full recompute with pp > 1 re-runs forwards out of order; routing replay "
                         "needs recompute none or selective there")
+def _one_shared_gpu(cfg: RunConfig) -> bool:
+    """Disaggregated on one GPU: the trainer (backend ``local``, one rank, no critic) and one
+    rollout server share the device as two processes, each keeping its memory (no release/resume:
+    that is colocated's memory saver). Overlap then needs no second GPU, only idle time on the
+    first (the trainer idles while the rollout generates and back)."""
+    c = cfg.cluster
+    return (c.backend == "local" and c.nodes == 1 and c.gpus_per_node == 1 and cfg.actor.gpus == 1
+            and cfg.rollout.gpus <= 1 and not cfg.critic.enabled)
+
+
 def _check_rollout_mode(cfg: RunConfig, problems: list[str]) -> None:
     """Off-policy rollouts overlap generation with training: they need rollout servers that keep
     their device while the trainer trains (disaggregated; on one GPU both may share it)."""

@@ -368,6 +368,10 @@ class OffPolicySource:
                 self._producer.result(timeout=30)
             except Exception:  # noqa: BLE001 - teardown: the producer's error was reported by next_batch
                 pass
+            try:   # the server keeps generating for a closed connection; a server stop would wait on it
+                self.call_servers("abort_request", abort_all=True)
+            except Exception:  # noqa: BLE001 - teardown: a dead server has nothing left to abort
+                pass
         if hasattr(self.rollout, "close"):
             self.rollout.close()
         self._write_ledger({"pending_at_exit": pending})
