@@ -398,7 +398,6 @@ class Trainer:
         mask = batch.response_mask()
         fields = batch.token_fields
         routes = tuple(batch.seq_fields)  # MoE: the rollout's experts, for replay and agreement (R3)
-        stale_weights = self._staleness(samples, batch, mask, step, metrics) if self.source.off_policy else None
 
         t = time.time()
         actor = self.groups["actor"]
@@ -410,6 +409,7 @@ class Trainer:
 
             metrics.update(agreement_metrics(merge_routing_stats(actor.call("call", collect_routing_stats))))
         metrics.update(self._check_logprobs(step, fields["old_logprobs"], fields["rollout_logprobs"]))
+        stale_weights = self._staleness(samples, batch, mask, step, metrics) if self.source.off_policy else None
         kl_tokens = None
         if "ref" in self.groups:
             t = time.time()
@@ -508,13 +508,17 @@ class Trainer:
         return out
     def _staleness(self, samples: list[Sample], batch: TokenBatch, mask: torch.Tensor, step: int,
                    metrics: dict[str, float]) -> Optional[torch.Tensor]:
-        """Off-policy batches: staleness metrics (the trainer holds version ``step``) and, with
-        ``rollout.stale_samples: downweight``, per-token weights for tokens past the bound."""
-        from megarl.algos.offpolicy import staleness_stats, staleness_weights
+        """Off-policy batches: staleness metrics (the trainer holds version ``step``), rollout vs
+        trainer logprobs of fresh and stale tokens and, with ``rollout.stale_samples: downweight``,
+        per-token weights for tokens past the bound."""
+        from megarl.algos.offpolicy import logprob_diff_by_staleness, staleness_stats, staleness_weights
 
         r = self.cfg.rollout
         versions = batch.padded(torch.tensor([v for s in samples for v in s.versions], dtype=torch.int64))
         metrics.update({f"offpolicy/{k}": v for k, v in staleness_stats(versions, mask, step).items()})
+        lp = batch.token_fields
+        metrics.update({f"offpolicy/{k}": v for k, v in logprob_diff_by_staleness(
+            versions, mask, step, batch.padded(lp["old_logprobs"]), batch.padded(lp["rollout_logprobs"])).items()})
         bound = 1 if r.mode == "one_step_off" else r.max_staleness
         if r.stale_samples != "downweight":
             return None

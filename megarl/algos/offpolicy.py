@@ -63,3 +63,20 @@ def staleness_weights(versions: Tensor, mask: Tensor, current: int, max_stalenes
     excess = (token_staleness(versions, current) - max_staleness).clamp(min=0).to(torch.float32)
     w = torch.pow(torch.tensor(float(factor)), excess)
     return torch.where(m, w, torch.zeros_like(w))
+
+
+def logprob_diff_by_staleness(versions: Tensor, mask: Tensor, current: int, trainer_lp: Tensor,
+                              rollout_lp: Tensor) -> dict[str, float]:
+    """Mean |trainer - rollout| logprob over the tokens sampled by the trainer's own weights
+    (``fresh``: staleness 0) and over the older ones (``stale``). ``fresh`` is the per-step proof
+    that a pushed version reached the servers (it sits at the dtype noise floor, like step 0's
+    check); ``stale`` is how far the policy moved since (what the importance ratio corrects).
+    A key is absent when no token of its kind is in the batch."""
+    m = as_bool_mask(mask)
+    behind = token_staleness(versions, current)
+    diff = (trainer_lp.to(torch.float64) - rollout_lp.to(torch.float64)).abs()
+    out: dict[str, float] = {}
+    for name, sel in (("fresh_logprob_diff_mean", m & (behind == 0)), ("stale_logprob_diff_mean", m & (behind > 0))):
+        if bool(sel.any()):
+            out[name] = float(diff[sel].mean())
+    return out

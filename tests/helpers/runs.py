@@ -17,11 +17,17 @@ def tiny_model(tmp_root: Path) -> Path:
     return make_tiny_chat_model(tmp_root / "tinychat")
 
 
-def tiny_run_config(model: Path, out: Path, *overrides: str):
+def tiny_overrides(model: Path, out: Path, *overrides: str) -> list[str]:
+    """The dotted overrides that shrink the default recipe to the tiny model (also for a
+    ``megarl train`` subprocess: ``python -m megarl train DEFAULT *tiny_overrides(...)``)."""
     base = [f"model.hf_path={model}", f"output_dir={out}", "trainer.total_steps=3", "data.num_train=64",
             "data.num_eval=8", "rollout.sampling.max_new_tokens=12", "batch.prompts_per_step=4",
             "batch.global_batch_size=8", "checkpoint.resume=none", "checkpoint.interval=0",
             "reward.kind=function", "data.source=reasoning_gym",
             "reward.function=tests.helpers.rewards:distinct_token_reward", "cluster.backend=local",
             "actor.optim.lr=1e-3"]
-    return load_config(DEFAULT, base + ARCH_FROM_CONFIG_JSON + list(overrides))
+    return base + ARCH_FROM_CONFIG_JSON + list(overrides)
+
+
+def tiny_run_config(model: Path, out: Path, *overrides: str):
+    return load_config(DEFAULT, tiny_overrides(model, out, *overrides))
