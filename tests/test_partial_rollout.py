@@ -259,3 +259,26 @@ def test_an_update_without_a_pause_waits_for_the_requests_in_flight(kind, server
             await c.end_weight_update()
             assert out.finish_reason == "length" and len(out.output_ids) == N
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("kind", ["embedded", "sglang"])
+def test_a_pause_does_not_queue_behind_the_clients_own_generations(kind, servers, models):
+    """A client at its generation limit (``max_concurrency``: every slot held by a running request)
+    still pauses at once: control calls never wait for a generation slot, or the pause would wait
+    for the requests it is meant to interrupt (an off-policy source keeps the slots full)."""
+    _, a, _ = models
+
+    async def go():
+        async with SGLangClient(servers[kind], api_key=KEY, max_concurrency=1) as c:
+            async def attempt(delay):
+                await load(c, a, "init")
+                task = asyncio.ensure_future(one(c, PROMPT, greedy()))
+                await asyncio.sleep(delay)
+                await asyncio.wait_for(c.pause_generation("abort"), 60)
+                out = await task
+                await c.continue_generation()
+                return out, len(out.output_ids)
+
+            out, m = await interrupted(attempt)
+            assert out.finish_reason == "abort" and len(out.logprobs) == m
+    asyncio.run(go())

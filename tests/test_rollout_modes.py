@@ -33,9 +33,9 @@ from tests.helpers.runs import DEFAULT, ROOT, tiny_model, tiny_overrides, tiny_r
 
 NUMERIC_SKIP = ("time/", "throughput/", "sync/seconds", "sync/bytes_per_s")
 QUIET = ("checkpoint.export_hf=false", "trainer.eval_before_after=false", "logging.progress_bar=false")
-# generation longer than a training step (4 requests at a time, 32 tokens each): a push finds the
-# next batch still generating, as rollout-bound runs do
-SLOW_ROLLOUT = ("placement.mode=disaggregated", "rollout.sampling.max_new_tokens=32", "rollout.max_running_requests=4")
+# generation about as long as a training step (4 requests at a time, 24 tokens each): a push finds
+# the next batch still generating, as rollout-bound runs do
+SLOW_ROLLOUT = ("placement.mode=disaggregated", "rollout.sampling.max_new_tokens=24", "rollout.max_running_requests=4")
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +215,7 @@ def test_async_run_killed_with_sigkill_resumes_without_losing_or_repeating_promp
     saved = json.loads((ckpt / "trainer_state.json").read_text())["rollout_source"]
     assert saved["version"] == 2 and saved["groups"], saved   # pending groups were checkpointed
 
-    resumed = Trainer(tiny_run_config(model, out, *common, "checkpoint.resume=auto"))
+    resumed = PushMidGeneration(tiny_run_config(model, out, *common, "checkpoint.resume=auto"))
     steps = resumed.run()["steps"]
     assert len(steps) == 2                    # steps 2 and 3, from the checkpoint of step 2
     for k, m in zip((2, 3), steps):
@@ -232,5 +232,6 @@ def test_async_run_killed_with_sigkill_resumes_without_losing_or_repeating_promp
     assert {g["record_index"] for g in saved["groups"]} <= set(drawn)
     # retract: the server kept requests across the pushes (no client resubmission) and they continued
     # under the new version
+    assert resumed.pushed_mid_generation == [True, True], resumed.pushed_mid_generation
     assert all(m["rollout/resumed_requests"] == 0 for m in steps)
-    assert any(m["offpolicy/mixed_version_frac"] > 0 for m in steps)
+    assert steps[1]["offpolicy/mixed_version_frac"] > 0

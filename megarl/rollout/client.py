@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import random
 import threading
 from dataclasses import dataclass, field
@@ -127,6 +128,9 @@ class GenerateOutput:
                    routed_experts=meta.get("routed_experts"))
 
 
+CONTROL_CONNECTIONS = 16   # connections beyond max_concurrency, for calls that are not /generate
+
+
 class SGLangClient:
     """One server.  Use as `async with SGLangClient(url) as c: ...` (or call `close()`)."""
 
@@ -160,8 +164,12 @@ class SGLangClient:
     def _sess(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
+            # the semaphore bounds generations; the connection pool leaves room for control calls
+            # (pause, continue, abort, weight updates), which must never queue behind generations:
+            # a pause waiting for a slot held by a running request would wait for it to finish
             self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers,
-                                                  connector=aiohttp.TCPConnector(limit=self.max_concurrency))
+                                                  connector=aiohttp.TCPConnector(
+                                                      limit=self.max_concurrency + CONTROL_CONNECTIONS))
             self._sem = asyncio.Semaphore(self.max_concurrency)
             self._loop = loop
         return self._session
@@ -174,7 +182,7 @@ class SGLangClient:
         last: Optional[BaseException] = None
         for a in range(attempts):
             try:
-                async with self._sem:
+                async with (self._sem if endpoint == "generate" else contextlib.nullcontext()):
                     async with sess.request(method, self.url + path, json=payload) as r:
                         raw = await r.read()
                         if r.status >= 500 and retry and a + 1 < attempts:
