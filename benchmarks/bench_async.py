@@ -55,6 +55,10 @@ def overrides(args: argparse.Namespace, mode: str) -> list[str]:
     out = overrides_for(e2e)
     if args.model == "tiny":
         out += ARCH_FROM_CONFIG_JSON
+    if not args.recipe_data:   # bench_e2e's arithmetic JSONL: held-out prompts from another seed
+        from bench_e2e import write_prompts
+
+        out.append(f"data.eval_path={write_prompts(args.work / 'eval.jsonl', args.eval_prompts, 2)}")
     out += [f"output_dir={args.work / ('run_' + mode)}", f"seed={args.seed}", "placement.mode=disaggregated",
             f"rollout.mode={mode}", f"rollout.max_staleness={1 if mode != 'async' else args.max_staleness}",
             f"rollout.interrupt={args.interrupt}", f"actor.optim.lr={args.lr}", "trainer.eval_before_after=true",
