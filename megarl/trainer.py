@@ -535,10 +535,10 @@ class Trainer:
         self._manager.call_all(f"{action}_memory_occupation")
 
     def _push_target(self):
-        from megarl.sync.rank import PushTarget, checkpoint_names, resolve_transport
+        from megarl.sync.rank import PushTarget, checkpoint_names, run_transport
 
         cfg = self.cfg
-        transport = resolve_transport(cfg.sync.transport, cfg.cluster.device, cfg.placement.mode == "colocated")
+        transport = run_transport(cfg)
         return PushTarget(urls=tuple(self.servers.urls), server_tp_sizes=tuple(self.servers.tp_sizes),
                           transport=transport,
                           backend="nccl" if cfg.cluster.device == "cuda" else "gloo", bucket_mb=cfg.sync.bucket_mb,

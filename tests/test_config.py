@@ -206,3 +206,37 @@ def test_cli_config_error_exit_code_names_field():
     out = run_cli("config", str(DEFAULT), "rollout.n_per_prompt=1")
     assert out.returncode == 2
     assert "rollout.n_per_prompt:" in out.stderr
+
+
+ONE_GPU = ["cluster.device=cuda", "cluster.gpus_per_node=1", "cluster.backend=local", "rollout.gpus=1",
+           "model.dtype=bfloat16", "placement.mode=disaggregated"]
+
+
+def test_off_policy_rollout_modes_need_disaggregated_placement():
+    for mode in ("one_step_off", "async"):
+        assert_one_problem([f"rollout.mode={mode}"], "rollout.mode", "colocated", "placement.mode=disaggregated")
+    assert not problems_for(["rollout.mode=async", "placement.mode=disaggregated", "rollout.max_staleness=3"])
+    assert_one_problem(["rollout.mode=one_step_off", "placement.mode=disaggregated", "rollout.max_staleness=2"],
+                       "rollout.max_staleness", "one version behind")
+
+
+def test_one_gpu_may_be_shared_by_trainer_and_rollout_disaggregated():
+    """One H200: trainer (backend local) and one server share the device, both keeping their memory
+    (no memory saver, no release/resume) and pushing by CUDA IPC (NCCL refuses two ranks on a GPU)."""
+    from pathlib import Path as P
+
+    from megarl.rollout.launch import LaunchSpec, sglang_args
+    from megarl.sync.rank import run_transport
+
+    for mode in ("sync", "one_step_off", "async"):
+        assert not problems_for(ONE_GPU + [f"rollout.mode={mode}"]), mode
+    cfg = load_config(DEFAULT, ONE_GPU + ["rollout.mode=async"])
+    assert run_transport(cfg) == "tensor"
+    assert "--enable-memory-saver" not in sglang_args(cfg, P("/m"), LaunchSpec(0, "127.0.0.1", 1))
+    assert_one_problem(ONE_GPU + ["sync.transport=nccl"], "sync.transport", "two ranks on one GPU")
+    # with Ray (pools placed apart) or a critic, one GPU is not enough
+    assert_one_problem(ONE_GPU + ["cluster.backend=ray"], "rollout.gpus", "need actor + critic + rollout = 2",
+                       "one GPU may be shared")
+    # two GPUs apart: a broadcast group, as before
+    two = load_config(DEFAULT, ONE_GPU + ["cluster.gpus_per_node=2"])
+    assert run_transport(two) == "distributed"

@@ -198,7 +198,7 @@ def _check_pools(cfg: RunConfig, problems: list[str]) -> None:
         # Disaggregated: the reference and reward model may share the actor's pool (they run in
         # different phases), the critic and rollout need their own GPUs.
         need = cfg.actor.gpus + cfg.rollout.gpus + (cfg.critic.gpus if cfg.critic.enabled else 0)
-        if need > total and not _one_shared_gpu(cfg):
+        if need > total and not one_shared_gpu(cfg):
             problems.append(f"rollout.gpus: disaggregated pools need actor + critic + rollout = {need} GPUs, "
                             f"the cluster has {total} (one GPU may be shared: cluster.backend=local, actor.gpus=1, "
                             f"rollout.gpus=1, no critic)")
@@ -317,14 +317,14 @@ def _check_routing_replay(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.model.recompute == "full" and p.pp > 1:
         problems.append("model.recompute: full recompute with pp > 1 re-runs forwards out of order; routing replay "
                         "needs recompute none or selective there")
-def _one_shared_gpu(cfg: RunConfig) -> bool:
+def one_shared_gpu(cfg: RunConfig) -> bool:
     """Disaggregated on one GPU: the trainer (backend ``local``, one rank, no critic) and one
     rollout server share the device as two processes, each keeping its memory (no release/resume:
     that is colocated's memory saver). Overlap then needs no second GPU, only idle time on the
     first (the trainer idles while the rollout generates and back)."""
     c = cfg.cluster
     return (c.backend == "local" and c.nodes == 1 and c.gpus_per_node == 1 and cfg.actor.gpus == 1
-            and cfg.rollout.gpus <= 1 and not cfg.critic.enabled)
+            and cfg.rollout.gpus <= 1 and not cfg.critic.enabled and not cfg.rollout.server_urls)
 
 
 def _check_rollout_mode(cfg: RunConfig, problems: list[str]) -> None:
@@ -374,8 +374,11 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"reward.kind: 'reasoning_gym' scores reasoning-gym tasks but data.source = {d.source!r}")
     if cfg.sync.bucket_mb < 1:
         problems.append(f"sync.bucket_mb: must be >= 1, got {cfg.sync.bucket_mb}")
-    if cfg.sync.transport == "ipc" and cfg.placement.mode != "colocated":
-        problems.append("sync.transport: ipc needs placement.mode = colocated")
+    if cfg.sync.transport == "ipc" and cfg.placement.mode != "colocated" and not one_shared_gpu(cfg):
+        problems.append("sync.transport: ipc needs placement.mode = colocated (or one GPU shared disaggregated)")
+    if cfg.sync.transport == "nccl" and cfg.placement.mode == "disaggregated" and one_shared_gpu(cfg):
+        problems.append("sync.transport: nccl refuses two ranks on one GPU (trainer and rollout share it here); "
+                        "use auto or ipc")
     if cfg.sync.transport == "nccl" and cfg.cluster.device != "cuda":
         problems.append("sync.transport: nccl needs cluster.device = cuda")
     if cfg.trainer.total_steps < 1:

@@ -53,6 +53,15 @@ def resolve_transport(configured: str, device: str, colocated: bool) -> str:
             "auto": "tensor" if device == "cuda" and colocated else "distributed"}[configured]
 
 
+def run_transport(cfg: Any) -> str:
+    """The pusher transport of a run: the trainer and its servers on one GPU (colocated, or one
+    GPU shared disaggregated) push by CUDA IPC under ``auto``."""
+    from megarl.config.validate import one_shared_gpu
+
+    same_gpu = cfg.placement.mode == "colocated" or one_shared_gpu(cfg)
+    return resolve_transport(cfg.sync.transport, cfg.cluster.device, same_gpu)
+
+
 def push_from_rank(worker: Any, target: PushTarget, version: str) -> dict[str, Any]:
     """Runs on every actor rank: stream HF-named weights bucket by bucket to all servers.
     The pusher (and its stage's update group) is created on the first push and reused."""
