@@ -33,9 +33,10 @@ from tests.helpers.runs import DEFAULT, ROOT, tiny_model, tiny_overrides, tiny_r
 
 NUMERIC_SKIP = ("time/", "throughput/", "sync/seconds", "sync/bytes_per_s")
 QUIET = ("checkpoint.export_hf=false", "trainer.eval_before_after=false", "logging.progress_bar=false")
-# generation about as long as a training step (4 requests at a time, 24 tokens each): a push finds
-# the next batch still generating, as rollout-bound runs do
-SLOW_ROLLOUT = ("placement.mode=disaggregated", "rollout.sampling.max_new_tokens=24", "rollout.max_running_requests=4")
+# generation longer than a training step (2 requests at a time, 48 tokens each: ~2.7 s a batch alone
+# on this machine, a tiny training step ~1.5 s): a push finds the next batch still generating, as
+# rollout-bound runs do
+SLOW_ROLLOUT = ("placement.mode=disaggregated", "rollout.sampling.max_new_tokens=48", "rollout.max_running_requests=2")
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def test_sync_source_equals_the_loop_before_sources(model, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 class PushMidGeneration(Trainer):
-    """Test instrumentation: a push first waits (up to 60 s) until some group is generating, and
+    """Test instrumentation: a push first waits (up to 30 s) until some group is generating, and
     records whether one was, so that the pause is known to have met requests in flight."""
 
     def _make_source(self):
@@ -127,7 +128,7 @@ class PushMidGeneration(Trainer):
         @contextlib.contextmanager
         def weight_update(version: int) -> Iterator[dict[str, float]]:
             with source.buffer.cond:
-                self.pushed_mid_generation.append(bool(source.buffer.cond.wait_for(lambda: source.buffer.inflight, 60)))
+                self.pushed_mid_generation.append(bool(source.buffer.cond.wait_for(lambda: source.buffer.inflight, 30)))
             with inner(version) as stats:
                 yield stats
         source.weight_update = weight_update
