@@ -9,7 +9,6 @@ holds the math, sync/ moves weights. This module only decides what happens in wh
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import random
@@ -684,14 +683,14 @@ class Trainer:
 
     def _step_or_checkpoint(self, step: int) -> dict[str, float]:
         """One step; when a rollout server is lost for good, a checkpoint of the last finished step
-        (prompt loader rewound to this step's start, so a resume redoes it) before the error."""
+        (the source rewound to this step's start: its prompts, or its batch back in the buffer, so
+        a resume redoes it) before the error."""
         from megarl.rollout.healing import RolloutServerLost
 
-        loader_state = copy.deepcopy(self.loader.state_dict())
         try:
             return self.step(step)
         except RolloutServerLost as e:
-            self.loader.load_state_dict(loader_state)
+            self.source.rewind_batch()
             path = self.save_checkpoint()
             raise RolloutServerLost(f"step {step}: {e}; checkpoint of step {self.state.step} written to {path} "
                                     f"(resume with checkpoint.resume=auto)") from e

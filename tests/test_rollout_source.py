@@ -229,3 +229,32 @@ def test_state_snapshot_restores_pending_prompts_and_loader_position():
     finally:
         restored.close()
         io2.close()
+
+
+def test_a_batch_whose_push_failed_is_rewound_into_the_snapshot():
+    """A step that fails before its push (a rollout server lost for good) rewinds its batch into the
+    buffer: the checkpoint written then holds those groups with their tokens, so a resume trains on
+    them instead of losing them; a batch whose push succeeded is never rewound."""
+    rng = random.Random(9)
+    io = LoopThread()
+    fleet = Fleet(rng)
+    source, _ = make_source("async", io, fleet, max_staleness=1)
+    try:
+        train(source, fleet, 2, rng, lambda *a: None)
+        source.rewind_batch()                                # step 1's push succeeded: nothing to rewind
+        assert source.buffer.taken_batches == 2
+        samples, _ = source.next_batch(2)
+        taken = {id(s) for s in samples}
+        with pytest.raises(RuntimeError):
+            with source.weight_update(3):
+                raise RuntimeError("rollout server 0 is gone")
+        source.rewind_batch()
+        state = source.state_dict()
+    finally:
+        source.close()
+        io.close()
+    saved = state["rollout_source"]
+    assert saved["taken_batches"] == 2 and saved["version"] == 2   # as if step 2 never ran
+    back = [g for g in saved["groups"] if g["samples"] is not None]
+    tokens = {tuple(s["response_ids"]) for g in back for s in g["samples"]}
+    assert len(taken) == P * N and {tuple(s.response_ids) for s in samples} <= tokens

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import json
 import os
 import time
@@ -60,6 +61,8 @@ class RolloutSource(Protocol):
 
     def weight_update(self, version: int) -> contextlib.AbstractContextManager[dict[str, float]]: ...
 
+    def rewind_batch(self) -> None: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -81,6 +84,7 @@ class SyncSource:
         self._collect, self._retried, self.loader = collect, retried, loader
 
     def next_batch(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        self._loader_before = copy.deepcopy(self.loader.state_dict())
         before = self._retried()
         samples, metrics = self._collect(step)
         metrics["rollout/retried_requests"] = self._retried() - before  # after a failure or timeout
@@ -89,6 +93,13 @@ class SyncSource:
     @contextlib.contextmanager
     def weight_update(self, version: int) -> Iterator[dict[str, float]]:
         yield {}   # nothing is generating during a push
+
+    def rewind_batch(self) -> None:
+        """The step failed before its push: the loader back where the step started (a
+        checkpoint then resumes by redoing the step)."""
+        if getattr(self, "_loader_before", None) is not None:
+            self.loader.load_state_dict(self._loader_before)
+            self._loader_before = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"loader": self.loader.state_dict()}
@@ -184,6 +195,7 @@ class OffPolicySource:
         self._tasks: set[asyncio.Task] = set()
         self._resumed_seen = 0
         self._retried_seen = 0
+        self._uncommitted: Optional[list[Group]] = None   # the batch taken, until its push succeeds
 
     # ------------------------------------------------------------------ producer (event loop thread)
     def start(self) -> None:
@@ -268,6 +280,7 @@ class OffPolicySource:
             got = self.buffer.take(step, self.ds_give_up, self.take_timeout_s)
         finally:
             self._poke()
+        self._uncommitted = got.groups
         samples: list[Sample] = []
         for g, group in enumerate(got.groups):
             for s in group.samples:
@@ -318,9 +331,20 @@ class OffPolicySource:
                 with b.cond:
                     if ok:
                         b.version = version
+                        self._uncommitted = None
                     b.updating = False
                     b.cond.notify_all()
                 self._poke()
+
+    def rewind_batch(self) -> None:
+        """The step failed before its push: the batch it took goes back to the buffer (finished,
+        with its tokens), so a checkpoint written now holds it and a resume trains on it."""
+        with self.buffer.cond:
+            if self._uncommitted:
+                for group in self._uncommitted:
+                    self.buffer.ready[group.serial] = group
+                self.buffer.taken_batches -= 1
+            self._uncommitted = None
 
     def state_dict(self) -> dict[str, Any]:
         """The loader position and every pending group (finished ones with their samples, the
