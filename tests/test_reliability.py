@@ -27,6 +27,7 @@ def _save_steps(cfg, steps: list[int]) -> list[str]:
 
     trainer = Trainer(cfg)
     trainer.loader = SimpleNamespace(state_dict=lambda: {"epoch": 0})
+    trainer.source = SimpleNamespace(state_dict=lambda: {"loader": {"epoch": 0}})   # what setup() makes
     trainer.kl_ctl = SimpleNamespace(value=0.0)
     for step in steps:
         trainer.state.step = step
