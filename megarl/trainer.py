@@ -23,7 +23,7 @@ import torch
 
 from megarl.checkpoint.atomic import replace_dir
 from megarl.config import RunConfig, load_config, validate_config
-from megarl.data.batch import TokenBatch
+from megarl.data.batch import LOSS_MASK, TokenBatch
 from megarl.metrics_log import MetricsLogger, note
 from megarl.rollout.sample import Sample  # noqa: F401  (a trajectory; re-exported, it lived here)
 from megarl.rollout.versions import version_tag
@@ -82,10 +82,12 @@ def export_hf_folder(group: Any, model_dir: Path, out: Path, config_updates: Opt
 def token_batch(samples: list[Sample], with_rollout_logprobs: bool = True,
                 routes_shape: Optional[tuple[int, int]] = None) -> TokenBatch:
     """The step's samples as flat tensors (the one layout every worker call ships, DESIGN.md);
-    MoE rollouts' routed experts ride along as a sequence field when any sample has them."""
-    batch = TokenBatch.from_sequences(
-        [s.prompt_ids for s in samples], [s.response_ids for s in samples],
-        {"rollout_logprobs": [s.rollout_logprobs for s in samples]} if with_rollout_logprobs else None)
+    MoE rollouts' routed experts ride along as a sequence field when any sample has them, agent
+    trajectories' loss mask (1 model token, 0 environment token) as a token field."""
+    fields = {"rollout_logprobs": [s.rollout_logprobs for s in samples]} if with_rollout_logprobs else {}
+    if any(s.loss_mask for s in samples):   # agent trajectories: environment tokens are not trained on
+        fields[LOSS_MASK] = [s.loss_mask or [1] * len(s.response_ids) for s in samples]
+    batch = TokenBatch.from_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], fields or None)
     if routes_shape is not None and any(s.routed_experts is not None for s in samples):
         from megarl.rollout.routed_experts import flat_routes
         from megarl.workers.routing import ROUTES_KEY
@@ -395,8 +397,9 @@ class Trainer:
         rewards = torch.tensor([s.reward for s in samples])
         resp_lens = [len(s.response_ids) for s in samples]
         batch = token_batch(samples, routes_shape=self.moe_routing)  # flat; [B, R] views only for the algorithms
-        mask = batch.response_mask()
+        mask = batch.loss_mask()    # response tokens the model sampled (agent: environment tokens are 0)
         fields = batch.token_fields
+        masked = (LOSS_MASK,) if LOSS_MASK in fields else ()
         routes = tuple(batch.seq_fields)  # MoE: the rollout's experts, for replay and agreement (R3)
         stale_weights = self._staleness(samples, batch, mask, step, metrics) if self.source.off_policy else None
 
@@ -409,7 +412,7 @@ class Trainer:
             from megarl.workers.routing import collect_routing_stats, merge_routing_stats
 
             metrics.update(agreement_metrics(merge_routing_stats(actor.call("call", collect_routing_stats))))
-        metrics.update(self._check_logprobs(step, fields["old_logprobs"], fields["rollout_logprobs"]))
+        metrics.update(self._check_logprobs(step, fields["old_logprobs"], fields["rollout_logprobs"], fields.get(LOSS_MASK)))
         kl_tokens = None
         if "ref" in self.groups:
             t = time.time()
@@ -447,15 +450,16 @@ class Trainer:
         for epoch in range(a.ppo_epochs):
             mbs = minibatches(len(batch), cfg.batch.global_batch_size, cfg.seed + step * 101 + epoch)
             dens = denominators(mask, mbs)
-            actor_fields = ("old_logprobs", "advantages", "rollout_logprobs") + routes + (
+            actor_fields = ("old_logprobs", "advantages", "rollout_logprobs") + masked + routes + (
                 ("ref_logprobs",) if algo["kl_loss_coef"] and "ref_logprobs" in fields else ())
             metrics.update(_prefixed(actor.train(batch, mbs, dens, algo, actor_fields), "actor/"))
             if "critic" in self.groups:
                 critic = self.groups["critic"]
-                metrics.update(_prefixed(critic.train(batch, mbs, dens, algo, ("old_values", "returns")), "critic/"))
+                metrics.update(_prefixed(critic.train(batch, mbs, dens, algo, ("old_values", "returns") + masked), "critic/"))
         times["train"] = time.time() - t
         if a.kl.mode != "none" and "ref_logprobs" in fields:
-            kl_now = float((fields["old_logprobs"] - fields["ref_logprobs"]).sum() / mask.sum())
+            flat_mask = fields[LOSS_MASK] if masked else torch.ones_like(fields["old_logprobs"])
+            kl_now = float(((fields["old_logprobs"] - fields["ref_logprobs"]) * flat_mask).sum() / mask.sum())
             metrics["kl/actor_ref_k1"] = kl_now
             self.kl_ctl.update(kl_now, len(batch))
             metrics["kl/coef"] = self.kl_ctl.value
@@ -484,7 +488,8 @@ class Trainer:
             metrics[f"throughput/{phase}_tokens_per_s"] = tokens / max(times[phase], 1e-9)
         return metrics
 
-    def _check_logprobs(self, step: int, trainer_lp: torch.Tensor, rollout_lp: torch.Tensor) -> dict[str, float]:
+    def _check_logprobs(self, step: int, trainer_lp: torch.Tensor, rollout_lp: torch.Tensor,
+                        loss_mask: Optional[torch.Tensor] = None) -> dict[str, float]:
         """Rollout vs trainer logprobs of the sampled tokens; at step 0 a mean difference above the
         dtype-calibrated bound (megarl/algos/fidelity.py) stops the run: the servers do not hold the
         trainer's weights. The report names the bound and the noise floor it came from."""
@@ -492,7 +497,8 @@ class Trainer:
         from megarl.rollout.launch import rollout_dtype
 
         cfg = self.cfg
-        mean, worst = mean_abs_diff(trainer_lp, rollout_lp, torch.ones_like(trainer_lp))  # flat: response tokens only
+        # flat: response tokens only; of an agent trajectory, only the model's (environment tokens have no rollout logprob)
+        mean, worst = mean_abs_diff(trainer_lp, rollout_lp, torch.ones_like(trainer_lp) if loss_mask is None else loss_mask)
         bound = logprob_bound(cfg.model.dtype, rollout_dtype(cfg), cfg.rollout.logprob_diff_bound)
         out = {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst}
         if step == 0:
