@@ -210,8 +210,9 @@ class Trainer:
 
         manager = self._rollout_manager()
         ds = cfg.algorithm.dynamic_sampling
-        rollout = SingleTurnRollout(manager, self._sampling(greedy=False),
-                                    lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), self.score)
+        rollout = self._agent(keep_versions=True) if cfg.agent.enabled else SingleTurnRollout(
+            manager, self._sampling(greedy=False), lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            self.score)
         return OffPolicySource(
             mode=r.mode, rollout=rollout, loader=PromptLoader(self.train_records, 1, cfg.seed, cfg.data.shuffle),
             records={rec.index: rec for rec in self.train_records}, encode=self._prompt_ids, n=r.n_per_prompt,
@@ -276,6 +277,18 @@ class Trainer:
                                            api_key=self.servers.api_key, healer=self._healer())
         return self._manager
 
+    def _agent(self, keep_versions: bool = False):
+        """The agent loop (``agent.enabled``): multi-turn trajectories through the rollout manager."""
+        if not hasattr(self, "_agent_rollout"):
+            from megarl.rollout.agent import AgentRollout, AgentSettings
+
+            a = self.cfg.agent
+            settings = AgentSettings(a.env, dict(a.env_args), a.tool_parser, a.max_turns, a.max_response_tokens,
+                                     a.tool_timeout_s, a.tool_workers, keep_versions)
+            self._agent_rollout = AgentRollout(self._rollout_manager(), self._sampling(greedy=False), self.tokenizer,
+                                               settings)
+        return self._agent_rollout
+
     def _seed_base(self, step: int, rounds: int) -> int:
         """Sampling seed of a step's rollout round (each request adds its index, manager.request_seed)."""
         return (self.cfg.seed * 1_000_003 + step * 1009 + rounds) & 0x7FFFFFFF
@@ -283,7 +296,10 @@ class Trainer:
     def generate(self, records: list[Any], n: int, greedy: bool = False, seed_base: int = 0,
                  on_group: Optional[Callable[[list[Sample]], None]] = None) -> list[Sample]:
         """``n`` samples per record, in record order. ``on_group`` (e.g. ``score``) is called on each
-        group's samples as soon as its request completes, while the rest still generate."""
+        group's samples as soon as its request completes, while the rest still generate. With
+        ``agent.enabled`` each sample is a multi-turn trajectory scored by its environment."""
+        if self.cfg.agent.enabled:
+            return self._agent().generate(records, n, None if greedy else seed_base, greedy, on_group)
         from megarl.rollout.routed_experts import sample_routes
 
         prompts, kept = [], []
@@ -309,8 +325,12 @@ class Trainer:
         return [s for group in groups for s in group]
 
     def score(self, samples: list[Sample]) -> None:
-        """Rewards (plus DAPO overlong shaping when enabled)."""
+        """Rewards (plus DAPO overlong shaping when enabled); agent trajectories already carry their
+        environment's reward."""
         from megarl.algos import overlong_penalty
+
+        if self.cfg.agent.enabled:
+            return
 
         if self.reward_fn is None:  # reward.kind = model: the reward-model role scores whole sequences
             eos = self.tokenizer.eos_token_id
@@ -392,6 +412,10 @@ class Trainer:
         restarted = self._manager.restarted if hasattr(self, "_manager") else 0
         samples, metrics = self.source.next_batch(step)   # sync: generated now; off-policy: from the buffer
         metrics["rollout/restarted_servers"] = self._manager.restarted - restarted  # dead/hung, restarted
+        if self.cfg.agent.enabled:
+            from megarl.rollout.agent import agent_metrics
+
+            metrics.update(agent_metrics(samples))   # turns, tool calls/errors/timeouts, truncations
         times["rollout"] = time.time() - t
         self._rollout_memory("release")
         rewards = torch.tensor([s.reward for s in samples])
@@ -717,6 +741,8 @@ class Trainer:
         self.groups = {}
         if self.servers is not None:
             self.servers.stop()
+        if hasattr(self, "_agent_rollout"):
+            self._agent_rollout.close()
         if hasattr(self, "_manager"):
             self._manager.close()
         if self.cfg.cluster.backend == "ray" and not self.cfg.cluster.ray_address:
