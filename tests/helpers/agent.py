@@ -3,6 +3,7 @@ and environments that force multi-turn structure on random tiny models."""
 from __future__ import annotations
 
 import asyncio
+import zlib
 import time
 from typing import Any
 
@@ -14,9 +15,12 @@ from megarl.rollout.client import GenerateOutput
 from megarl.rollout.versions import version_tag
 
 
-def always_call(text: str) -> tuple[list[ToolCall], list[str]]:
-    """Every model turn calls the calculator (random models never write a call themselves); the
-    expression is the turn's length, so observations vary with what the model produced."""
+def mostly_call(text: str) -> tuple[list[ToolCall], list[str]]:
+    """Three model turns in four call the calculator (random models never write a call
+    themselves), the rest are answers, chosen by a checksum of the text so a run is reproducible;
+    the expression depends on the turn's text, so observations vary with what the model produced."""
+    if zlib.crc32(text.encode()) % 4 == 0:
+        return [], []
     return [ToolCall("calculator", {"expression": f"{len(text)} * 7"})], []
 
 
@@ -67,3 +71,10 @@ class CountingEnv(ToolEnv):
 
     def score(self, text: str, record: Any) -> float:
         return 1.0
+
+
+class DistinctCalcEnv(CalculatorEnv):
+    """The calculator with a non-constant reward for random tiny models (which never answer right)."""
+
+    def score(self, text: str, record: Any) -> float:
+        return len(set(text)) / 10.0
