@@ -1,5 +1,5 @@
 """A 2-step GRPO run of the calculator recipe on CPU: real megatron actor, real embedded rollout
-server, real calculator tool -- with a tiny random model, so every turn is made a tool call
+server, real calculator tool -- with a tiny random model, so most turns are made tool calls
 (``mostly_call`` parser) and the reward is shaped (random models never answer right). At step 0
 the trainer's logprobs of the model's tokens must match the server's: that holds only if the
 interleaved trajectory reaches the trainer token for token and the environment tokens are left
