@@ -28,7 +28,7 @@ from megarl.envs.parsers import get_parser
 from megarl.envs.registry import make_env
 from megarl.envs.tools import ToolPool
 from megarl.rollout.manager import request_seed
-from megarl.rollout.partial import generate_resumable
+from megarl.rollout.partial import Trajectory, generate_resumable
 from megarl.rollout.sample import Sample
 from megarl.rollout.trajectory import ChatTurns, TrajectoryBuilder
 
@@ -51,9 +51,10 @@ class AgentSettings:
 class Clock:
     """Where a batch's rollout time went: generation requests vs. everything else (benchmark)."""
 
-    generate_s: float = 0.0
-    env_s: float = 0.0
-    tokenize_s: float = 0.0
+    generate_s: float = 0.0      # awaiting /generate answers (includes HTTP), summed over trajectories
+    env_s: float = 0.0           # reset/step of environments (tools, sandbox), summed over trajectories
+    tokenize_s: float = 0.0      # decode + parse + observation tokenisation, summed over trajectories
+    trajectory_s: float = 0.0    # wall time of each trajectory, summed
 
 
 class AgentRollout:
@@ -78,6 +79,7 @@ class AgentRollout:
         info = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "truncated": "", "env_tokens": 0}
         traj = TrajectoryBuilder()
         reward, finish, texts = 0.0, "stop", []
+        started = time.perf_counter()
         try:
             t = time.perf_counter()
             messages, tools = await env.reset(record)
@@ -93,9 +95,8 @@ class AgentRollout:
                 params = dict(sampling, max_new_tokens=min(per_turn, budget))
                 turn_seed = None if seed is None else (seed + info["turns"] * TURN_SEED_STRIDE) & 0x7FFFFFFF
                 t = time.perf_counter()
-                out = await generate_resumable(send, prompt + traj.ids, params, turn_seed)
+                out = await self._turn(send, prompt + traj.ids, params, turn_seed)
                 clock.generate_s += time.perf_counter() - t
-                self.resumed += out.resumed
                 traj.add_model(out.output_ids, out.logprobs, out.versions if s.keep_versions else None)
                 info["turns"] += 1
                 t = time.perf_counter()
@@ -130,8 +131,24 @@ class AgentRollout:
                 info["env_tokens"] += len(obs)
         finally:
             await env.close()
+            clock.trajectory_s += time.perf_counter() - started
         return Sample(record, 0, prompt, traj.ids, traj.logprobs, finish, reward=reward, text=texts[-1] if texts else "",
                       versions=traj.versions, loss_mask=traj.mask, info=info)
+
+    async def _turn(self, send: Callable, ids: list[int], params: dict[str, Any], seed: Optional[int]) -> Trajectory:
+        """One model turn. Off-policy sources: resumable across pauses, with per-token weight
+        versions; sync: one request (nothing pauses the servers while a sync batch generates)."""
+        if self.s.keep_versions:
+            out = await generate_resumable(send, ids, params, seed)
+            self.resumed += out.resumed
+            return out
+        if seed is not None:
+            params = dict(params, sampling_seed=seed)
+        got = await send(ids, params)
+        if got.logprobs is None or len(got.logprobs) != len(got.output_ids):
+            raise ValueError(f"a /generate answer has {len(got.output_ids)} tokens but "
+                             f"{'no' if got.logprobs is None else len(got.logprobs)} logprobs")
+        return Trajectory([int(t) for t in got.output_ids], [float(x) for x in got.logprobs], [], got.finish_reason)
 
     # ------------------------------------------------------------------ groups
     async def __call__(self, job: Any) -> list[Sample]:
