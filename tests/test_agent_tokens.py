@@ -105,7 +105,7 @@ def test_trainer_ids_are_server_tokens_interleaved_with_observations(tok, seed):
         turns.append((tok.encode("The answer is 1.", add_special_tokens=False) + [EOS], "stop", {"kind": "done"}))
         scripts[j] = [(ids, fin) for ids, fin, _ in turns]
         wants[j] = [w for _, _, w in turns]
-    budget = rng.choice([300, 2000])
+    budget = 300 if seed == 0 else 4000     # seed 0: the token budget cuts turns and trajectories
     settings = AgentSettings("calculator", max_turns=max_turns, max_response_tokens=budget)
     records = [PromptRecord(f"What is {j} + 1?", answer=str(j + 1), index=j) for j in range(n_traj)]
     server, samples = run_batch(tok, scripts, settings, records)
@@ -171,6 +171,19 @@ def test_trainer_ids_are_server_tokens_interleaved_with_observations(tok, seed):
                     assert int(flat[row]) == (s.prompt_ids + s.response_ids)[len(s.prompt_ids) + k - 1]
     metrics = agent_metrics(samples)
     assert metrics["agent/turns_mean"] == sum(len(server.log[j]) for j in range(n_traj)) / n_traj
+    # independent count from the scripts: calls the parser finds, and which of them fail (every
+    # generated turn went to the environment, the last one of a truncated trajectory too)
+    answered = [[w for t, w in enumerate(wants[j][:len(server.log[j])])
+                 if len(server.log[j][t][1]) == len(scripts[j][t][0])]        # not cut by the token budget
+                for j in range(n_traj)]
+    cut = sum(len(server.log[j][t][1]) < len(scripts[j][t][0]) for j in range(n_traj) for t in range(len(server.log[j])))
+    calls = sum(len(w.get("contents", [])) + (w.get("prefix", [""])[0].startswith(("Error: unknown", "Error: bad")))
+                for ws in answered for w in ws)
+    failed = sum(w.get("prefix", [""])[0].startswith(("Error: unknown", "Error: bad")) for ws in answered for w in ws)
+    assert (cut > 0) == (seed == 0)
+    if cut == 0:
+        assert metrics["agent/tool_calls_per_traj"] * n_traj == pytest.approx(calls)
+        assert metrics["agent/tool_call_success_frac"] == pytest.approx((calls - failed) / calls if calls else 0.0)
 
 
 def settings_system() -> str:

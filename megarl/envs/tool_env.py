@@ -48,26 +48,31 @@ class ToolEnv:
         if not action.tool_calls and not action.parse_errors:
             return StepResult([], reward=self.score(action.text, self.record), done=True)
         obs: list[Message] = [{"role": "tool", "content": f"Error: {e}"} for e in action.parse_errors]
-        info = {"tool_calls": len(action.tool_calls), "tool_errors": len(action.parse_errors), "tool_timeouts": 0}
+        info = {"tool_calls": len(action.tool_calls), "tool_errors": len(action.parse_errors), "call_errors": 0,
+                "tool_timeouts": 0}
         for call in action.tool_calls:
             tool = self.by_name.get(call.name)
             if tool is None:
                 obs.append({"role": "tool", "name": call.name,
                             "content": f"Error: unknown tool {call.name!r}; tools: {sorted(self.by_name)}"})
                 info["tool_errors"] += 1
+                info["call_errors"] += 1
                 continue
             try:
                 out = await self.ctx.pool.call(tool.fn, call.arguments, self.ctx.tool_timeout_s)
             except ToolTimeout as e:
                 info["tool_timeouts"] += 1
+                info["call_errors"] += 1
                 obs.append({"role": "tool", "name": call.name, "content": f"Error: {call.name} timed out ({e})"})
                 return StepResult(obs, done=True, truncated=True, info=info)
             except TypeError as e:          # wrong or missing arguments
                 out = f"Error: bad arguments for {call.name}: {e}"
                 info["tool_errors"] += 1
+                info["call_errors"] += 1
             except Exception as e:  # noqa: BLE001 - any tool failure is text for the model, never a crash
                 out = f"Error: {type(e).__name__}: {e}"
                 info["tool_errors"] += 1
+                info["call_errors"] += 1
             obs.append({"role": "tool", "name": call.name, "content": str(out)[:MAX_OBSERVATION_CHARS]})
         return StepResult(obs, info=info)
 

@@ -76,7 +76,8 @@ class AgentRollout:
         sampling = dict(sampling or self.sampling)
         per_turn = int(sampling["max_new_tokens"])
         env = make_env(s.env, EnvContext(self.pool, s.env_args, s.tool_timeout_s))
-        info = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "truncated": "", "env_tokens": 0}
+        info = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "call_errors": 0, "tool_timeouts": 0, "truncated": "",
+                "env_tokens": 0}
         traj = TrajectoryBuilder()
         reward, finish, texts = 0.0, "stop", []
         started = time.perf_counter()
@@ -110,7 +111,7 @@ class AgentRollout:
                 res = await env.step(Action(text, calls, errors, out.finish_reason))
                 clock.env_s += time.perf_counter() - t
                 reward += res.reward
-                for k in ("tool_calls", "tool_errors", "tool_timeouts"):
+                for k in ("tool_calls", "tool_errors", "call_errors", "tool_timeouts"):
                     info[k] += int(res.info.get(k, 0))
                 if res.truncated:
                     info["truncated"] = "tool_timeout" if res.info.get("tool_timeouts") else "env"
@@ -192,12 +193,13 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
         return {}
     n = len(infos)
     calls = sum(i["tool_calls"] for i in infos)
-    errors = sum(i["tool_errors"] for i in infos)
+    errors = sum(i["tool_errors"] for i in infos)            # malformed calls + calls that failed
+    failed = sum(i.get("call_errors", 0) for i in infos)     # parsed calls that failed or timed out
     resp = sum(len(s.response_ids) for s in samples)
     out = {"agent/turns_mean": sum(i["turns"] for i in infos) / n,
            "agent/turns_max": float(max(i["turns"] for i in infos)),
            "agent/tool_calls_per_traj": calls / n,
-           "agent/tool_call_success_frac": (calls - min(errors, calls)) / calls if calls else 0.0,
+           "agent/tool_call_success_frac": (calls - failed) / calls if calls else 0.0,
            "agent/tool_errors": float(errors),
            "agent/tool_timeouts": float(sum(i["tool_timeouts"] for i in infos)),
            "agent/truncated": float(sum(bool(i["truncated"]) for i in infos)),
