@@ -33,7 +33,11 @@ EXTRAS = {
         # neither pulls torch. mlflow-skinny is MLflow's tracking client (file store, no server deps)
         "wandb==0.31.0",
         "mlflow-skinny==3.18.0",
+        "bm25s==0.3.16",    # agent.env=search (BM25 over a local corpus); needs only numpy + scipy
     ],
+    # Agentic RL environments: BM25 retrieval for agent.env=search. The python sandbox needs
+    # Debian's bubblewrap (apt-get install bubblewrap; launch/install.sh does it), not a wheel.
+    "agent": ["bm25s==0.3.16"],
     "sinks": ["wandb==0.31.0", "mlflow-skinny==3.18.0"],
     # GPU-only engines. apex is not on PyPI: build it from source if wanted (README).
     "gpu": [

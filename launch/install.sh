@@ -10,6 +10,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# bubblewrap: the agent's python sandbox (agent.env=python, megarl/envs/sandbox.py) isolates tool
+# code with it; a Debian package, installed when apt is there and we are root.
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+  (apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; })
+fi
 pip_install() { "$PY" -m pip install --disable-pip-version-check --no-input -q "$@"; }
 if [[ "${1:-}" == "--gpu" ]]; then
   pip_install -e '.[test,gpu]'

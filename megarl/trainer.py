@@ -22,7 +22,7 @@ import torch
 
 from megarl.checkpoint.atomic import replace_dir
 from megarl.config import RunConfig, load_config, validate_config
-from megarl.data.batch import TokenBatch
+from megarl.data.batch import LOSS_MASK, TokenBatch
 from megarl.metrics_log import MetricsLogger, note
 from megarl.rollout.sample import Sample  # noqa: F401  (a trajectory; re-exported, it lived here)
 from megarl.rollout.versions import version_tag
@@ -81,10 +81,12 @@ def export_hf_folder(group: Any, model_dir: Path, out: Path, config_updates: Opt
 def token_batch(samples: list[Sample], with_rollout_logprobs: bool = True,
                 routes_shape: Optional[tuple[int, int]] = None) -> TokenBatch:
     """The step's samples as flat tensors (the one layout every worker call ships, DESIGN.md);
-    MoE rollouts' routed experts ride along as a sequence field when any sample has them."""
-    batch = TokenBatch.from_sequences(
-        [s.prompt_ids for s in samples], [s.response_ids for s in samples],
-        {"rollout_logprobs": [s.rollout_logprobs for s in samples]} if with_rollout_logprobs else None)
+    MoE rollouts' routed experts ride along as a sequence field when any sample has them, agent
+    trajectories' loss mask (1 model token, 0 environment token) as a token field."""
+    fields = {"rollout_logprobs": [s.rollout_logprobs for s in samples]} if with_rollout_logprobs else {}
+    if any(s.loss_mask for s in samples):   # agent trajectories: environment tokens are not trained on
+        fields[LOSS_MASK] = [s.loss_mask or [1] * len(s.response_ids) for s in samples]
+    batch = TokenBatch.from_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], fields or None)
     if routes_shape is not None and any(s.routed_experts is not None for s in samples):
         from megarl.rollout.routed_experts import flat_routes
         from megarl.workers.routing import ROUTES_KEY
@@ -207,8 +209,9 @@ class Trainer:
 
         manager = self._rollout_manager()
         ds = cfg.algorithm.dynamic_sampling
-        rollout = SingleTurnRollout(manager, self._sampling(greedy=False),
-                                    lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), self.score)
+        rollout = self._agent(keep_versions=True) if cfg.agent.enabled else SingleTurnRollout(
+            manager, self._sampling(greedy=False), lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            self.score)
         return OffPolicySource(
             mode=r.mode, rollout=rollout, loader=PromptLoader(self.train_records, 1, cfg.seed, cfg.data.shuffle),
             records={rec.index: rec for rec in self.train_records}, encode=self._prompt_ids, n=r.n_per_prompt,
@@ -273,6 +276,18 @@ class Trainer:
                                            api_key=self.servers.api_key, healer=self._healer())
         return self._manager
 
+    def _agent(self, keep_versions: bool = False):
+        """The agent loop (``agent.enabled``): multi-turn trajectories through the rollout manager."""
+        if not hasattr(self, "_agent_rollout"):
+            from megarl.rollout.agent import AgentRollout, AgentSettings
+
+            a = self.cfg.agent
+            settings = AgentSettings(a.env, dict(a.env_args), a.tool_parser, a.max_turns, a.max_response_tokens,
+                                     a.tool_timeout_s, a.tool_workers, keep_versions)
+            self._agent_rollout = AgentRollout(self._rollout_manager(), self._sampling(greedy=False), self.tokenizer,
+                                               settings)
+        return self._agent_rollout
+
     def _seed_base(self, step: int, rounds: int) -> int:
         """Sampling seed of a step's rollout round (each request adds its index, manager.request_seed)."""
         return (self.cfg.seed * 1_000_003 + step * 1009 + rounds) & 0x7FFFFFFF
@@ -280,7 +295,10 @@ class Trainer:
     def generate(self, records: list[Any], n: int, greedy: bool = False, seed_base: int = 0,
                  on_group: Optional[Callable[[list[Sample]], None]] = None) -> list[Sample]:
         """``n`` samples per record, in record order. ``on_group`` (e.g. ``score``) is called on each
-        group's samples as soon as its request completes, while the rest still generate."""
+        group's samples as soon as its request completes, while the rest still generate. With
+        ``agent.enabled`` each sample is a multi-turn trajectory scored by its environment."""
+        if self.cfg.agent.enabled:
+            return self._agent().generate(records, n, None if greedy else seed_base, greedy, on_group)
         from megarl.rollout.routed_experts import sample_routes
 
         prompts, kept = [], []
@@ -306,8 +324,12 @@ class Trainer:
         return [s for group in groups for s in group]
 
     def score(self, samples: list[Sample]) -> None:
-        """Rewards (plus DAPO overlong shaping when enabled)."""
+        """Rewards (plus DAPO overlong shaping when enabled); agent trajectories already carry their
+        environment's reward."""
         from megarl.algos import overlong_penalty
+
+        if self.cfg.agent.enabled:
+            return
 
         if self.reward_fn is None:  # reward.kind = model: the reward-model role scores whole sequences
             eos = self.tokenizer.eos_token_id
@@ -389,13 +411,18 @@ class Trainer:
         restarted = self._manager.restarted if hasattr(self, "_manager") else 0
         samples, metrics = self.source.next_batch(step)   # sync: generated now; off-policy: from the buffer
         metrics["rollout/restarted_servers"] = self._manager.restarted - restarted  # dead/hung, restarted
+        if self.cfg.agent.enabled:
+            from megarl.rollout.agent import agent_metrics
+
+            metrics.update(agent_metrics(samples))   # turns, tool calls/errors/timeouts, truncations
         times["rollout"] = time.time() - t
         self._rollout_memory("release")
         rewards = torch.tensor([s.reward for s in samples])
         resp_lens = [len(s.response_ids) for s in samples]
         batch = token_batch(samples, routes_shape=self.moe_routing)  # flat; [B, R] views only for the algorithms
-        mask = batch.response_mask()
+        mask = batch.loss_mask()    # response tokens the model sampled (agent: environment tokens are 0)
         fields = batch.token_fields
+        masked = (LOSS_MASK,) if LOSS_MASK in fields else ()
         routes = tuple(batch.seq_fields)  # MoE: the rollout's experts, for replay and agreement (R3)
 
         t = time.time()
@@ -407,7 +434,7 @@ class Trainer:
             from megarl.workers.routing import collect_routing_stats, merge_routing_stats
 
             metrics.update(agreement_metrics(merge_routing_stats(actor.call("call", collect_routing_stats))))
-        metrics.update(self._check_logprobs(step, fields["old_logprobs"], fields["rollout_logprobs"]))
+        metrics.update(self._check_logprobs(step, fields["old_logprobs"], fields["rollout_logprobs"], fields.get(LOSS_MASK)))
         stale_weights = self._staleness(samples, batch, mask, step, metrics) if self.source.off_policy else None
         kl_tokens = None
         if "ref" in self.groups:
@@ -446,15 +473,16 @@ class Trainer:
         for epoch in range(a.ppo_epochs):
             mbs = minibatches(len(batch), cfg.batch.global_batch_size, cfg.seed + step * 101 + epoch)
             dens = denominators(mask, mbs)
-            actor_fields = ("old_logprobs", "advantages", "rollout_logprobs") + routes + (
+            actor_fields = ("old_logprobs", "advantages", "rollout_logprobs") + masked + routes + (
                 ("ref_logprobs",) if algo["kl_loss_coef"] and "ref_logprobs" in fields else ())
             metrics.update(_prefixed(actor.train(batch, mbs, dens, algo, actor_fields), "actor/"))
             if "critic" in self.groups:
                 critic = self.groups["critic"]
-                metrics.update(_prefixed(critic.train(batch, mbs, dens, algo, ("old_values", "returns")), "critic/"))
+                metrics.update(_prefixed(critic.train(batch, mbs, dens, algo, ("old_values", "returns") + masked), "critic/"))
         times["train"] = time.time() - t
         if a.kl.mode != "none" and "ref_logprobs" in fields:
-            kl_now = float((fields["old_logprobs"] - fields["ref_logprobs"]).sum() / mask.sum())
+            flat_mask = fields[LOSS_MASK] if masked else torch.ones_like(fields["old_logprobs"])
+            kl_now = float(((fields["old_logprobs"] - fields["ref_logprobs"]) * flat_mask).sum() / mask.sum())
             metrics["kl/actor_ref_k1"] = kl_now
             self.kl_ctl.update(kl_now, len(batch))
             metrics["kl/coef"] = self.kl_ctl.value
@@ -483,7 +511,8 @@ class Trainer:
             metrics[f"throughput/{phase}_tokens_per_s"] = tokens / max(times[phase], 1e-9)
         return metrics
 
-    def _check_logprobs(self, step: int, trainer_lp: torch.Tensor, rollout_lp: torch.Tensor) -> dict[str, float]:
+    def _check_logprobs(self, step: int, trainer_lp: torch.Tensor, rollout_lp: torch.Tensor,
+                        loss_mask: Optional[torch.Tensor] = None) -> dict[str, float]:
         """Rollout vs trainer logprobs of the sampled tokens; at step 0 a mean difference above the
         dtype-calibrated bound (megarl/algos/fidelity.py) stops the run: the servers do not hold the
         trainer's weights. The report names the bound and the noise floor it came from."""
@@ -491,7 +520,8 @@ class Trainer:
         from megarl.rollout.launch import rollout_dtype
 
         cfg = self.cfg
-        mean, worst = mean_abs_diff(trainer_lp, rollout_lp, torch.ones_like(trainer_lp))  # flat: response tokens only
+        # flat: response tokens only; of an agent trajectory, only the model's (environment tokens have no rollout logprob)
+        mean, worst = mean_abs_diff(trainer_lp, rollout_lp, torch.ones_like(trainer_lp) if loss_mask is None else loss_mask)
         bound = logprob_bound(cfg.model.dtype, rollout_dtype(cfg), cfg.rollout.logprob_diff_bound)
         out = {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst}
         if step == 0:
@@ -714,6 +744,8 @@ class Trainer:
         self.groups = {}
         if self.servers is not None:
             self.servers.stop()
+        if hasattr(self, "_agent_rollout"):
+            self._agent_rollout.close()
         if hasattr(self, "_manager"):
             self._manager.close()
         if self.cfg.cluster.backend == "ray" and not self.cfg.cluster.ray_address:

@@ -26,7 +26,8 @@ def _save_steps(cfg, steps: list[int]) -> list[str]:
     from megarl.trainer import Trainer
 
     trainer = Trainer(cfg)
-    trainer.source = SimpleNamespace(state_dict=lambda: {"loader": {"epoch": 0}})   # the rollout source's state
+    trainer.loader = SimpleNamespace(state_dict=lambda: {"epoch": 0})
+    trainer.source = SimpleNamespace(state_dict=lambda: {"loader": {"epoch": 0}})   # what setup() makes
     trainer.kl_ctl = SimpleNamespace(value=0.0)
     for step in steps:
         trainer.state.step = step

@@ -197,7 +197,10 @@ def test_sbatch_trains_cpu_recipe_two_steps(cluster, tmp_path):
     env, ray_tmp = _job_env(tmp_path)
     job = cluster.sbatch(["-N", "1", "--gpus-per-node=1", f"--output={cluster.root}/job-%j.out", "launch/slurm/train.sbatch",
                           CPU_RECIPE, "trainer.total_steps=2", f"output_dir={out}", "checkpoint.interval=0",
-                          "trainer.eval_before_after=false"], env=env, cwd=ROOT)
+                          "trainer.eval_before_after=false",
+                          # the recipe's model and data, a smaller batch: this test is about the launch
+                          "batch.prompts_per_step=2", "batch.global_batch_size=8", "rollout.sampling.max_new_tokens=16"],
+                         env=env, cwd=ROOT)
     info = cluster.wait(job, timeout=1200)
     log = _log(cluster, job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-6000:]

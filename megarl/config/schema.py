@@ -277,6 +277,22 @@ class RewardConfig:
 
 
 @dataclass
+class AgentConfig:
+    enabled: bool = opt(False, "multi-turn rollouts with tools and an environment (megarl/rollout/agent.py); the "
+                        "environment's reward replaces reward.*")
+    env: str = opt("calculator", "environment: calculator | python | search, or a dotted module:Class")
+    env_args: dict[str, Any] = opt({}, "keyword options of the environment (python: sandbox limits cpu_s, wall_s, "
+                                   "memory_mb, output_bytes, nproc, tmp_mb; search: corpus, top_k)")
+    tool_parser: str = opt("hermes", "tool-call format of the chat template: hermes (Qwen/Hermes <tool_call>), "
+                           "llama3_json, or a dotted module:function")
+    max_turns: int = opt(4, "model turns per trajectory at most")
+    max_response_tokens: int = opt(512, "tokens after the prompt per trajectory (model + environment) at most; "
+                                   "each turn also stops at rollout.sampling.max_new_tokens")
+    tool_timeout_s: float = opt(10.0, "deadline of one tool call; past it the trajectory is truncated (counted)")
+    tool_workers: int = opt(16, "threads running tool calls")
+
+
+@dataclass
 class SyncConfig:
     bucket_mb: int = opt(512, "weight-sync bucket size in MiB (peak extra memory ~2 buckets)")
     transport: Literal["auto", "nccl", "gloo", "ipc", "disk"] = opt("auto", "auto: ipc if colocated on GPU, nccl/gloo broadcast otherwise")
@@ -334,6 +350,7 @@ class RunConfig:
     batch: BatchConfig = section(BatchConfig, "batch sizes")
     data: DataConfig = section(DataConfig, "prompt data")
     reward: RewardConfig = section(RewardConfig, "reward")
+    agent: AgentConfig = section(AgentConfig, "multi-turn agentic rollouts: environment, tools, turn limits")
     sync: SyncConfig = section(SyncConfig, "trainer -> rollout weight sync")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "checkpoints and resume")
     logging: LoggingConfig = section(LoggingConfig, "tensorboard and console")

@@ -433,7 +433,39 @@ def collect_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
     _check_algorithm(cfg, problems)
     _check_rollout_mode(cfg, problems)
     _check_rest(cfg, problems)
+    _check_agent(cfg, problems)
     return problems
+
+
+def _check_agent(cfg: RunConfig, problems: list[str]) -> None:
+    a = cfg.agent
+    if not a.enabled:
+        return
+    from megarl.envs.parsers import PARSERS
+    from megarl.envs.registry import BUILTIN
+
+    if a.env not in BUILTIN and ":" not in a.env and "." not in a.env:
+        problems.append(f"agent.env: unknown environment {a.env!r} (built-ins: {sorted(BUILTIN)}, or module:Class)")
+    if a.tool_parser not in PARSERS and ":" not in a.tool_parser:
+        problems.append(f"agent.tool_parser: unknown parser {a.tool_parser!r} (built-ins: {sorted(PARSERS)}, "
+                        f"or module:function)")
+    for name in ("max_turns", "max_response_tokens", "tool_workers"):
+        if getattr(a, name) < 1:
+            problems.append(f"agent.{name} must be at least 1, got {getattr(a, name)}")
+    if a.tool_timeout_s <= 0:
+        problems.append(f"agent.tool_timeout_s must be positive, got {a.tool_timeout_s}")
+    if not cfg.data.chat_template:
+        problems.append("data.chat_template: agent.enabled needs the chat template (turn boundaries come from it)")
+    if cfg.reward.kind == "model":
+        problems.append("reward.kind: model is not used with agent.enabled (the environment gives the reward)")
+    if cfg.algorithm.overlong.enabled:
+        problems.append("algorithm.overlong: DAPO's length penalty is single-turn; with agent.enabled use "
+                        "agent.max_response_tokens")
+    if a.env == "python" and float(a.env_args.get("wall_s", 10.0)) >= a.tool_timeout_s:
+        problems.append(f"agent.env_args.wall_s ({a.env_args.get('wall_s', 10.0)}) must be below agent.tool_timeout_s "
+                        f"({a.tool_timeout_s}): the sandbox, not the pool, must stop runaway code")
+    if a.env == "search" and "corpus" not in a.env_args:
+        problems.append("agent.env_args.corpus: the search environment needs a corpus (JSONL file or list of passages)")
 
 
 def validate_config(cfg: RunConfig, check_paths: bool = False) -> RunConfig:

@@ -22,6 +22,9 @@ import torch
 from torch import Tensor
 
 
+LOSS_MASK = "loss_mask"   # token field: 1 for the model's tokens, 0 for environment tokens (agent loop)
+
+
 def lengths_to_offsets(lengths: Tensor) -> Tensor:
     """``[n]`` lengths -> ``[n + 1]`` int64 offsets (0, cumulative sums)."""
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
@@ -175,6 +178,15 @@ class TokenBatch:
         lens = self.response_lens
         width = int(lens.max()) if len(self) else 0
         return (torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)).float()
+
+    def loss_mask(self) -> Tensor:
+        """``[B, R_max]`` float mask of the response tokens the loss and advantages cover: the
+        response mask, times the ``loss_mask`` token field when there is one (agent trajectories:
+        environment tokens are 0 there)."""
+        mask = self.response_mask()
+        if LOSS_MASK in self.token_fields:
+            mask = mask * self.padded(self.token_fields[LOSS_MASK].to(mask.dtype))
+        return mask
 
     def padded(self, flat: Tensor, fill: float = 0.0) -> Tensor:
         """A per-response-token flat tensor as ``[B, R_max]`` (right-padded with ``fill``)."""

@@ -5,8 +5,11 @@ A rollout source (``megarl/rollout/source.py``) yields lists of these, grouped b
 the n samples of one prompt, numbered contiguously within a batch). ``versions`` is empty for
 on-policy batches (every token from the weights being trained); an off-policy source fills it with
 one version per response token -- a partial rollout continued after a weight update has older
-versions first, then newer ones. An agent loop (multi-turn, tools) is a rollout source of the same
-samples whose ``response_ids`` interleave model and environment tokens.
+versions first, then newer ones. An agent loop (multi-turn, tools; ``megarl/rollout/agent.py``) yields the same samples
+whose ``response_ids`` interleave model and environment tokens: ``loss_mask`` then has one entry
+per response token, 1 where the model sampled it (trained on, with its rollout logprob) and 0
+where the environment wrote it (observations and the chat template's turn boundaries; logprob 0).
+An empty ``loss_mask`` means every response token is the model's (single-turn).
 """
 from __future__ import annotations
 
@@ -28,3 +31,5 @@ class Sample:
     text: str = ""
     versions: list[int] = field(default_factory=list)   # weight version of each response token (off-policy)
     routed_experts: Optional[torch.Tensor] = None        # MoE: int [len - 1, layers, top_k] chosen by the rollout
+    loss_mask: list[int] = field(default_factory=list)   # per response token: 1 model, 0 environment (empty: all 1)
+    info: dict[str, Any] = field(default_factory=dict)   # agent loop: turns, tool calls/errors, truncation

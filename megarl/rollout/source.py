@@ -366,7 +366,8 @@ class OffPolicySource:
 
         def decode(d: dict, record_index: int) -> Sample:
             return Sample(records[record_index], 0, d["prompt_ids"], d["response_ids"], d["rollout_logprobs"],
-                          d["finish_reason"], d["reward"], d["text"], d["versions"])
+                          d["finish_reason"], d["reward"], d["text"], d["versions"],
+                          loss_mask=d.get("loss_mask", []), info=d.get("info", {}))
         self._reissue = self.buffer.load_state_dict(saved, decode)
 
     def set_version(self, version: int, taken_batches: int) -> None:
@@ -414,7 +415,7 @@ class OffPolicySource:
 def _encode_sample(s: Sample) -> dict[str, Any]:
     return {"prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids),
             "rollout_logprobs": list(s.rollout_logprobs), "finish_reason": s.finish_reason, "reward": s.reward,
-            "text": s.text, "versions": list(s.versions)}
+            "text": s.text, "versions": list(s.versions), "loss_mask": list(s.loss_mask), "info": dict(s.info)}
 
 
 __all__ = ["MODES", "INTERRUPTS", "RolloutSource", "SyncSource", "OffPolicySource", "SingleTurnRollout", "GroupJob",

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megarl.data.batch import TokenBatch, ranges
+from megarl.data.batch import LOSS_MASK, TokenBatch, ranges
 
 
 @dataclass
@@ -38,6 +38,14 @@ class MicroInputs:
     def empty(self) -> bool:
         """A placeholder micro-batch (see megarl.data.packing.equalize): forward runs, loss adds 0."""
         return len(self.batch) == 0
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """``[b, R]`` mask the losses use: ``mask`` without environment tokens (the batch's
+        ``loss_mask`` token field, agent trajectories); ``mask`` itself when there is none."""
+        if LOSS_MASK not in self.batch.token_fields:
+            return self.mask
+        return self.mask * self.padded(LOSS_MASK).to(device=self.mask.device, dtype=self.mask.dtype)
 
     def padded(self, name: str) -> Tensor:
         """Token field ``name`` of this micro-batch as ``[b, R]``."""

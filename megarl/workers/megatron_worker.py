@@ -366,7 +366,7 @@ class MegatronWorker:
         logprobs, entropy = self._token_outputs(output, mi, with_entropy=True)
         fields = mi.batch.token_fields
         dev = logprobs.device
-        mask = mi.mask.to(dev)
+        mask = mi.loss_mask.to(dev)   # model tokens only: environment tokens of agent trajectories are not trained on
         agg = dict(num_tokens=denom["num_tokens"], num_seqs=denom["num_seqs"])
         pcfg = PolicyLossConfig(**algo["policy_loss_cfg"])
         rollout_lp = mi.padded("rollout_logprobs").to(dev) if "rollout_logprobs" in fields else None
@@ -394,7 +394,7 @@ class MegatronWorker:
         values, _ = self._token_outputs(output, mi, with_entropy=False)
         dev = values.device
         loss, metrics = value_loss(values, mi.padded("old_values").to(dev), mi.padded("returns").to(dev),
-                                   mi.mask.to(dev), clip_range=algo["value_clip"], agg_mode=algo["agg_mode"],
+                                   mi.loss_mask.to(dev), clip_range=algo["value_clip"], agg_mode=algo["agg_mode"],
                                    num_tokens=denom["num_tokens"], num_seqs=denom["num_seqs"])
         out = {f"critic/{k}": v for k, v in metrics.items()}
         out["critic/vf_loss_sum"] = loss.detach()
