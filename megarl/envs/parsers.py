@@ -47,16 +47,22 @@ def _call_from(obj: Any, args_keys: tuple[str, ...]) -> ToolCall:
     return ToolCall(name, args)
 
 
-def hermes(text: str) -> tuple[list[ToolCall], list[str]]:
+def _parse_each(bodies: list[str], arg_keys: tuple[str, ...]) -> tuple[list[ToolCall], list[str]]:
+    """Each JSON body as one call; a body that is not one becomes an error for the model."""
     calls: list[ToolCall] = []
     errors: list[str] = []
-    for body in _HERMES.findall(text):
+    for body in bodies:
         try:
-            calls.append(_call_from(json.loads(body), ("arguments", "parameters")))
+            calls.append(_call_from(json.loads(body), arg_keys))
         except json.JSONDecodeError as e:
             errors.append(f"tool call is not valid JSON ({e.msg} at char {e.pos}): {body.strip()[:200]}")
         except ValueError as e:
             errors.append(str(e))
+    return calls, errors
+
+
+def hermes(text: str) -> tuple[list[ToolCall], list[str]]:
+    calls, errors = _parse_each(_HERMES.findall(text), ("arguments", "parameters"))
     rest = _HERMES.sub("", text)
     if "<tool_call>" in rest:
         errors.append("unclosed <tool_call>: write <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>")
@@ -71,22 +77,13 @@ def llama3_json(text: str) -> tuple[list[ToolCall], list[str]]:
         body = body.removesuffix(end).strip()
     if not body.startswith("{"):
         return [], []                    # plain text: a final answer
-    calls: list[ToolCall] = []
-    errors: list[str] = []
     parts = [body]
     if ";" in body:                      # several calls "{...}; {...}" -- unless ";" is inside one object
         try:
             json.loads(body)
         except json.JSONDecodeError:
             parts = [p for p in body.split(";") if p.strip()]
-    for part in parts:
-        try:
-            calls.append(_call_from(json.loads(part), ("parameters", "arguments")))
-        except json.JSONDecodeError as e:
-            errors.append(f"tool call is not valid JSON ({e.msg} at char {e.pos}): {part.strip()[:200]}")
-        except ValueError as e:
-            errors.append(str(e))
-    return calls, errors
+    return _parse_each(parts, ("parameters", "arguments"))
 
 
 PARSERS: dict[str, Parser] = {"hermes": hermes, "qwen": hermes, "llama3_json": llama3_json}
