@@ -5,9 +5,9 @@ head node of a job.
 * disaggregated: trainer TP2 on node A (megarl_train), two embedded rollout servers of different
   TP sizes (TP1 and TP2, `rollout.server_tp`) on node B (megarl_rollout); weights go over gloo
   from node A's address (one update group for the one pipeline stage), step 0's logprob check
-  passes at 1e-3, 3 steps finish;
-* the same run with the TP2 server SIGKILLed while it has requests in flight: it is restarted on
-  node B, gets the current weights, the step's generations are retried, every step finishes;
+  passes at 1e-3, 3 steps finish -- with the TP2 server SIGKILLed in step 1 while it has
+  requests in flight: it is restarted on node B, gets the current weights, the step's generations
+  are retried, every step finishes (steps 0 and 2 are the plain run: nothing retried);
 * colocated: four trainer ranks and two TP2 servers on two nodes; every IPC payload a server
   receives points at memory made by the trainer rank on its own bundle, on its own node.
 
@@ -71,18 +71,6 @@ def _check_disaggregated_layout(box: NetnsCluster, run: dict) -> None:
     assert group == "megarl_weights_pp0" and master.startswith(f"{box.address(NODE_A)}:"), run["sync_groups"]
 
 
-def test_disaggregated_two_nodes_tp2_trainer_tp1_and_tp2_servers(ray_box, model, tmp_path):
-    box = ray_box.cluster
-    run = _train(ray_box, model, tmp_path / "run", DISAGG)
-    _check_disaggregated_layout(box, run)
-    steps = run["steps"]
-    assert len(steps) == 3
-    # step 0's check (bound 1e-3) passed inside the run; the servers hold the trainer's weights at every step
-    assert all(s["rollout/logprob_diff_mean"] < 1e-3 for s in steps), [s["rollout/logprob_diff_mean"] for s in steps]
-    assert all(s["sync/bytes"] > 1e5 for s in steps)
-    assert all(s["rollout/retried_requests"] == 0 and s["rollout/restarted_servers"] == 0 for s in steps)
-
-
 def test_server_killed_mid_step_is_restarted_on_its_node_and_the_run_finishes(ray_box, model, tmp_path):
     box = ray_box.cluster
     run = _train(ray_box, model, tmp_path / "run", DISAGG, kill={"step": 1, "server": 1})
@@ -94,7 +82,11 @@ def test_server_killed_mid_step_is_restarted_on_its_node_and_the_run_finishes(ra
     steps = run["steps"]
     assert len(steps) == 3
     assert steps[1]["rollout/restarted_servers"] == 1 and steps[1]["rollout/retried_requests"] >= 1, steps[1]
-    assert steps[0]["rollout/restarted_servers"] == steps[2]["rollout/restarted_servers"] == 0
+    # the steps around the kill are the plain disaggregated run: nothing retried or restarted, and the
+    # weights went over the distributed transport every step (one run covers both: CI time)
+    for s in (steps[0], steps[2]):
+        assert s["rollout/restarted_servers"] == 0 and s["rollout/retried_requests"] == 0, s
+    assert all(s["sync/bytes"] > 1e5 for s in steps)
     assert all(s["rollout/logprob_diff_mean"] < 1e-3 for s in steps), [s["rollout/logprob_diff_mean"] for s in steps]
     after = run["after_kill"]
     restarted = after["servers"][1]
