@@ -232,12 +232,14 @@ def test_exploit_payloads_over_http_are_400_without_side_effect(keyed_tp2, model
     d, a = model
     url = keyed_tp2.url
     before = generate(url, [4, 5, 6], key=KEY)
-    good = list_payload(checkpoint_tensors(str(d / "a"))[:4])     # (load_format None: SGLang's default)
+    tensors = checkpoint_tensors(str(d / "a"))[:4]
     ok(url, "/begin_weight_update", {}, key=KEY)
     import base64
     for name, data in _exploits(tmp_path / "pwned").items():
         evil = base64.b64encode(data).decode()
         # evil on every rank / on rank 1 only: rank r reads payload r and nothing else
+        # a fresh good payload each time: rank 0 opening a shared-memory handle consumes it
+        good = list_payload(tensors)     # (load_format None: SGLang's default)
         for payloads, ranks in (([evil, evil], "tp ranks 0,1"), ([good, evil], "tp rank 1")):
             status, body = call(url, "/update_weights_from_tensor", {"serialized_named_tensors": payloads}, key=KEY)
             assert status == 400, (name, body)
