@@ -139,18 +139,7 @@ class _Server:
         self.host.start(cmd, env, str(log))
 
     def wait(self, timeout_s: float = 600.0) -> None:
-        t_end = time.time() + timeout_s
-        while time.time() < t_end:
-            if self.host.poll() is not None:
-                raise RuntimeError(f"server exited: {self.host.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.url} not healthy after {timeout_s}s")
+        self.host.wait_healthy(self.url, timeout_s)
 
     def cpu_s(self) -> Optional[float]:
         """The server's CPU seconds so far (its own stat, or /proc for an older server)."""

@@ -289,7 +289,7 @@ class Trainer:
         return self._agent_rollout
 
     def _seed_base(self, step: int, rounds: int) -> int:
-        """Sampling seed of a step's rollout round (each request adds its index, manager.request_seed)."""
+        """Sampling seed of a step's rollout round (each request adds its index, manager.sample_seed)."""
         return (self.cfg.seed * 1_000_003 + step * 1009 + rounds) & 0x7FFFFFFF
 
     def generate(self, records: list[Any], n: int, greedy: bool = False, seed_base: int = 0,

@@ -27,7 +27,7 @@ from megarl.envs.base import Action, EnvContext
 from megarl.envs.parsers import get_parser
 from megarl.envs.registry import make_env
 from megarl.envs.tools import ToolPool
-from megarl.rollout.manager import request_seed
+from megarl.rollout.manager import sample_seed
 from megarl.rollout.partial import Trajectory, generate_resumable
 from megarl.rollout.sample import Sample
 from megarl.rollout.trajectory import ChatTurns, TrajectoryBuilder
@@ -162,7 +162,7 @@ class AgentRollout:
         jobs = []
         for p, rec in enumerate(records):
             for k in range(n):
-                seed = None if seed_base is None else request_seed(seed_base, p * n + k)
+                seed = None if seed_base is None else sample_seed(seed_base, p * n + k)
                 jobs.append(self.trajectory(rec, seed, p * n + k, sampling))
         samples = list(await asyncio.gather(*jobs))
         for i, smp in enumerate(samples):

@@ -55,6 +55,15 @@ _SPAWNER: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _SPAWNER_LOCK = threading.Lock()
 
 
+def answers_health(url: str, timeout_s: float = 2.0) -> bool:
+    """Does the server at ``url`` answer ``/health`` with 200 now (no auth needed: SGLang leaves it open)?"""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 class ServerHost:
     """Runs one server process on the node where it lives. Used in-process for local runs, and as
     a Ray actor inside the rollout pool's placement group so servers land on rollout GPUs/nodes.
@@ -115,12 +124,8 @@ class ServerHost:
         while time.time() < deadline:
             if self.poll() is not None:
                 raise RuntimeError(f"server {url} exited with {self.poll()}:\n{self.log_tail(4000)}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
+            if answers_health(url):
+                return
             time.sleep(poll_s)
         raise TimeoutError(f"server {url} not healthy after {timeout_s:.0f}s:\n{self.log_tail(4000)}")
 
@@ -403,12 +408,8 @@ class RolloutServers:
                         continue
                     raise RuntimeError(f"rollout server {i} (node {failed} of its TP group) exited with code "
                                        f"{codes[failed]}; log {self.logs[i]}:\n{tail}")
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                        if response.status == 200:
-                            break
-                except OSError:
-                    pass
+                if answers_health(url):
+                    break
                 if time.time() > deadline:
                     raise TimeoutError(f"rollout server {url} not healthy after {timeout_s:.0f}s; log {self.logs[i]}")
                 time.sleep(0.2)

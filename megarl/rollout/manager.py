@@ -65,8 +65,6 @@ def sample_seed(seed: int, job: int) -> int:
     return (seed + job * SEED_STRIDE) & 0x7FFFFFFF
 
 
-request_seed = sample_seed
-
 
 @dataclass
 class _Chunk:

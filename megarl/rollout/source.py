@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, Optional, Protocol
 
 from megarl.rollout.buffer import Group, GroupBuffer, SourceClosed
-from megarl.rollout.manager import request_seed
+from megarl.rollout.manager import sample_seed
 from megarl.rollout.partial import generate_resumable
 from megarl.rollout.sample import Sample
 
@@ -246,7 +246,7 @@ class OffPolicySource:
                 serial = group.serial
                 base = self.group_seed(serial // self.P)
                 first = (serial % self.P) * self.n
-                return GroupJob(group, record, ids, [request_seed(base, first + k) for k in range(self.n)], first)
+                return GroupJob(group, record, ids, [sample_seed(base, first + k) for k in range(self.n)], first)
             return None
 
     async def _run_group(self, job: GroupJob) -> None:
