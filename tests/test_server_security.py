@@ -292,3 +292,16 @@ def test_weights_dir_confines_disk_updates(model, tmp_path):
         assert status == 400 and "outside the allowed weights dir" in body["message"], body
         ok(s.url, "/update_weights_from_disk", {"model_path": str(wd / "sub" / "m")})
         assert_serves(s.url, a)
+
+
+@pytest.mark.parametrize("bad", ["-starts-like-an-option", "has space", "tab\there"])
+def test_a_key_sglang_cannot_take_is_refused_before_the_run_starts(bad, tmp_path):
+    """SGLang turns its --config file into argv: a key starting with '-' makes its parser exit
+    ("argument --api-key: expected one argument"), so megarl refuses it up front, naming the variable."""
+    env = dict(os.environ, MY_KEY=bad)
+    r = subprocess.run([sys.executable, "-m", "megarl", "train", "recipes/smollm2-135m-grpo-cpu.yaml",
+                        "rollout.api_key_env=MY_KEY", f"output_dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=120, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 2 and "rollout.api_key_env: $MY_KEY: an API key must" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not list(tmp_path.iterdir())

@@ -78,7 +78,12 @@ def test_sglang_parses_megarl_launch_commands_for_every_multi_gpu_recipe(tmp_pat
     from megarl.config import load_config
     from megarl.rollout.launch import LaunchSpec, sglang_args
 
-    cases, expect = [], []
+    from megarl.rollout.launch import sglang_key_file_text
+
+    # keys YAML would misread if written bare (number, boolean, null, comment, quotes), and a
+    # generated one: each must reach SGLang's server_args verbatim through its own --config reader
+    tricky = iter([API_KEY, "0x1e5", "true", "null", "1e10", "a:#b'c\"d\\e", secrets.token_hex(32)] * 3)
+    cases, expect, keys = [], [], []
     for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
         plain = load_config(recipe, [])
         if plain.rollout.tp <= 1 or plain.cluster.device != "cuda":
@@ -87,8 +92,10 @@ def test_sglang_parses_megarl_launch_commands_for_every_multi_gpu_recipe(tmp_pat
         per_node = cfg.cluster.gpus_per_node
         nnodes = -(-cfg.rollout.tp // per_node) if cfg.rollout.tp > per_node else 1
         key_file = tmp_path / f"{recipe.stem}.yaml"
-        key_file.write_text(f"api-key: {API_KEY}\n")
+        key = next(tricky)
+        key_file.write_text(sglang_key_file_text(key))
         for node in range(nnodes):
+            keys.append(key)
             spec = LaunchSpec(0, "10.0.0.1", 30000, str(key_file), node, nnodes, "10.0.0.1:29500" if nnodes > 1 else None)
             cases.append(sglang_args(cfg, Path("/models/x"), spec))
             expect.append((recipe.stem, cfg.rollout.tp, nnodes, node, cfg.placement.mode == "colocated",
@@ -100,9 +107,9 @@ def test_sglang_parses_megarl_launch_commands_for_every_multi_gpu_recipe(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
     assert any(e[5] for e in expect) and not all(e[5] for e in expect), "MoE and dense recipes"
-    for (recipe, tp, nnodes, node, colocated, moe), a in zip(expect, parsed):
+    for (recipe, tp, nnodes, node, colocated, moe), a, key in zip(expect, parsed, keys):
         assert a["tp_size"] == tp and a["nnodes"] == nnodes and a["node_rank"] == node, recipe
-        assert a["api_key"] == API_KEY, f"{recipe}: the key comes from the --config file, never argv"
+        assert a["api_key"] == key, f"{recipe}: the key comes from the --config file, never argv"
         assert a["load_format"] == "dummy" and a["disable_radix_cache"] and a["skip_tokenizer_init"], recipe
         assert a["dtype"] == "bfloat16" and a["enable_deterministic_inference"] and a["enable_fp32_lm_head"], recipe
         assert a["enable_memory_saver"] == colocated, recipe

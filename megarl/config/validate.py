@@ -8,6 +8,7 @@ arithmetic mirrors what megatron-core asserts deep inside ``initialize_model_par
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -399,9 +400,23 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"checkpoint.keep_last: must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_last}")
 
 
+def api_key_problem(key: str) -> str | None:
+    """Why SGLang could not take this API key, or None. It travels as an HTTP Bearer token and
+    through SGLang's --config file into argv, so whitespace, control characters and a leading '-'
+    (argparse reads "--api-key -x" as a missing value) break one or the other."""
+    if key.startswith("-"):
+        return "an API key must not start with '-' (SGLang's argument parser reads it as an option)"
+    if any(c.isspace() or not c.isprintable() for c in key):
+        return "an API key must be printable without whitespace (it is sent as 'Bearer <key>')"
+    return None
+
+
 def _check_paths(cfg: RunConfig, problems: list[str]) -> None:
-    """Files the run will open. Checked at launch, not by ``megarl config``, so a cluster recipe
-    can be validated on a machine that does not hold its data."""
+    """Files and environment the run will use. Checked at launch, not by ``megarl config``, so a
+    cluster recipe can be validated on a machine that does not hold its data."""
+    env_key = os.environ.get(cfg.rollout.api_key_env) if cfg.rollout.api_key_env else None
+    if env_key and api_key_problem(env_key):
+        problems.append(f"rollout.api_key_env: ${cfg.rollout.api_key_env}: {api_key_problem(env_key)}")
     for field_name, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path),
                               ("model.megatron_checkpoint", cfg.model.megatron_checkpoint)):
         if value and not Path(value).expanduser().exists():

@@ -12,6 +12,7 @@ cluster); then it binds its node's address as Ray reports it, and that is the UR
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import secrets
 import signal
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from megarl.config.loader import ConfigError
+from megarl.config.validate import api_key_problem
 
 API_KEY_ENV = "MEGARL_API_KEY"  # what the embedded server reads its key from (never argv)
 
@@ -246,8 +249,19 @@ def resolve_api_key(cfg: Any) -> Optional[str]:
     (their operator chose it)."""
     key = os.environ.get(cfg.rollout.api_key_env) if cfg.rollout.api_key_env else None
     if key:
+        problem = api_key_problem(key)
+        if problem:
+            raise ConfigError([f"rollout.api_key_env: ${cfg.rollout.api_key_env}: {problem}"])
         return key
-    return None if cfg.rollout.server_urls else secrets.token_urlsafe(32)
+    # hex: a generated key must never start with '-' (SGLang turns its --config file into argv, and
+    # argparse reads "--api-key -x..." as a missing value) nor look like a YAML number or boolean
+    return None if cfg.rollout.server_urls else secrets.token_hex(32)
+
+
+def sglang_key_file_text(key: str) -> str:
+    """The 0600 --config file SGLang reads its key from (never argv, where `ps` shows it); the
+    value is a JSON string, which YAML reads back verbatim whatever characters the key has."""
+    return f"api-key: {json.dumps(key)}\n"
 
 
 class RolloutServers:
@@ -375,7 +389,7 @@ class RolloutServers:
                 key_file = None
                 if self.api_key:
                     key_file = str(self._log_dir / f"sglang_server_{i}_node{node}.yaml")
-                    private[key_file] = f"api-key: {self.api_key}\n"
+                    private[key_file] = sglang_key_file_text(self.api_key)
                 spec = LaunchSpec(i, spec_host, port, key_file, node, nnodes, dist_init, self.tp_sizes[i])
                 cmd = command + sglang_args(cfg, self._model_dir, spec)
             else:

@@ -41,7 +41,7 @@ class SGLangCPUServer:
     def __init__(self, model_dir: Path, cfg, log_dir: Path, index: int = 0, api_key: Optional[str] = None,
                  record_dir: Optional[str] = None):
         from megarl.parallel.launcher import free_port
-        from megarl.rollout.launch import LaunchSpec, ServerHost, sglang_args
+        from megarl.rollout.launch import LaunchSpec, ServerHost, sglang_args, sglang_key_file_text
 
         log_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -51,7 +51,7 @@ class SGLangCPUServer:
         self.args = sglang_args(cfg, model_dir, LaunchSpec(index, "127.0.0.1", self.port, key_file))
         self.host = ServerHost()
         self.log = log_dir / f"sglang_{index}.log"
-        private = {key_file: f"api-key: {api_key}\n"} if api_key else {}
+        private = {key_file: sglang_key_file_text(api_key)} if api_key else {}
         self.host.start(server_command() + self.args, harness_env(record_dir), str(self.log), private)
 
     def wait_ready(self, timeout_s: float = 400.0) -> "SGLangCPUServer":
