@@ -211,7 +211,7 @@ class Trainer:
         ds = cfg.algorithm.dynamic_sampling
         rollout = self._agent(keep_versions=True) if cfg.agent.enabled else SingleTurnRollout(
             manager, self._sampling(greedy=False), lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            self.score)
+            self.score, self.moe_routing, cfg.algorithm.routing_replay == "rollout")
         return OffPolicySource(
             mode=r.mode, rollout=rollout, loader=PromptLoader(self.train_records, 1, cfg.seed, cfg.data.shuffle),
             records={rec.index: rec for rec in self.train_records}, encode=self._prompt_ids, n=r.n_per_prompt,
@@ -283,7 +283,8 @@ class Trainer:
 
             a = self.cfg.agent
             settings = AgentSettings(a.env, dict(a.env_args), a.tool_parser, a.max_turns, a.max_response_tokens,
-                                     a.tool_timeout_s, a.tool_workers, keep_versions)
+                                     a.tool_timeout_s, a.tool_workers, keep_versions, self.moe_routing,
+                                     self.cfg.algorithm.routing_replay == "rollout")
             self._agent_rollout = AgentRollout(self._rollout_manager(), self._sampling(greedy=False), self.tokenizer,
                                                settings)
         return self._agent_rollout

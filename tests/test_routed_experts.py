@@ -120,3 +120,122 @@ def test_sample_routes_checks_presence_and_length():
         sample_routes(None, 10, (2, 3), required=True)
     with pytest.raises(RuntimeError, match="expected prompt \\+ response - 1 = 10"):
         sample_routes(data, 11, (2, 3), required=True)
+
+
+# --------------------------------------------------------------------------------------------
+# samples that take several requests: a continued (aborted) request, an agent's turns
+# --------------------------------------------------------------------------------------------
+
+class ThreeTurnEnv:
+    """Answers the first two model turns with an observation, ends the trajectory on the third."""
+
+    def __init__(self, ctx):
+        self.turn = 0
+
+    async def reset(self, record):
+        return [{"role": "user", "content": "Count with me, one word per turn."}], []
+
+    async def step(self, action):
+        from megarl.envs.base import StepResult
+
+        self.turn += 1
+        if self.turn >= 3:
+            return StepResult([], reward=1.0, done=True)
+        return StepResult([{"role": "tool", "content": f"observation number {self.turn}"}])
+
+    async def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory):
+    """A tiny Qwen3-MoE with SmolLM2's vocabulary (the agent renders its chat template) behind a
+    real embedded server that records routed experts."""
+    from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
+
+    d = tmp_path_factory.mktemp("moe")
+    hf = make_tiny_hf_model(str(d), "qwen3_moe", std=0.3, num_hidden_layers=3, mlp_only_layers=[1], num_experts=8,
+                            num_experts_per_tok=3, vocab_size=49152)
+    with ServerProcess(str(d), extra=["--enable-return-routed-experts", "--enable-fp32-lm-head"]) as server:
+        yield hf, server
+
+
+def _assert_hf_routing(hf, seq: list[int], routes: torch.Tensor, covered: int):
+    """Rows [0, covered) are transformers' own top-k on the whole sequence (a causal model routes
+    position i the same whatever follows), the rest -1 (never ran)."""
+    layers, k = hf.config.num_hidden_layers, hf.config.num_experts_per_tok
+    assert routes.shape == (len(seq) - 1, layers, k)
+    assert (routes[covered:] == -1).all() and (routes[:covered] >= 0).all()
+    with torch.no_grad():
+        hf_sets, _ = _hf_choices(hf, seq)
+    for layer, sets in hf_sets.items():
+        assert torch.equal(routes[:covered, layer].long().sort(-1).values, sets[:covered]), layer
+
+
+def test_a_continued_request_joins_its_answers_routes(moe_server):
+    from megarl.rollout.manager import RolloutManager
+    from megarl.rollout.partial import generate_resumable
+    from megarl.rollout.routed_experts import joined_routes
+
+    hf, server = moe_server
+    mgr = RolloutManager([server.url], timeout_s=60)
+    prompt = [5, 17, 42, 99, 3, 250, 7]
+    starts: list = []
+
+    async def aborting_send(ids, params, routes_start=None):
+        """The first two answers stop after 3 tokens and say abort (as a pause would)."""
+        early = len(starts) < 2
+        out = await mgr.generate_one(ids, dict(params, max_new_tokens=3) if early else params, 0, routes_start)
+        starts.append(routes_start)
+        out.meta_info = {k: v for k, v in out.meta_info.items() if k != "weight_versions"}
+        out.meta_info["weight_version"] = "init"      # the server was never pushed to
+        if early:
+            out.finish_reason = "abort"
+        return out
+
+    try:
+        sp = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True}
+        t = mgr.io.run(generate_resumable(aborting_send, prompt, sp, seed=3, routes_from=0))
+    finally:
+        mgr.close()
+    assert t.resumed == 2 and len(t.output_ids) == 10 and len(t.routes) == 3
+    # each continuation asks from the previous answer's last token (sampled, never run) on
+    assert starts == [0, len(prompt) + 3 - 1, len(prompt) + 6 - 1]
+    seq = prompt + t.output_ids
+    routes = joined_routes(t.routes, len(seq) - 1, len(seq), (3, 3), required=True)
+    _assert_hf_routing(hf, seq, routes, len(seq) - 1)
+    with pytest.raises(RuntimeError, match="cover 16 positions, expected 17"):
+        joined_routes(t.routes, len(seq), len(seq) + 1, (3, 3), required=True)
+    with pytest.raises(RuntimeError, match="1 of a sample's 3 requests returned no"):
+        joined_routes(t.routes[:2] + [None], len(seq) - 1, len(seq), (3, 3), required=True)
+
+
+@pytest.mark.parametrize("max_turns", [3, 2])
+def test_agent_trajectory_routes_cover_every_turn(moe_server, max_turns):
+    """Each turn asks for the positions the earlier turns did not run -- the observation it
+    prefills and the tokens it samples -- so the joined routes are the whole trajectory's routing;
+    a trajectory cut by the turn limit after an observation has -1 rows for that observation."""
+    from transformers import AutoTokenizer
+
+    from megarl.data.records import PromptRecord
+    from megarl.models.smollm2 import smollm2_hf_dir
+    from megarl.rollout.agent import AgentRollout, AgentSettings
+    from megarl.rollout.manager import RolloutManager
+
+    hf, server = moe_server
+    tok = AutoTokenizer.from_pretrained(str(smollm2_hf_dir()))
+    mgr = RolloutManager([server.url], timeout_s=60)
+    settings = AgentSettings("tests.test_routed_experts:ThreeTurnEnv", max_turns=max_turns, max_response_tokens=200,
+                             routes=(3, 3), routes_required=True)
+    sp = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True}
+    rollout = AgentRollout(mgr, sp, tok, settings)
+    try:
+        (sample,) = mgr.io.run(rollout._batch([PromptRecord("unused")], 1, 11, sp))
+    finally:
+        rollout.close()
+        mgr.close()
+    assert sample.info["turns"] == max_turns and sample.loss_mask.count(0) > 0
+    seq = list(sample.prompt_ids) + list(sample.response_ids)
+    trailing_env = len(sample.loss_mask) - (max(i for i, m in enumerate(sample.loss_mask) if m) + 1)
+    assert (trailing_env > 0) == (max_turns == 2)
+    _assert_hf_routing(hf, seq, sample.routed_experts.int(), len(seq) - 1 - trailing_env)

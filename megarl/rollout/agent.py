@@ -19,6 +19,7 @@ own trajectory, flagged ``truncated`` and counted.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -29,6 +30,7 @@ from megarl.envs.registry import make_env
 from megarl.envs.tools import ToolPool
 from megarl.rollout.manager import sample_seed
 from megarl.rollout.partial import Trajectory, generate_resumable
+from megarl.rollout.routed_experts import joined_routes
 from megarl.rollout.sample import Sample
 from megarl.rollout.trajectory import ChatTurns, TrajectoryBuilder
 
@@ -45,6 +47,8 @@ class AgentSettings:
     tool_timeout_s: float = 10.0
     tool_workers: int = 16
     keep_versions: bool = False        # off-policy sources: per-token weight versions
+    routes: Optional[tuple[int, int]] = None   # MoE (layers, top_k): record routed experts (R3)
+    routes_required: bool = False      # algorithm.routing_replay: rollout (a missing piece is an error)
 
 
 @dataclass
@@ -71,8 +75,14 @@ class AgentRollout:
 
     # ------------------------------------------------------------------ one trajectory
     async def trajectory(self, record: Any, seed: Optional[int], job_index: int,
-                         sampling: Optional[dict[str, Any]] = None) -> Sample:
+                         sampling: Optional[dict[str, Any]] = None, routes: bool = True) -> Sample:
+        """One trajectory. ``routes`` (MoE, ``settings.routes``): every turn asks for the routed
+        experts of the positions the earlier turns did not cover -- the observation it prefills and
+        the tokens it samples -- so the pieces join into the whole trajectory's routing."""
         s, clock = self.s, self.clock
+        routed = routes and s.routes is not None
+        pieces: list[Optional[str]] = []
+        covered = 0                                   # positions [0, covered) have routes
         sampling = dict(sampling or self.sampling)
         per_turn = int(sampling["max_new_tokens"])
         env = make_env(s.env, EnvContext(self.pool, s.env_args, s.tool_timeout_s))
@@ -86,7 +96,7 @@ class AgentRollout:
             messages, tools = await env.reset(record)
             prompt = self.turns.prompt_ids(messages, tools)
             clock.env_s += time.perf_counter() - t
-            send = lambda ids, params: self.manager.generate_one(ids, params, job_index)  # noqa: E731
+            send = functools.partial(self.manager.generate_one, job_index=job_index)
             while True:
                 budget = s.max_response_tokens - len(traj)
                 if info["turns"] >= s.max_turns or budget <= 0:
@@ -96,8 +106,12 @@ class AgentRollout:
                 params = dict(sampling, max_new_tokens=min(per_turn, budget))
                 turn_seed = None if seed is None else (seed + info["turns"] * TURN_SEED_STRIDE) & 0x7FFFFFFF
                 t = time.perf_counter()
-                out = await self._turn(send, prompt + traj.ids, params, turn_seed)
+                context = prompt + traj.ids
+                out = await self._turn(send, context, params, turn_seed, covered if routed else None)
                 clock.generate_s += time.perf_counter() - t
+                if routed and out.output_ids:
+                    pieces.extend(out.routes)
+                    covered = len(context) + len(out.output_ids) - 1
                 traj.add_model(out.output_ids, out.logprobs, out.versions if s.keep_versions else None)
                 info["turns"] += 1
                 t = time.perf_counter()
@@ -133,23 +147,27 @@ class AgentRollout:
         finally:
             await env.close()
             clock.trajectory_s += time.perf_counter() - started
+        route_rows = joined_routes(pieces, covered, len(prompt) + len(traj), s.routes, s.routes_required) if routed else None
         return Sample(record, 0, prompt, traj.ids, traj.logprobs, finish, reward=reward, text=texts[-1] if texts else "",
-                      versions=traj.versions, loss_mask=traj.mask, info=info)
+                      versions=traj.versions, loss_mask=traj.mask, info=info, routed_experts=route_rows)
 
-    async def _turn(self, send: Callable, ids: list[int], params: dict[str, Any], seed: Optional[int]) -> Trajectory:
+    async def _turn(self, send: Callable, ids: list[int], params: dict[str, Any], seed: Optional[int],
+                    routes_from: Optional[int] = None) -> Trajectory:
         """One model turn. Off-policy sources: resumable across pauses, with per-token weight
-        versions; sync: one request (nothing pauses the servers while a sync batch generates)."""
+        versions; sync: one request (nothing pauses the servers while a sync batch generates).
+        ``routes_from``: the routed experts of positions from there on come back too."""
         if self.s.keep_versions:
-            out = await generate_resumable(send, ids, params, seed)
+            out = await generate_resumable(send, ids, params, seed, routes_from)
             self.resumed += out.resumed
             return out
         if seed is not None:
             params = dict(params, sampling_seed=seed)
-        got = await send(ids, params)
+        got = await (send(ids, params) if routes_from is None else send(ids, params, routes_start=routes_from))
         if got.logprobs is None or len(got.logprobs) != len(got.output_ids):
             raise ValueError(f"a /generate answer has {len(got.output_ids)} tokens but "
                              f"{'no' if got.logprobs is None else len(got.logprobs)} logprobs")
-        return Trajectory([int(t) for t in got.output_ids], [float(x) for x in got.logprobs], [], got.finish_reason)
+        return Trajectory([int(t) for t in got.output_ids], [float(x) for x in got.logprobs], [], got.finish_reason,
+                          routes=[got.routed_experts] if routes_from is not None else [])
 
     # ------------------------------------------------------------------ groups
     async def __call__(self, job: Any) -> list[Sample]:
@@ -158,12 +176,12 @@ class AgentRollout:
                                             for k, seed in enumerate(job.seeds))))
 
     async def _batch(self, records: list[Any], n: int, seed_base: Optional[int],
-                     sampling: dict[str, Any]) -> list[Sample]:
+                     sampling: dict[str, Any], routes: bool = True) -> list[Sample]:
         jobs = []
         for p, rec in enumerate(records):
             for k in range(n):
                 seed = None if seed_base is None else sample_seed(seed_base, p * n + k)
-                jobs.append(self.trajectory(rec, seed, p * n + k, sampling))
+                jobs.append(self.trajectory(rec, seed, p * n + k, sampling, routes))
         samples = list(await asyncio.gather(*jobs))
         for i, smp in enumerate(samples):
             smp.group = i // n
@@ -175,7 +193,7 @@ class AgentRollout:
         sampling = dict(self.sampling)
         if greedy:
             sampling.update(temperature=0.0, top_p=1.0, top_k=-1)
-        samples = self.manager.io.run(self._batch(records, n, seed_base, sampling))
+        samples = self.manager.io.run(self._batch(records, n, seed_base, sampling, routes=not greedy))
         if on_group is not None:
             for g in range(len(records)):
                 on_group(samples[g * n:(g + 1) * n])

@@ -218,16 +218,19 @@ class SGLangClient:
     async def generate(self, input_ids: Union[List[int], List[List[int]]],
                        sampling: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None,
                        return_logprob: bool = True, rid: Optional[Union[str, List[str]]] = None,
-                       return_routed_experts: bool = False) -> List[GenerateOutput]:
+                       return_routed_experts: bool = False, routed_experts_start_len: int = 0
+                       ) -> List[GenerateOutput]:
         """Token ids in -> outputs (always a list: prompt-major, n per prompt). A batch is a list
         of prompts with one sampling dict for all or a list of one per prompt (SGLang's batch
         form: every item must have the same ``n``). With ``return_routed_experts`` (MoE, server
         started with --enable-return-routed-experts) each output carries the experts of every
-        prompt and output position (``routed_experts``)."""
+        prompt and output position from ``routed_experts_start_len`` on (``routed_experts``)."""
         payload: Dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling or sampling_params(),
                                    "return_logprob": return_logprob, "stream": False}
         if return_routed_experts:
             payload["return_routed_experts"] = True
+            if routed_experts_start_len:
+                payload["routed_experts_start_len"] = int(routed_experts_start_len)
         if rid is not None:
             payload["rid"] = rid
         out = await self._call("generate", payload)

@@ -146,11 +146,14 @@ class RolloutManager:
             return dict(zip(self.live_urls(), outs))
         return self.io.run(go())
 
-    async def generate_one(self, input_ids: list[int], params: dict[str, Any], job_index: int = 0) -> GenerateOutput:
+    async def generate_one(self, input_ids: list[int], params: dict[str, Any], job_index: int = 0,
+                           routes_start: Optional[int] = None) -> GenerateOutput:
         """One request (``params`` with its own ``n = 1`` and seed), with the retries of
         :meth:`generate`, on the least loaded server (ties from ``job_index`` round-robin); an
-        answer that finished with ``abort`` (a pause) is returned like any other."""
-        outs = await self._send(job_index, _Chunk(0, 1, 1), input_ids, params, f"request {job_index}")
+        answer that finished with ``abort`` (a pause) is returned like any other. ``routes_start``
+        (MoE routing replay): also return the routed experts of positions from there on."""
+        outs = await self._send(job_index, _Chunk(0, 1, 1), input_ids, params, f"request {job_index}",
+                                routes_start is not None, routes_start or 0)
         return outs[0] if isinstance(outs, list) else outs
 
     def generate(self, prompts: list[list[int]], n: int, sampling: dict[str, Any],
@@ -287,7 +290,7 @@ class RolloutManager:
                 raise r
 
     async def _send(self, order: int, c: _Chunk, input_ids: Any, params: Any, what: str,
-                    routes: bool = False) -> list[GenerateOutput]:
+                    routes: bool = False, routes_start: int = 0) -> list[GenerateOutput]:
         """One request (a chunk, or one sample), with the retry / health-probe / restart policy."""
         count = len(self.clients)
         comebacks = count * self.healer.max_restarts if self.healer is not None else 0
@@ -317,7 +320,8 @@ class RolloutManager:
             self.requests += 1
             try:
                 return await self.clients[server].generate(input_ids, params, return_logprob=True,
-                                                           return_routed_experts=routes)
+                                                           return_routed_experts=routes,
+                                                           routed_experts_start_len=routes_start)
             except ServerError as err:
                 if isinstance(err, RequestFailed) and err.status < 500:
                     raise  # our request is wrong; another server would refuse it too

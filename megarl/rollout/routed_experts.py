@@ -69,7 +69,49 @@ def sample_routes(data: Optional[str], seq_len: int, shape: tuple[int, int], req
     if routes.shape[0] != seq_len - 1:
         raise RuntimeError(f"routed experts of a sample cover {routes.shape[0]} positions, expected "
                            f"prompt + response - 1 = {seq_len - 1}")
+    return _compact(routes)
+
+
+def _compact(routes: torch.Tensor) -> torch.Tensor:
+    """int16 unless an expert id needs more (a sample's routes are its largest per-token field)."""
     return routes.to(torch.int16) if routes.numel() == 0 or int(routes.max()) < 2 ** 15 else routes
+
+
+def joined_routes(pieces: list[Optional[str]], covered: int, seq_len: int, shape: tuple[int, int],
+                  required: bool) -> Optional[torch.Tensor]:
+    """Routes of a sample that took several requests (a request continued after an abort, an
+    agent's turns): each request asked for ``routed_experts_start_len`` = the first position the
+    earlier ones had not covered, so the answers' pieces abut and together cover positions
+    ``[0, covered)``. Returns ``[seq_len - 1, layers, top_k]`` (as :func:`sample_routes`), with -1
+    rows for positions after ``covered`` that no request ran (an observation appended before a
+    turn limit ended the trajectory)."""
+    present = [p for p in pieces if p is not None]
+    if not present:
+        return sample_routes(None, seq_len, shape, required)
+    if len(present) != len(pieces) and required:
+        raise RuntimeError(f"{len(pieces) - len(present)} of a sample's {len(pieces)} requests returned no "
+                           f"meta_info.routed_experts (algorithm.routing_replay: rollout needs every one)")
+    parts = [decode_routed_experts(p, *shape) for p in present]
+    rows = sum(int(p.shape[0]) for p in parts)
+    if rows != covered or covered > seq_len - 1:
+        raise RuntimeError(f"the routed experts of a sample's {len(parts)} requests cover {rows} positions, "
+                           f"expected {covered} (of prompt + response - 1 = {seq_len - 1})")
+    tail = torch.full((seq_len - 1 - covered, *shape), -1, dtype=torch.int32)
+    routes = torch.cat(parts + [tail])
+    return _compact(routes)
+
+
+def routes_state(routes: Optional[torch.Tensor]) -> Optional[dict[str, Any]]:
+    """A sample's routes for a JSON checkpoint (SGLang's base64 int32 + the row shape)."""
+    if routes is None:
+        return None
+    return {"data": encode_routed_experts(routes), "shape": list(routes.shape[1:])}
+
+
+def routes_from_state(state: Optional[dict[str, Any]]) -> Optional[torch.Tensor]:
+    if not state:
+        return None
+    return _compact(decode_routed_experts(state["data"], *state["shape"]))
 
 
 def flat_routes(routes: list[Optional[torch.Tensor]], seq_lens: list[int], shape: tuple[int, int]) -> torch.Tensor:

@@ -29,7 +29,7 @@ Overlap needs the rollout servers on devices of their own or a shared one that b
 (placement ``disaggregated``); colocated runs hand the GPUs back and forth and keep ``sync``.
 
 A group rollout is pluggable (``GroupRollout``): :class:`SingleTurnRollout` generates the n samples
-of one prompt and scores them; an agent loop (several turns, tools) would be another.
+of one prompt and scores them; the agent loop (``megarl.rollout.agent``) is another.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import json
 import os
 import time
@@ -47,6 +48,7 @@ from typing import Any, Awaitable, Callable, Iterator, Optional, Protocol
 from megarl.rollout.buffer import Group, GroupBuffer, SourceClosed
 from megarl.rollout.manager import sample_seed
 from megarl.rollout.partial import generate_resumable
+from megarl.rollout.routed_experts import joined_routes, routes_from_state, routes_state
 from megarl.rollout.sample import Sample
 
 MODES = ("sync", "one_step_off", "async")
@@ -133,18 +135,24 @@ class SingleTurnRollout:
     thread (reward functions may block)."""
 
     def __init__(self, manager: Any, sampling: dict[str, Any], decode: Callable[[list[int]], str],
-                 score: Callable[[list[Sample]], None]):
+                 score: Callable[[list[Sample]], None], routes: Optional[tuple[int, int]] = None,
+                 routes_required: bool = False):
         self.manager, self.sampling, self.decode, self.score = manager, sampling, decode, score
+        self.routes, self.routes_required = routes, routes_required   # MoE (layers, top_k): R3
         self.resumed = 0                                     # answers continued after an abort (whole run)
         self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-score")
 
     async def __call__(self, job: GroupJob) -> list[Sample]:
         async def one(k: int, seed: int) -> Sample:
-            send = lambda ids, params: self.manager.generate_one(ids, params, job.job_index + k)  # noqa: E731
-            t = await generate_resumable(send, job.prompt_ids, self.sampling, seed)
+            send = functools.partial(self.manager.generate_one, job_index=job.job_index + k)
+            t = await generate_resumable(send, job.prompt_ids, self.sampling, seed,
+                                         0 if self.routes is not None else None)
             self.resumed += t.resumed
+            seq_len = len(job.prompt_ids) + len(t.output_ids)
+            routes = (joined_routes(t.routes, seq_len - 1, seq_len, self.routes, self.routes_required)
+                      if self.routes is not None else None)
             return Sample(job.record, 0, job.prompt_ids, t.output_ids, t.logprobs, t.finish_reason,
-                          text=self.decode(t.output_ids), versions=t.versions)
+                          text=self.decode(t.output_ids), versions=t.versions, routed_experts=routes)
         samples = list(await asyncio.gather(*(one(k, s) for k, s in enumerate(job.seeds))))
         await asyncio.get_running_loop().run_in_executor(self._scorer, self.score, samples)
         return samples
@@ -367,7 +375,8 @@ class OffPolicySource:
         def decode(d: dict, record_index: int) -> Sample:
             return Sample(records[record_index], 0, d["prompt_ids"], d["response_ids"], d["rollout_logprobs"],
                           d["finish_reason"], d["reward"], d["text"], d["versions"],
-                          loss_mask=d.get("loss_mask", []), info=d.get("info", {}))
+                          loss_mask=d.get("loss_mask", []), info=d.get("info", {}),
+                          routed_experts=routes_from_state(d.get("routed_experts")))
         self._reissue = self.buffer.load_state_dict(saved, decode)
 
     def set_version(self, version: int, taken_batches: int) -> None:
@@ -415,7 +424,8 @@ class OffPolicySource:
 def _encode_sample(s: Sample) -> dict[str, Any]:
     return {"prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids),
             "rollout_logprobs": list(s.rollout_logprobs), "finish_reason": s.finish_reason, "reward": s.reward,
-            "text": s.text, "versions": list(s.versions), "loss_mask": list(s.loss_mask), "info": dict(s.info)}
+            "text": s.text, "versions": list(s.versions), "loss_mask": list(s.loss_mask), "info": dict(s.info),
+            "routed_experts": routes_state(s.routed_experts)}
 
 
 __all__ = ["MODES", "INTERRUPTS", "RolloutSource", "SyncSource", "OffPolicySource", "SingleTurnRollout", "GroupJob",
