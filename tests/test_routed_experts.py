@@ -210,6 +210,39 @@ def test_a_continued_request_joins_its_answers_routes(moe_server):
         joined_routes(t.routes[:2] + [None], len(seq) - 1, len(seq), (3, 3), required=True)
 
 
+def test_an_aborted_request_answers_with_the_routes_of_what_it_ran(moe_server):
+    """A pause's abort finishes running requests with the tokens they have; SGLang finishes them
+    through its decode path, routed experts included, and so must the embedded server (a continued
+    request's routes would have a hole otherwise)."""
+    from megarl.rollout.client import SGLangClient, sampling_params
+
+    hf, server = moe_server
+    prompt = [5, 17, 42, 99, 3, 250, 7]
+
+    async def run():
+        async with SGLangClient(server.url) as c:
+            for attempt in range(6):
+                sp = sampling_params(max_new_tokens=480, temperature=1.0, sampling_seed=attempt, ignore_eos=True)
+                req = asyncio.ensure_future(c.generate(prompt, sp, rid=f"r{attempt}", return_routed_experts=True,
+                                                       routed_experts_start_len=2))
+                await asyncio.sleep(0.05 * (attempt + 1))
+                await c.abort_request(f"r{attempt}")
+                (out,) = await req
+                if out.finish_reason == "abort" and out.output_ids:
+                    return out
+        pytest.fail("no abort landed mid-generation")
+
+    out = asyncio.run(run())
+    seq = prompt + out.output_ids
+    routes = decode_routed_experts(out.routed_experts, 3, 3)
+    assert routes.shape[0] == len(seq) - 1 - 2
+    full = torch.cat([torch.zeros(2, 3, 3, dtype=routes.dtype), routes])   # rows from start_len 2
+    with torch.no_grad():
+        hf_sets, _ = _hf_choices(hf, seq)
+    for layer, sets in hf_sets.items():
+        assert torch.equal(full[2:, layer].long().sort(-1).values, sets[2:-1]), layer
+
+
 @pytest.mark.parametrize("max_turns", [3, 2])
 def test_agent_trajectory_routes_cover_every_turn(moe_server, max_turns):
     """Each turn asks for the positions the earlier turns did not run -- the observation it

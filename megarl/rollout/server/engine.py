@@ -174,7 +174,12 @@ class Engine:
         rows = [i for i, r in enumerate(b.reqs[:b.size]) if r is not None and hit(r)]
         queued = [r for r in self._backlog if hit(r)]
         self._backlog = collections.deque(r for r in self._backlog if not hit(r))
-        for r in [b.take(i) for i in rows] + queued:
+        for i in rows:
+            r = b.take(i)              # its cache row stays intact until compact() below
+            if r.return_routed_experts and r.output_ids:
+                self._collect_routes(r, i)   # SGLang finishes a running abort through its decode path, routes included
+            self._resolve(r, reason)
+        for r in queued:
             self._resolve(r, reason)
         if rows:
             src, dst, length = b.compact(rows)
