@@ -177,10 +177,12 @@ class WorkerGroup:
     def reduce_metrics(self, per_rank: list[dict[str, float]]) -> dict[str, float]:
         """Add ``*_sum`` metrics over output ranks (they carry global denominators), average the rest;
         each over the ranks that report it (a data-parallel rank without samples reports no loss
-        metrics)."""
+        metrics). A sum wins over an average of the same name: the policy loss also reports each
+        micro-batch's share of the loss as ``pg_loss``, whose mean over micro-batches depends on how
+        many there are (it made ``actor/pg_loss`` differ between dp 1 and dp 2 on the same data)."""
         merged: dict[str, float] = {}
         keys = dict.fromkeys(k for m in per_rank if m for k in m)
-        for key in keys:
+        for key in sorted(keys, key=lambda k: k.endswith("_sum")):   # stable: sums last, so they win
             values = [m[key] for m in per_rank if m and key in m]
             if key.endswith("_sum"):
                 merged[key[: -len("_sum")]] = sum(values)
