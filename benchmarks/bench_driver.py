@@ -4,17 +4,22 @@ in for data-parallel ranks (default 8). One JSON line per mode.
 
     python benchmarks/bench_driver.py                         # 100k x 1k over 8 actors
     python benchmarks/bench_driver.py --samples 20000 --dp 4  # smaller
+    python benchmarks/bench_driver.py --modes sharded,broadcast
 
-What a step moves (megarl's real code: TokenBatch, plan_shards, make_shards, Shard payloads, unshard):
-  forward : plan token-balanced shards + packed micro-batches, put one shard per rank (token ids,
-            offsets, prompt lengths), each rank returns one logprob per response token, the driver
-            puts them back in batch order (as ``WorkerGroup.forward``);
-  train   : shards with old logprobs, advantages and rollout logprobs per response token and the
-            mini-batches' micro-batch plan (as ``WorkerGroup.train``); ranks return metrics.
+What a step moves (megarl's real code: TokenBatch, WorkerGroup.forward/minibatches/train over the
+stand-in ranks, the planner, Shard payloads, unshard):
+  forward : plan token-balanced contiguous shards + packed micro-batches, put one shard per rank
+            (token ids, offsets, prompt lengths), each rank returns one logprob per response token,
+            the driver puts them back in batch order (``WorkerGroup.forward``);
+  train   : one epoch: shards with old logprobs, advantages and rollout logprobs per response token
+            and the mini-batches' micro-batch plan (``WorkerGroup.train``); ranks return metrics.
 Modes, measured in the same run:
-  sharded   : the above (each rank gets ~1/dp of the batch);
-  broadcast : the same flat batch put once and sent whole to every rank, each rank slicing its share
-              (what workers/group.py did before, minus its per-sample Python lists).
+  sharded          : the above, mini-batches drawn per rank over its forward range as the trainer
+                     draws them (``WorkerGroup.minibatches``): training shards are views, ~1/dp each;
+  sharded_shuffled : the path before that: one global shuffle (``trainer.minibatches``), each rank's
+                     share of every mini-batch gathered from scattered samples (~1/dp each);
+  broadcast        : the same flat batch put once and sent whole to every rank, each rank slicing its
+                     share of the global-shuffle plan (what workers/group.py did before sharding).
 The actors only touch the bytes they receive (sum of the token ids) and return results of the right
 size: the benchmark measures the data path, not a model.
 """
@@ -64,6 +69,9 @@ def make_actor_cls():
     class Rank:
         """Stands in for one data-parallel rank: reads its shard, returns results of the right size."""
 
+        def execute(self, method, *args):  # what WorkerGroup.call_sharded calls on a rank
+            return getattr(self, method)(*args)
+
         def forward(self, payload, dp_rank=None):
             from megarl.workers.dispatch import Shard
 
@@ -74,7 +82,7 @@ def make_actor_cls():
             n = int(shard.batch.response_lens.sum())  # results in shard batch order, as the worker returns them
             return {"token": {"logprobs": np.zeros(n, dtype=np.float32)}, "checksum": checksum}
 
-        def train(self, payload, dp_rank=None):
+        def train(self, payload, algo=None, dp_rank=None):
             from megarl.workers.dispatch import Shard
 
             if dp_rank is not None:
@@ -96,58 +104,91 @@ def _slice(payload, dp_rank):
     return shard_of(batch, plan["samples"], plan["micro_sizes"], payload["denominators"])
 
 
-def step(batch, actors, mode: str, budget: int, global_batch: int):
+def bench_group(actors, budget: int):
+    """megarl's WorkerGroup over the stand-in ranks (one rank per data-parallel group, packed
+    micro-batches of ``budget`` tokens), recording the bytes of every shard it ships."""
+    from types import SimpleNamespace as NS
+
+    from megarl.workers.group import WorkerGroup
+
+    class Group(WorkerGroup):
+        def call_sharded(self, method, shards, *args, **kwargs):
+            self.shipped[method] = max(payload_bytes(s.to_payload()["batch"]) for s in shards)
+            return super().call_sharded(method, shards, *args, **kwargs)
+
+    role = NS(packing=True, micro_batch_size=1, max_tokens_per_micro_batch=budget, parallel=NS(pp=1, vpp=1))
+    group = Group.__new__(Group)
+    group.role, group.cfg, group.role_cfg, group.backend, group.workers = "actor", NS(actor=role), role, "ray", actors
+    group._topology = [{"dp_rank": r, "dp": len(actors), "tp_rank": 0, "pp_rank": 0, "is_output": 1}
+                       for r in range(len(actors))]
+    group.shipped = {}
+    return group
+
+
+def step(batch, actors, mode: str, budget: int, global_batch: int, seed: int = 0):
     """One step's data path (forward + train); returns per-rank bytes and driver seconds by phase."""
     import ray
 
     from megarl.data.packing import plan_shards
-    from megarl.workers.dispatch import make_shards, unshard
+    from megarl.trainer import minibatches
+    from megarl.workers.dispatch import unshard
 
     dp = len(actors)
     lengths = batch.seq_lens.tolist()
+    rl = batch.response_lens
+    fields = ("old_logprobs", "advantages", "rollout_logprobs")
     out = {}
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt   # first writes to fresh pages (object store)
     cpu0, t0 = time.process_time(), time.perf_counter()
-    # ---- forward (old logprobs)
-    plan = plan_shards(lengths, [list(range(len(batch)))], dp, packed=True, max_tokens=budget)
-    out["plan_s"] = time.perf_counter() - t0
-    if mode == "sharded":
-        shards = make_shards(batch, plan)
-        refs = [ray.put(s.to_payload()) for s in shards]
-        out["forward_bytes_per_rank"] = max(payload_bytes(s.to_payload()) for s in shards)
-        results = ray.get([a.forward.remote(refs[r]) for r, a in enumerate(actors)])
+    if mode in ("sharded", "sharded_shuffled"):
+        group = bench_group(actors, budget)
+        # ---- forward (old logprobs): WorkerGroup.forward
+        logprobs = group.forward("forward", batch)["logprobs"]
+        assert logprobs.numel() == int(rl.sum())
+        out["forward_s"] = time.perf_counter() - t0
+        out["forward_cpu_s"] = time.process_time() - cpu0
+        out["forward_bytes_per_rank"] = group.shipped["forward"]
+        # ---- train (one epoch of mini-batches): WorkerGroup.train, mini-batches as the trainer draws them
+        t1, cpu1 = time.perf_counter(), time.process_time()
+        if mode == "sharded":      # per rank, over its forward range (trainer: actor.minibatches)
+            mbs = group.minibatches(batch, global_batch, seed)
+            glob = mbs.minibatches
+        else:                      # before: one global shuffle, each rank's share gathered
+            mbs = glob = minibatches(len(batch), global_batch, seed)
+        dens = [{"num_tokens": float(rl[m].sum()), "num_seqs": float(len(m))} for m in glob]
+        metrics = group.train(batch, mbs, dens, {}, fields)
+        assert metrics["micro_batches"] > 0
+        out["train_bytes_per_rank"] = group.shipped["train"]
     else:
+        # ---- forward: the same flat batch to every rank, each slicing its share
+        plan = plan_shards(lengths, [list(range(len(batch)))], dp, packed=True, max_tokens=budget)
+        out["plan_s"] = time.perf_counter() - t0
         whole = {"batch": batch.with_fields(()).to_payload(), "denominators": [],
                  "plan": [{"samples": plan.samples[r], "micro_sizes": plan.micro_sizes[r]} for r in range(dp)]}
         ref = ray.put(whole)
         out["forward_bytes_per_rank"] = payload_bytes(whole["batch"])
-        results = ray.get([a.forward.remote(ref, r) for r, a in enumerate(actors)])
-    logprobs = unshard(batch, plan, [torch.as_tensor(np.asarray(r["token"]["logprobs"])) for r in results])
-    assert logprobs.numel() == int(batch.response_lens.sum())
-    out["forward_s"] = time.perf_counter() - t0
-    # ---- train (one epoch of mini-batches)
-    t1 = time.perf_counter()
-    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(0)).tolist()
-    mbs = [order[i:i + global_batch] for i in range(0, len(order), global_batch)]
-    rl = batch.response_lens
-    dens = [{"num_tokens": float(rl[m].sum()), "num_seqs": float(len(m))} for m in mbs]
-    tplan = plan_shards(lengths, mbs, dp, packed=True, max_tokens=budget)
-    fields = ("old_logprobs", "advantages", "rollout_logprobs")
-    if mode == "sharded":
-        shards = make_shards(batch, tplan, fields, dens)
-        payloads = [s.to_payload() for s in shards]
-        refs = [ray.put(p) for p in payloads]
-        out["train_bytes_per_rank"] = max(payload_bytes(p["batch"]) for p in payloads)
-        metrics = ray.get([a.train.remote(refs[r]) for r, a in enumerate(actors)])
-    else:
+        results = ray.get([a.forward.remote(ref, r)
+                           for r, a in enumerate(actors)])
+        logprobs = unshard(batch, plan, [torch.as_tensor(np.asarray(r["token"]["logprobs"])) for r in results])
+        assert logprobs.numel() == int(rl.sum())
+        out["forward_s"] = time.perf_counter() - t0
+        out["forward_cpu_s"] = time.process_time() - cpu0
+        # ---- train: one global shuffle, the whole batch with its fields to every rank
+        t1, cpu1 = time.perf_counter(), time.process_time()
+        mbs = minibatches(len(batch), global_batch, seed)
+        dens = [{"num_tokens": float(rl[m].sum()), "num_seqs": float(len(m))} for m in mbs]
+        tplan = plan_shards(lengths, mbs, dp, packed=True, max_tokens=budget)
         whole = {"batch": batch.with_fields(fields).to_payload(), "denominators": dens,
                  "plan": [{"samples": tplan.samples[r], "micro_sizes": tplan.micro_sizes[r]} for r in range(dp)]}
         ref = ray.put(whole)
         out["train_bytes_per_rank"] = payload_bytes(whole["batch"])
-        metrics = ray.get([a.train.remote(ref, r) for r, a in enumerate(actors)])
-    assert len(metrics) == dp
+        metrics = ray.get([a.train.remote(ref, None, r) for r, a in enumerate(actors)])
+        assert len(metrics) == dp
     out["train_s"] = time.perf_counter() - t1
+    out["train_cpu_s"] = time.process_time() - cpu1
     out["driver_wall_s"] = time.perf_counter() - t0
     out["driver_cpu_s"] = time.process_time() - cpu0
+    out["driver_minor_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     return out
 
 
@@ -160,9 +201,14 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=16384, help="tokens per packed micro-batch")
     ap.add_argument("--global-batch", type=int, default=4096, help="samples per mini-batch (optimizer step)")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--modes", default="sharded,broadcast")
+    ap.add_argument("--modes", default="sharded,sharded_shuffled,broadcast")
     ap.add_argument("--object-store-gb", type=float, default=6.0)
+    ap.add_argument("--preallocate-store", action="store_true",
+                    help="Ray allocates the object store's shared memory at start (RAY_preallocate_plasma_memory); "
+                         "otherwise the first step's puts fault in fresh pages on the driver")
     a = ap.parse_args()
+    if a.preallocate_store:
+        os.environ["RAY_preallocate_plasma_memory"] = "1"   # read by the raylet ray.init starts
     import ray
 
     torch.set_num_threads(2)
@@ -177,18 +223,19 @@ def main() -> None:
         actors = [Rank.remote() for _ in range(a.dp)]
         # warm-up: actor processes import torch and megarl once (not part of a step)
         tiny = synthetic_batch(4 * a.dp, 16, 4, seed=1)
-        step(tiny, actors, "sharded", a.budget, 4)
-        step(tiny, actors, "broadcast", a.budget, 4)
+        for mode in a.modes.split(","):
+            step(tiny, actors, mode, a.budget, 4)
         lines = {}
         for mode in a.modes.split(","):
             runs = [step(batch, actors, mode, a.budget, a.global_batch) for _ in range(a.steps)]
             best = min(runs, key=lambda r: r["driver_wall_s"])
             line = {"bench": "driver_step", "mode": mode, "samples": a.samples, "tokens_per_sample": a.tokens,
                     "dp": a.dp, "batch_tokens": batch.num_tokens, "batch_bytes_all_fields": whole_bytes,
-                    "cores": os.cpu_count(), "steps": a.steps,
+                    "cores": os.cpu_count(), "steps": a.steps, "preallocated_store": a.preallocate_store,
                     **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in best.items()},
                     "driver_wall_s_all": [round(r["driver_wall_s"], 3) for r in runs],
-                    "driver_cpu_s_all": [round(r["driver_cpu_s"], 3) for r in runs]}
+                    "driver_cpu_s_all": [round(r["driver_cpu_s"], 3) for r in runs],
+                    "driver_minor_faults_all": [r["driver_minor_faults"] for r in runs]}
             lines[mode] = line
         if "sharded" in lines and "broadcast" in lines:
             s, b = lines["sharded"], lines["broadcast"]

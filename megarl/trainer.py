@@ -97,7 +97,8 @@ def token_batch(samples: list[Sample], with_rollout_logprobs: bool = True,
 
 
 def minibatches(num_samples: int, global_batch_size: int, seed: int) -> list[list[int]]:
-    """Shuffled mini-batches of whole samples; a short tail joins the last mini-batch."""
+    """Shuffled mini-batches of whole samples; a short tail joins the last mini-batch. (The step
+    draws them per data-parallel rank, ``WorkerGroup.minibatches``; at dp 1 that is this.)"""
     order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
     size = min(global_batch_size, num_samples)
     batches = [order[i:i + size] for i in range(0, num_samples - num_samples % size, size)]
@@ -472,8 +473,9 @@ class Trainer:
                                     "agg_mode": a.loss_agg, "tis_cap": a.tis_cap,
                                     "norm_len": float(cfg.rollout.sampling.max_new_tokens)}}
         for epoch in range(a.ppo_epochs):
-            mbs = minibatches(len(batch), cfg.batch.global_batch_size, cfg.seed + step * 101 + epoch)
-            dens = denominators(mask, mbs)
+            # drawn per actor rank: each trains on its forward-pass range (shards are views, no gather)
+            mbs = actor.minibatches(batch, cfg.batch.global_batch_size, cfg.seed + step * 101 + epoch)
+            dens = denominators(mask, mbs.minibatches)
             actor_fields = ("old_logprobs", "advantages", "rollout_logprobs") + masked + routes + (
                 ("ref_logprobs",) if algo["kl_loss_coef"] and "ref_logprobs" in fields else ())
             metrics.update(_prefixed(actor.train(batch, mbs, dens, algo, actor_fields), "actor/"))

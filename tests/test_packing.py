@@ -20,10 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_utils import make_tiny_hf  # noqa: E402
 
 from megarl.data.batch import TokenBatch, segment_index  # noqa: E402
-from megarl.data.packing import balance, pack_bins, plan_shards  # noqa: E402
+from megarl.data.packing import (balance, pack_bins, plan_ranges, plan_shards, plan_stratified,  # noqa: E402
+                                 stratified_minibatches)
 from megarl.parallel import spawn  # noqa: E402
 from megarl.workers.batch import packed_inputs, padded_inputs  # noqa: E402
 from megarl.workers.dispatch import make_shards, unshard  # noqa: E402
+from megarl.trainer import denominators, minibatches  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +121,124 @@ def test_unshard_inverts_the_plan():
     assert torch.equal(unshard(batch, plan, per_rank), batch.token_fields["advantages"] * 2)
     assert torch.equal(unshard(batch, plan, [s.batch.seq_lens for s in shards], per="sample"), batch.seq_lens)
     assert sum(len(s.batch) for s in shards) == 23 and all(not s.batch.sample_fields for s in shards)
+
+
+def _forward_ranges(lengths, dp):
+    """Each rank's samples in a forward pass (one mini-batch of the whole batch), as the group plans it."""
+    plan = plan_shards(lengths, [list(range(len(lengths)))], dp, packed=True, max_tokens=10**9)
+    return [sorted(s) for s in plan.samples]
+
+
+@pytest.mark.parametrize("n,dp,gbs", [(103, 4, 16), (103, 1, 16), (64, 3, 64), (50, 4, 200), (3, 4, 2), (37, 2, 5)])
+@pytest.mark.parametrize("packed,max_tokens,mbs", [(True, 64, 1), (False, 64, 1), (False, 0, 3)])
+def test_stratified_minibatches_cover_the_batch_and_keep_each_rank_on_its_forward_range(n, dp, gbs, packed,
+                                                                                         max_tokens, mbs):
+    g = random.Random(n * 7 + dp)
+    lengths = [g.randint(1, 70) for _ in range(n - 1)] + [200]  # one sample above the budget
+    got, plan = plan_stratified(lengths, dp, gbs, seed=11, packed=packed, max_tokens=max_tokens,
+                                micro_batch_size=mbs, micro_multiple=2)
+    # every sample in exactly one mini-batch; sizes as trainer.minibatches cuts them (short tail joins the last)
+    assert sorted(i for mb in got for i in mb) == list(range(n))
+    size = min(gbs, n)
+    want = [size] * (n // size)
+    want[-1] += n % size
+    assert [len(mb) for mb in got] == want
+    assert got == stratified_minibatches(lengths, dp, gbs, seed=11).minibatches       # seeded: the same again
+    assert got != stratified_minibatches(lengths, dp, gbs, seed=12).minibatches or n <= dp
+    if dp == 1:  # one rank: an ordinary seeded shuffle cut into mini-batches
+        assert got == minibatches(n, gbs, 11)
+    # rank r trains on exactly its forward range, micro-batches inside the right mini-batch and rank
+    assert [sorted(s) for s in plan.samples] == _forward_ranges(lengths, dp)
+    for k in range(len(got)):
+        counts = {len(plan.micro_sizes[r][k]) for r in range(dp)}
+        assert len(counts) == 1 and counts.pop() % 2 == 0
+    for r in range(dp):
+        start = 0
+        for k, sizes in enumerate(plan.micro_sizes[r]):
+            for m in sizes:
+                ids = plan.samples[r][start:start + m]
+                assert set(ids) <= set(got[k])
+                if packed and m > 1:
+                    assert sum(lengths[i] for i in ids) <= max_tokens
+                elif not packed and not max_tokens:
+                    assert m <= mbs
+                start += m
+        assert start == len(plan.samples[r])
+
+
+def test_stratified_minibatches_share_each_minibatch_in_proportion_to_the_ranges():
+    """A rank's share of every mini-batch follows its range's size (so its tokens per mini-batch
+    stay near 1/dp): within one sample of the proportional share."""
+    g = random.Random(5)
+    lengths = [g.randint(10, 1000) for _ in range(1000)]
+    strat = stratified_minibatches(lengths, 4, 96, seed=0)
+    total = len(lengths)
+    for r, chunks in enumerate(strat.chunks):
+        assert [i for c in chunks for i in sorted(c)] != list(strat.ranges[r]) or len(chunks) == 1  # shuffled
+        assert sorted(i for c in chunks for i in c) == list(strat.ranges[r])
+        for k, c in enumerate(chunks[:-1]):
+            assert abs(len(c) - 96 * len(strat.ranges[r]) / total) <= 1.5, (r, k, len(c))
+
+
+def test_training_shards_are_views_of_the_batch():
+    """Stratified mini-batches: every rank's training shard shares storage with the batch (no copy
+    on the driver) and holds the right samples; the global-shuffle plan gathers (copies)."""
+    batch = random_batch(60, seed=6)
+    lengths = batch.seq_lens.tolist()
+    mbs, plan = plan_stratified(lengths, 3, 16, seed=2, packed=True, max_tokens=40)
+    fields = ("advantages", "old_logprobs")
+    shards = make_shards(batch, plan, fields, denominators(batch.response_mask(), mbs))
+
+    def within(t, base):
+        lo, ptr = base.untyped_storage().data_ptr(), t.untyped_storage().data_ptr()
+        return ptr == lo and t.data_ptr() >= lo and t.data_ptr() + t.numel() * t.element_size() <= \
+            lo + base.untyped_storage().nbytes()
+
+    ranges = _forward_ranges(lengths, 3)
+    for r, shard in enumerate(shards):
+        assert within(shard.batch.tokens, batch.tokens)
+        for name in fields:
+            assert within(shard.batch.token_fields[name], batch.token_fields[name])
+        assert torch.equal(shard.batch.tokens, batch.select(ranges[r]).tokens)
+        # the micro-batches the worker builds hold the planned samples of each mini-batch
+        seen = []
+        for k, micro in enumerate(shard.minibatches()):
+            for mb in micro:
+                seqs = [mb.sequence(i).tolist() for i in range(len(mb))]
+                ids = [ranges[r][0] + shard.order[len(seen) + j] for j in range(len(mb))]
+                assert seqs == [batch.sequence(i).tolist() for i in ids] and set(ids) <= set(mbs[k])
+                seen += ids
+        assert sorted(seen) == ranges[r]
+    assert [d["num_seqs"] for d in shards[0].denominators] == [float(len(m)) for m in mbs]
+    # the global-shuffle path over the same mini-batches gathers each rank's samples: copies
+    gathered = make_shards(batch, plan_shards(lengths, mbs, 3, packed=True, max_tokens=40), fields)
+    assert not any(within(s.batch.tokens, batch.tokens) for s in gathered)
+
+
+def _group(dp, packing=True):
+    """A WorkerGroup shell: planning only (no ranks)."""
+    from types import SimpleNamespace as NS
+
+    from megarl.workers.group import WorkerGroup
+
+    role = NS(packing=packing, micro_batch_size=2, max_tokens_per_micro_batch=40, parallel=NS(pp=1, vpp=1))
+    group = WorkerGroup.__new__(WorkerGroup)
+    group.role, group.cfg, group.role_cfg = "critic", NS(critic=role), role
+    group._topology = [{"dp_rank": r, "dp": dp} for r in range(dp)]
+    return group
+
+
+def test_group_plans_stratified_minibatches_on_ranges_and_falls_back_for_another_dp():
+    batch = random_batch(45, seed=7)
+    lengths = batch.seq_lens.tolist()
+    strat = _group(3).minibatches(batch, 8, seed=4)
+    assert strat.minibatches == stratified_minibatches(lengths, 3, 8, 4).minibatches
+    same = _group(3).plan(batch, strat)
+    assert same == plan_ranges(lengths, strat, packed=True, max_tokens=40, micro_batch_size=2)
+    assert [sorted(s) for s in same.samples] == _forward_ranges(lengths, 3)
+    other = _group(2).plan(batch, strat)   # a critic with another dp: plain mini-batches, exact balance
+    assert other == plan_shards(lengths, strat.minibatches, 2, packed=True, max_tokens=40, micro_batch_size=2)
+    assert _group(2).plan(batch, strat.minibatches) == other
 
 
 def test_packed_and_padded_inputs_read_the_same_predictions():
@@ -286,3 +406,57 @@ def test_packed_equals_padded_and_hf_for_every_family(family, tmp_path):
     batch = random_batch(12, seed=5)
     _compare(family, str(tmp_path), model, batch, 1, [{}], critic=family == "qwen2")
     _compare(family, str(tmp_path), model, batch, 2, TWO_RANKS[family])
+
+
+def _train_epoch(rank, world, hf_dir, batch, strat):
+    """One rank: an epoch of optimizer steps over the stratified mini-batches ``strat`` (drawn for two
+    ranks), planned as WorkerGroup.train plans them: on the ranks' ranges at dp 2, the same
+    mini-batches on one rank at dp 1. Returns the metrics and per-parameter checksums after it."""
+    from megatron.core import parallel_state as mpu
+
+    from megarl.parallel import destroy_model_parallel
+    from megarl.workers import MegatronWorker, WorkerSpec
+    from megarl.workers.group import token_budget
+
+    cfg, role = _cfg(hf_dir, world, {}, True)
+    worker = MegatronWorker(WorkerSpec(role=role, cfg=cfg, rank=rank, world_size=world, master_addr="127.0.0.1",
+                                       master_port=0, trainable=True, value_head=False))
+    worker.setup()
+    lengths = batch.seq_lens.tolist()
+    budget = dict(packed=True, max_tokens=token_budget(cfg, role))
+    dp = mpu.get_data_parallel_world_size()
+    plan = plan_ranges(lengths, strat, **budget) if dp == strat.dp else \
+        plan_shards(lengths, strat.minibatches, dp, **budget)
+    dens = denominators(batch.response_mask(), strat.minibatches)
+    shard = make_shards(batch, plan, ("old_logprobs", "advantages", "rollout_logprobs"), dens)
+    metrics = worker.train(shard[mpu.get_data_parallel_rank()], ALGO)
+    sums = {n: (float(p.detach().double().sum()), float(p.detach().double().square().sum()))
+            for c in worker.chunks for n, p in c.named_parameters()}
+    destroy_model_parallel()
+    return {"metrics": metrics, "sums": sums, "samples": [len(s.batch) for s in shard]}
+
+
+def test_stratified_epoch_at_dp2_equals_dp1_on_the_same_minibatches(tmp_path):
+    """Three optimizer steps over stratified mini-batches: two ranks on their contiguous ranges give
+    the loss terms, grad norms and weights of one rank training on the same global mini-batches
+    (global denominators; fp32 < 1e-5)."""
+    from megarl.workers.group import WorkerGroup
+
+    make_tiny_hf("llama", tmp_path)
+    batch = random_batch(24, seed=8)
+    strat = stratified_minibatches(batch.seq_lens.tolist(), 2, 8, seed=3)
+    assert [len(m) for m in strat.minibatches] == [8, 8, 8]
+    one = spawn(_train_epoch, 1, str(tmp_path), batch, strat, timeout_s=600)
+    two = spawn(_train_epoch, 2, str(tmp_path), batch, strat, timeout_s=600)
+    assert two[0]["samples"] == [len(r) for r in strat.ranges] and one[0]["samples"] == [24]
+    merge = WorkerGroup.__new__(WorkerGroup).reduce_metrics
+    m1, m2 = merge([r["metrics"] for r in one]), merge([r["metrics"] for r in two])
+    # loss terms are sums with global denominators (the rest, e.g. clip_frac, are means over micro-batches)
+    keys = ["actor/pg_loss", "actor/entropy", "actor/loss", "grad_norm"]
+    assert m1["grad_norm"] > 0 and m1.keys() == m2.keys()
+    for key in keys:
+        assert abs(m1[key] - m2[key]) < 1e-5 * max(1.0, abs(m1[key])), (key, m1[key], m2[key])
+    for name, (s, sq) in one[0]["sums"].items():
+        for r in range(2):
+            s2, sq2 = two[r]["sums"][name]
+            assert abs(s - s2) < 1e-5 * max(1.0, abs(s)) and abs(sq - sq2) < 1e-5 * max(1.0, sq), name

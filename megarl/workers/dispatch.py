@@ -80,7 +80,13 @@ def make_shards(batch: TokenBatch, plan: ShardPlan, fields: Sequence[str] = (),
 
 def shard_of(batch: TokenBatch, samples: Sequence[int], micro_sizes: list[list[int]],
              denominators: Optional[list[dict[str, float]]] = None) -> Shard:
-    """The shard of samples ``samples`` (execution order) of ``batch``."""
+    """The shard of samples ``samples`` (execution order) of ``batch``. A permutation of one range of
+    samples (a forward pass, a training pass over stratified mini-batches) is a view of ``batch``."""
+    samples = list(samples)
+    if samples:
+        lo, hi = min(samples), max(samples)
+        if hi - lo + 1 == len(samples) == len(set(samples)):
+            return Shard(batch.slice(lo, hi + 1), [i - lo for i in samples], micro_sizes, list(denominators or []))
     ordered = sorted(set(samples))
     pos = {i: k for k, i in enumerate(ordered)}
     return Shard(batch.select(ordered), [pos[i] for i in samples], micro_sizes, list(denominators or []))

@@ -11,12 +11,12 @@ boxes without Ray) through the same planning and sharding code, without the obje
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from megarl.data.batch import TokenBatch
-from megarl.data.packing import ShardPlan, plan_shards
+from megarl.data.packing import ShardPlan, StratifiedMinibatches, plan_ranges, plan_shards, stratified_minibatches
 from megarl.parallel.launcher import free_port
 from megarl.placement.addresses import node_address
 from megarl.workers.dispatch import make_shards, unshard
@@ -35,6 +35,10 @@ class _RayRank(MegatronWorker):
         on other nodes dial (never 127.0.0.1 or the hostname's /etc/hosts entry)."""
         address = node_address()
         return address, free_port(address)
+
+
+# mini-batches of sample indices, or stratified per rank (WorkerGroup.minibatches)
+Minibatches = Union[list[list[int]], StratifiedMinibatches]
 
 
 class WorkerGroup:
@@ -90,26 +94,40 @@ class WorkerGroup:
     def dp(self) -> int:
         return int(self.topology()[0]["dp"])
 
-    def plan(self, batch: TokenBatch, minibatches: Optional[list[list[int]]] = None,
+    def plan(self, batch: TokenBatch, minibatches: "Optional[Minibatches]" = None,
              pairs: bool = False) -> ShardPlan:
         """Data-parallel shards and micro-batches of this role for ``batch`` (all samples in one
-        mini-batch when ``minibatches`` is None). ``pairs``: plan over adjacent sample pairs
-        (2i, 2i + 1), which then always share a micro-batch (reward-model training)."""
+        mini-batch when ``minibatches`` is None). Stratified mini-batches drawn for this role's
+        data-parallel size give every rank its own contiguous range (:func:`plan_ranges`); drawn
+        for another size (a critic with another dp than the actor's) they are planned like plain
+        lists of samples (:func:`plan_shards`: exact token balance, but each rank's shard is gathered
+        from scattered samples). ``pairs``: plan over adjacent sample pairs (2i, 2i + 1), which then
+        always share a micro-batch (reward-model training)."""
         role = self.role_cfg
-        p = role.parallel
         lengths = batch.seq_lens.tolist()
+        budget = dict(packed=role.packing, max_tokens=token_budget(self.cfg, self.role),
+                      micro_batch_size=max(1, role.micro_batch_size // (2 if pairs else 1)),
+                      micro_multiple=role.parallel.pp if role.parallel.vpp > 1 else 1)
+        if isinstance(minibatches, StratifiedMinibatches):
+            if minibatches.dp == self.dp and not pairs:
+                return plan_ranges(lengths, minibatches, **budget)
+            minibatches = minibatches.minibatches
         if minibatches is None:
             minibatches = [list(range(len(lengths) // (2 if pairs else 1)))]
         if pairs:
             lengths = [lengths[2 * i] + lengths[2 * i + 1] for i in range(len(lengths) // 2)]
-        plan = plan_shards(lengths, minibatches, self.dp, packed=role.packing,
-                           max_tokens=token_budget(self.cfg, self.role),
-                           micro_batch_size=max(1, role.micro_batch_size // (2 if pairs else 1)),
-                           micro_multiple=p.pp if p.vpp > 1 else 1)
+        plan = plan_shards(lengths, minibatches, self.dp, **budget)
         if pairs:  # pair k -> sequences 2k, 2k + 1
             plan = ShardPlan([[j for k in s for j in (2 * k, 2 * k + 1)] for s in plan.samples],
                              [[[2 * n for n in sizes] for sizes in mb] for mb in plan.micro_sizes])
         return plan
+
+    def minibatches(self, batch: TokenBatch, global_batch_size: int, seed: int) -> StratifiedMinibatches:
+        """An epoch's mini-batches of ``batch``, drawn per data-parallel rank of this role so that
+        :meth:`train` ships every rank its forward-pass range as a view (no gather on the driver).
+        ``.minibatches`` lists the global mini-batches (loss denominators); pass the object itself
+        to :meth:`train` of this group and of any group training on the same mini-batches."""
+        return stratified_minibatches(batch.seq_lens.tolist(), self.dp, global_batch_size, seed)
 
     def call_sharded(self, method: str, shards: list[Any], *args, **kwargs) -> list[Any]:
         """Run ``method(shard, *args)`` on every rank, each rank getting its data-parallel group's
@@ -148,9 +166,10 @@ class WorkerGroup:
                 out[key] = unshard(batch, plan, parts, per)
         return out
 
-    def train(self, batch: TokenBatch, minibatches: list[list[int]], denominators: list[dict[str, float]],
+    def train(self, batch: TokenBatch, minibatches: "Minibatches", denominators: list[dict[str, float]],
               algo: dict[str, Any], fields: tuple[str, ...]) -> dict[str, float]:
-        """One optimizer step per mini-batch (sample indices of ``batch``); metrics merged over ranks."""
+        """One optimizer step per mini-batch (sample indices of ``batch``, or :meth:`minibatches`,
+        whose shards are views); metrics merged over ranks."""
         plan = self.plan(batch, minibatches)
         shards = make_shards(batch, plan, fields, denominators)
         return self.reduce_metrics(self.call_sharded("train", shards, algo))
@@ -158,10 +177,12 @@ class WorkerGroup:
     def reduce_metrics(self, per_rank: list[dict[str, float]]) -> dict[str, float]:
         """Add ``*_sum`` metrics over output ranks (they carry global denominators), average the rest;
         each over the ranks that report it (a data-parallel rank without samples reports no loss
-        metrics)."""
+        metrics). A sum wins over an average of the same name: the policy loss also reports each
+        micro-batch's share of the loss as ``pg_loss``, whose mean over micro-batches depends on how
+        many there are (it made ``actor/pg_loss`` differ between dp 1 and dp 2 on the same data)."""
         merged: dict[str, float] = {}
         keys = dict.fromkeys(k for m in per_rank if m for k in m)
-        for key in keys:
+        for key in sorted(keys, key=lambda k: k.endswith("_sum")):   # stable: sums last, so they win
             values = [m[key] for m in per_rank if m and key in m]
             if key.endswith("_sum"):
                 merged[key[: -len("_sum")]] = sum(values)
