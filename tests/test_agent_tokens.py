@@ -112,7 +112,10 @@ def test_trainer_ids_are_server_tokens_interleaved_with_observations(tok, seed):
 
     reencode_differs = 0
     for j, s in enumerate(samples):
-        opening = [{"role": "system", "content": settings_system()}, {"role": "user", "content": records[j].prompt}]
+        from megarl.envs.calculator import CalculatorEnv
+
+        opening = ([{"role": "system", "content": settings_system()}] + CalculatorEnv.EXAMPLE
+                   + [{"role": "user", "content": records[j].prompt}])   # the worked example (env_args.example)
         want_prompt = tok.apply_chat_template(opening, add_generation_prompt=True, tokenize=True)
         assert s.prompt_ids == list(want_prompt["input_ids"] if hasattr(want_prompt, "keys") else want_prompt)
         pos = 0

@@ -195,3 +195,21 @@ def test_agent_config_errors_name_the_field():
             load_config(recipe, [override])
     with pytest.raises(ConfigError, match=r"agent\.env_args\.wall_s"):
         load_config(recipe, ["agent.env=python", "agent.tool_timeout_s=5", "agent.env_args={wall_s: 8}"])
+
+
+def test_calculator_opening_has_one_worked_example_unless_turned_off():
+    from megarl.envs.calculator import CalculatorEnv
+    from megarl.envs.tools import ToolPool
+
+    pool = ToolPool(1)
+    try:
+        rec = PromptRecord("Calculate 3 + 4.", answer="7")
+        with_example, _ = asyncio.run(CalculatorEnv(EnvContext(pool)).reset(rec))
+        plain, _ = asyncio.run(CalculatorEnv(EnvContext(pool, {"example": False})).reset(rec))
+    finally:
+        pool.close()
+    assert [m["role"] for m in plain] == ["system", "user"]
+    assert [m["role"] for m in with_example] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    call = get_parser("hermes")(with_example[2]["content"])[0][0]   # the example's call is one the parser reads...
+    assert str(evaluate(call.arguments["expression"])) == with_example[3]["content"]   # ...and its result is exact
+    assert with_example[-1] == plain[-1] == {"role": "user", "content": "Calculate 3 + 4."}

@@ -162,7 +162,7 @@ class WorkerGroup:
         for per in ("token", "sample"):
             keys = {k for r in by_dp.values() for k in r.get(per, {})}
             for key in sorted(keys):
-                parts = [torch.as_tensor(by_dp[d].get(per, {}).get(key, torch.zeros(0))) for d in range(plan.dp)]
+                parts = [_read_only_tensor(by_dp[d].get(per, {}).get(key, torch.zeros(0))) for d in range(plan.dp)]
                 out[key] = unshard(batch, plan, parts, per)
         return out
 
@@ -202,6 +202,17 @@ class WorkerGroup:
             pass
         for w in self.workers:
             ray.kill(w)
+
+
+def _read_only_tensor(value: Any) -> torch.Tensor:
+    """A rank's result as a tensor without a copy. Arrays from Ray's object store are read-only
+    views of shared memory; torch warns about wrapping them, but ``unshard`` only reads them (its
+    output is a fresh tensor), so the warning would be noise in every run's log."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.as_tensor(value)
 
 
 def token_budget(cfg: Any, role: str) -> int:
