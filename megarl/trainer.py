@@ -285,7 +285,7 @@ class Trainer:
             a = self.cfg.agent
             settings = AgentSettings(a.env, dict(a.env_args), a.tool_parser, a.max_turns, a.max_response_tokens,
                                      a.tool_timeout_s, a.tool_workers, keep_versions, self.moe_routing,
-                                     self.cfg.algorithm.routing_replay == "rollout")
+                                     self.cfg.algorithm.routing_replay == "rollout", self.cfg.rollout.max_prompt_len)
             self._agent_rollout = AgentRollout(self._rollout_manager(), self._sampling(greedy=False), self.tokenizer,
                                                settings)
         return self._agent_rollout

@@ -210,3 +210,17 @@ def test_malformed_calls_give_error_observations_and_the_model_can_recover(tok):
         text = tok.decode(env, skip_special_tokens=False)
         assert "<|im_start|>tool\nError: " in text, (bad[j], text)
         assert s.reward == 1.0 and s.info["turns"] == 2 and s.info["tool_errors"] >= 1 and not s.info["truncated"]
+
+
+def test_an_opening_longer_than_max_prompt_len_is_a_clear_error(tok):
+    """The servers' context is max_prompt_len + agent.max_response_tokens: an opening (system prompt,
+    worked example, question) that does not fit is refused before any request, naming the field."""
+    settings = AgentSettings("calculator", max_turns=2, max_response_tokens=100, max_prompt_len=64)
+    with pytest.raises(ValueError, match=r"rollout.max_prompt_len: an opening conversation of environment "
+                                         r"'calculator' .* is \d+ tokens, more than 64"):
+        run_batch(tok, {0: [(tok.encode("7", add_special_tokens=False) + [EOS], "stop")]}, settings,
+                  [PromptRecord("What is 3 + 4?", answer="7", index=0)])
+    settings.max_prompt_len = 4096
+    server, (sample,) = run_batch(tok, {0: [(tok.encode("7", add_special_tokens=False) + [EOS], "stop")]}, settings,
+                                  [PromptRecord("What is 3 + 4?", answer="7", index=0)])
+    assert sample.reward == 1.0 and len(server.log[0]) == 1

@@ -83,7 +83,7 @@ def test_sglang_parses_megarl_launch_commands_for_every_multi_gpu_recipe(tmp_pat
     # keys YAML would misread if written bare (number, boolean, null, comment, quotes), and a
     # generated one: each must reach SGLang's server_args verbatim through its own --config reader
     tricky = iter([API_KEY, "0x1e5", "true", "null", "1e10", "a:#b'c\"d\\e", secrets.token_hex(32)] * 3)
-    cases, expect, keys = [], [], []
+    cases, expect, keys, contexts = [], [], [], []
     for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
         plain = load_config(recipe, [])
         if plain.rollout.tp <= 1 or plain.cluster.device != "cuda":
@@ -100,6 +100,9 @@ def test_sglang_parses_megarl_launch_commands_for_every_multi_gpu_recipe(tmp_pat
             cases.append(sglang_args(cfg, Path("/models/x"), spec))
             expect.append((recipe.stem, cfg.rollout.tp, nnodes, node, cfg.placement.mode == "colocated",
                            bool(cfg.model.arch.num_experts)))
+            # the longest request: prompt + one response, or a whole agent trajectory (turns + observations)
+            response = cfg.agent.max_response_tokens if cfg.agent.enabled else cfg.rollout.sampling.max_new_tokens
+            contexts.append(cfg.rollout.max_prompt_len + response)
     assert len({e[0] for e in expect}) >= 5, "the GPU recipes with rollout.tp > 1"
     assert any(e[2] > 1 for e in expect), "a recipe whose servers span nodes (DeepSeek-V3: tp 16 on 8-GPU nodes)"
     done = subprocess.run([sglang_cpu_python(), "-c", _PARSE], input=json.dumps(cases), capture_output=True,
@@ -107,7 +110,9 @@ def test_sglang_parses_megarl_launch_commands_for_every_multi_gpu_recipe(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
     assert any(e[5] for e in expect) and not all(e[5] for e in expect), "MoE and dense recipes"
-    for (recipe, tp, nnodes, node, colocated, moe), a, key in zip(expect, parsed, keys):
+    assert any(load_config(r, []).agent.enabled for r in (ROOT / "recipes").glob("*.yaml") if "retool" in r.stem)
+    for (recipe, tp, nnodes, node, colocated, moe), a, key, context in zip(expect, parsed, keys, contexts):
+        assert a["context_length"] == context, recipe
         assert a["tp_size"] == tp and a["nnodes"] == nnodes and a["node_rank"] == node, recipe
         assert a["api_key"] == key, f"{recipe}: the key comes from the --config file, never argv"
         assert a["load_format"] == "dummy" and a["disable_radix_cache"] and a["skip_tokenizer_init"], recipe

@@ -4,7 +4,7 @@
 """
 from megarl.config.loader import ConfigError, dump_config, field_help, load_config, parse_overrides
 from megarl.config.schema import RunConfig
-from megarl.config.validate import collect_problems, dp_size, validate_config
+from megarl.config.validate import collect_problems, dp_size, max_sequence_len, validate_config
 
-__all__ = ["ConfigError", "RunConfig", "collect_problems", "dp_size", "dump_config", "field_help",
+__all__ = ["ConfigError", "RunConfig", "collect_problems", "dp_size", "max_sequence_len", "dump_config", "field_help",
            "load_config", "parse_overrides", "validate_config"]

@@ -45,6 +45,17 @@ def dp_size(role: RoleConfig) -> int:
     return role.gpus // model_parallel if model_parallel and role.gpus % model_parallel == 0 else 0
 
 
+def max_sequence_len(cfg: RunConfig) -> int:
+    """The longest sample a run can produce: prompt + response, where an agent's response is its
+    whole trajectory (``agent.max_response_tokens``: model turns and observations). Rollout
+    servers' context length and the trainer's micro-batch budgets are sized from it."""
+    r = cfg.rollout
+    response = r.sampling.max_new_tokens
+    if cfg.agent.enabled:
+        response = max(response, cfg.agent.max_response_tokens)
+    return r.max_prompt_len + response
+
+
 def hf_config_path(hf_path: str) -> Path | None:
     if hf_path.startswith("builtin:"):
         return None

@@ -40,8 +40,8 @@ stores the s x s matrix), so the same bookkeeping gives, per layer and token (2-
   Pipeline: with 1F1B the first stage holds activations of pp micro-batches (stage s: pp - s),
     times (1 + (pp - 1) / (pp * vpp)) with interleaving (same paper, section 4.2.3); capped by
     the number of micro-batches per step.
-  Tokens per micro-batch: max_tokens_per_micro_batch, else micro_batch_size * (max_prompt_len +
-    max_new_tokens); / cp.
+  Tokens per micro-batch: max_tokens_per_micro_batch, else micro_batch_size * the longest sample
+    (max_prompt_len + max_new_tokens, or + agent.max_response_tokens for agent trajectories); / cp.
   Output layer (last stage): logits for RL log-probs/entropy: tokens * vocab/t * (2 bf16 + 4 fp32
     log-softmax + 4 fp32 gradient) bytes. Critic/reward model heads are hidden -> 1 (no logits).
   fp32 models: all activation terms double (4-byte values).
@@ -51,7 +51,7 @@ Rollout (SGLang) per GPU of a server of tensor-parallel size r:
     SGLang takes mem_fraction * GPU memory for weights + KV pool ("--mem-fraction-static").
     KV per token: GQA 2 * layers * ceil(kv_heads / r) * head_dim * 2 bytes; MLA (compressed
     latent, replicated on every TP rank) layers * (kv_lora_rank + 64) * 2 bytes.
-    KV needed = max_running_requests * (max_prompt_len + max_new_tokens) * KV per token.
+    KV needed = max_running_requests * longest sample (as above) * KV per token.
 Weight sync: about two buckets of max(bucket_mb, largest HF tensor) on each side.
 Runtime: 1 GiB per process on a GPU (CUDA context, NCCL buffers, allocator slack), 2 GiB more for
     an SGLang server (CUDA graphs, forward activations of a prefill chunk) outside mem_fraction.
@@ -71,7 +71,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from megarl.config.schema import ModelArch, RoleConfig, RunConfig
-from megarl.config.validate import dp_size
+from megarl.config.validate import dp_size, max_sequence_len
 from megarl.planning.params import (MLA_QK_NOPE, MLA_QK_ROPE, MLA_V, ModelParams, head_dim, is_mla,
                                     is_moe_layer, model_params, stage_shards)
 
@@ -253,7 +253,7 @@ def _per_token_layer_bytes(arch: ModelArch, layer: int, role: RoleConfig, recomp
 
 
 def micro_batch_tokens(cfg: RunConfig, role: RoleConfig) -> int:
-    seq = cfg.rollout.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    seq = max_sequence_len(cfg)
     tokens = role.max_tokens_per_micro_batch or role.micro_batch_size * seq
     return math.ceil(tokens / role.parallel.cp)
 
@@ -262,7 +262,7 @@ def _in_flight(cfg: RunConfig, role: RoleConfig, stage: int) -> float:
     p = role.parallel
     if p.pp <= 1:
         return 1
-    seq = cfg.rollout.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    seq = max_sequence_len(cfg)
     dp = max(dp_size(role), 1)
     samples = max(cfg.batch.global_batch_size // dp, 1)
     per_mb = role.max_tokens_per_micro_batch or role.micro_batch_size * seq
@@ -339,7 +339,7 @@ def plan_rollout(cfg: RunConfig, mp: ModelParams, device: Optional[int]) -> Roll
     else:
         kv_heads = max(1, math.ceil(arch.num_kv_heads / tp))
         kv_tok = 2 * arch.num_layers * kv_heads * head_dim(arch) * w
-    seq = r.max_prompt_len + r.sampling.max_new_tokens
+    seq = max_sequence_len(cfg)
     needed = r.max_running_requests * seq * kv_tok
     if device is None:
         reserved = weights + needed

@@ -49,6 +49,7 @@ class AgentSettings:
     keep_versions: bool = False        # off-policy sources: per-token weight versions
     routes: Optional[tuple[int, int]] = None   # MoE (layers, top_k): record routed experts (R3)
     routes_required: bool = False      # algorithm.routing_replay: rollout (a missing piece is an error)
+    max_prompt_len: int = 0            # rollout.max_prompt_len: the opening must fit (0: unchecked)
 
 
 @dataclass
@@ -96,6 +97,12 @@ class AgentRollout:
             messages, tools = await env.reset(record)
             prompt = self.turns.prompt_ids(messages, tools)
             clock.env_s += time.perf_counter() - t
+            if s.max_prompt_len and len(prompt) > s.max_prompt_len:
+                # the servers' context is max_prompt_len + agent.max_response_tokens: a longer
+                # opening would be refused mid-trajectory
+                raise ValueError(f"rollout.max_prompt_len: an opening conversation of environment {s.env!r} "
+                                 f"(system prompt, tools, examples, question) is {len(prompt)} tokens, more than "
+                                 f"{s.max_prompt_len}; raise rollout.max_prompt_len")
             send = functools.partial(self.manager.generate_one, job_index=job_index)
             while True:
                 budget = s.max_response_tokens - len(traj)

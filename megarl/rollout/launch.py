@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megarl.config.loader import ConfigError
-from megarl.config.validate import api_key_problem
+from megarl.config.validate import api_key_problem, max_sequence_len
 
 API_KEY_ENV = "MEGARL_API_KEY"  # what the embedded server reads its key from (never argv)
 
@@ -174,7 +174,7 @@ def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
     """`sglang.launch_server` flags for one process of server `spec.index` (tested against
     SGLang 0.5.23's own argument parser: tests/test_sglang_conformance.py)."""
     r = cfg.rollout
-    context = r.max_prompt_len + r.sampling.max_new_tokens
+    context = max_sequence_len(cfg)
     tp = spec.tp_size or r.tp
     args = ["--model-path", str(model_dir), "--host", spec.host, "--port", str(spec.port), "--tp-size", str(tp),
             "--mem-fraction-static", str(r.mem_fraction), "--max-running-requests", str(r.max_running_requests),
@@ -209,7 +209,7 @@ def embedded_args(cfg: Any, model_dir: Path, spec: LaunchSpec, weights_dir: Path
     cpu = cfg.cluster.device == "cpu"
     args = [str(model_dir), "--host", spec.host, "--port", str(spec.port),
             "--max-running-requests", str(r.max_running_requests),
-            "--context-length", str(r.max_prompt_len + r.sampling.max_new_tokens),
+            "--context-length", str(max_sequence_len(cfg)),
             "--random-seed", str(cfg.seed + spec.index), "--skip-tokenizer-init",
             "--device", "cpu" if cpu else "cuda", "--dtype", rollout_dtype(cfg),
             "--weights-dir", str(weights_dir)]

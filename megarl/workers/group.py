@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from megarl.config import max_sequence_len
 from megarl.data.batch import TokenBatch
 from megarl.data.packing import ShardPlan, StratifiedMinibatches, plan_ranges, plan_shards, stratified_minibatches
 from megarl.parallel.launcher import free_port
@@ -224,5 +225,5 @@ def token_budget(cfg: Any, role: str) -> int:
         return int(r.max_tokens_per_micro_batch)
     if not r.packing:
         return 0
-    longest = cfg.rollout.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    longest = max_sequence_len(cfg)
     return max(1, r.micro_batch_size) * longest
