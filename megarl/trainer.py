@@ -23,6 +23,7 @@ import torch
 from megarl.checkpoint.atomic import replace_dir
 from megarl.config import RunConfig, load_config, validate_config
 from megarl.data.batch import LOSS_MASK, TokenBatch
+from megarl.data.packing import cut, minibatch_sizes
 from megarl.metrics_log import MetricsLogger, note
 from megarl.rollout.sample import Sample  # noqa: F401  (a trajectory; re-exported, it lived here)
 from megarl.rollout.versions import version_tag
@@ -100,11 +101,7 @@ def minibatches(num_samples: int, global_batch_size: int, seed: int) -> list[lis
     """Shuffled mini-batches of whole samples; a short tail joins the last mini-batch. (The step
     draws them per data-parallel rank, ``WorkerGroup.minibatches``; at dp 1 that is this.)"""
     order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
-    size = min(global_batch_size, num_samples)
-    batches = [order[i:i + size] for i in range(0, num_samples - num_samples % size, size)]
-    if num_samples % size:
-        batches[-1].extend(order[num_samples - num_samples % size:])
-    return batches
+    return cut(order, minibatch_sizes(num_samples, global_batch_size))
 
 
 def denominators(mask: torch.Tensor, batches: list[list[int]]) -> list[dict[str, float]]:

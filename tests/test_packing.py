@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_utils import make_tiny_hf  # noqa: E402
 
 from megarl.data.batch import TokenBatch, segment_index  # noqa: E402
-from megarl.data.packing import (balance, pack_bins, plan_ranges, plan_shards, plan_stratified,  # noqa: E402
+from megarl.data.packing import (balance, pack_bins, plan_ranges, plan_shards,  # noqa: E402
                                  stratified_minibatches)
 from megarl.parallel import spawn  # noqa: E402
 from megarl.workers.batch import packed_inputs, padded_inputs  # noqa: E402
@@ -90,6 +90,23 @@ def test_balance_and_bins():
     assert len(bins) <= -(-sum(min(x, 1024) for x in lengths) // 1024) + 3
 
 
+def assert_micro_batches_follow(plan, minibatches, lengths, packed, max_tokens, mbs):
+    """Every rank's micro-batches lie inside their mini-batch, within the token budget when packed
+    (a single over-budget sample aside) and the sample count when fixed-size, and cover its samples."""
+    for r in range(len(plan.samples)):
+        start = 0
+        for k, sizes in enumerate(plan.micro_sizes[r]):
+            for m in sizes:
+                ids = plan.samples[r][start:start + m]
+                assert set(ids) <= set(minibatches[k])
+                if packed and m > 1:
+                    assert sum(lengths[i] for i in ids) <= max_tokens
+                elif not packed and not max_tokens:
+                    assert m <= mbs
+                start += m
+        assert start == len(plan.samples[r])
+
+
 @pytest.mark.parametrize("packed,max_tokens,mbs", [(True, 64, 1), (False, 64, 1), (False, 0, 3)])
 def test_plan_gives_every_rank_the_same_micro_batch_count(packed, max_tokens, mbs):
     g = random.Random(2)
@@ -102,15 +119,7 @@ def test_plan_gives_every_rank_the_same_micro_batch_count(packed, max_tokens, mb
         assert len(counts) == 1 and counts.pop() % 2 == 0
     seen = [i for r in range(4) for i in plan.samples[r]]
     assert sorted(seen) == list(range(38))
-    for r in range(4):  # micro-batches follow the mini-batches, within budget when packed
-        start = 0
-        for k, sizes in enumerate(plan.micro_sizes[r]):
-            for n in sizes:
-                ids = plan.samples[r][start:start + n]
-                assert set(ids) <= set(minibatches[k])
-                if packed and n > 1:
-                    assert sum(lengths[i] for i in ids) <= max_tokens
-                start += n
+    assert_micro_batches_follow(plan, minibatches, lengths, packed, max_tokens, mbs)
 
 
 def test_unshard_inverts_the_plan():
@@ -135,8 +144,9 @@ def test_stratified_minibatches_cover_the_batch_and_keep_each_rank_on_its_forwar
                                                                                          max_tokens, mbs):
     g = random.Random(n * 7 + dp)
     lengths = [g.randint(1, 70) for _ in range(n - 1)] + [200]  # one sample above the budget
-    got, plan = plan_stratified(lengths, dp, gbs, seed=11, packed=packed, max_tokens=max_tokens,
-                                micro_batch_size=mbs, micro_multiple=2)
+    strat = stratified_minibatches(lengths, dp, gbs, seed=11)
+    got = strat.minibatches
+    plan = plan_ranges(lengths, strat, packed=packed, max_tokens=max_tokens, micro_batch_size=mbs, micro_multiple=2)
     # every sample in exactly one mini-batch; sizes as trainer.minibatches cuts them (short tail joins the last)
     assert sorted(i for mb in got for i in mb) == list(range(n))
     size = min(gbs, n)
@@ -152,18 +162,7 @@ def test_stratified_minibatches_cover_the_batch_and_keep_each_rank_on_its_forwar
     for k in range(len(got)):
         counts = {len(plan.micro_sizes[r][k]) for r in range(dp)}
         assert len(counts) == 1 and counts.pop() % 2 == 0
-    for r in range(dp):
-        start = 0
-        for k, sizes in enumerate(plan.micro_sizes[r]):
-            for m in sizes:
-                ids = plan.samples[r][start:start + m]
-                assert set(ids) <= set(got[k])
-                if packed and m > 1:
-                    assert sum(lengths[i] for i in ids) <= max_tokens
-                elif not packed and not max_tokens:
-                    assert m <= mbs
-                start += m
-        assert start == len(plan.samples[r])
+    assert_micro_batches_follow(plan, got, lengths, packed, max_tokens, mbs)
 
 
 def test_stratified_minibatches_share_each_minibatch_in_proportion_to_the_ranges():
@@ -185,7 +184,8 @@ def test_training_shards_are_views_of_the_batch():
     on the driver) and holds the right samples; the global-shuffle plan gathers (copies)."""
     batch = random_batch(60, seed=6)
     lengths = batch.seq_lens.tolist()
-    mbs, plan = plan_stratified(lengths, 3, 16, seed=2, packed=True, max_tokens=40)
+    strat = stratified_minibatches(lengths, 3, 16, seed=2)
+    mbs, plan = strat.minibatches, plan_ranges(lengths, strat, packed=True, max_tokens=40)
     fields = ("advantages", "old_logprobs")
     shards = make_shards(batch, plan, fields, denominators(batch.response_mask(), mbs))
 

@@ -242,14 +242,16 @@ def stratified_minibatches(lengths: Sequence[int], dp: int, global_batch_size: i
     gen = torch.Generator().manual_seed(seed)
     shuffled = [[r.start + k for k in torch.randperm(len(r), generator=gen).tolist()] for r in ranges]
     counts = _apportion([len(r) for r in ranges], minibatch_sizes(len(lengths), global_batch_size))
-    chunks = []
-    for rank, per_mb in zip(shuffled, counts):
-        start, mine = 0, []
-        for n in per_mb:
-            mine.append(rank[start:start + n])
-            start += n
-        chunks.append(mine)
-    return StratifiedMinibatches(ranges, chunks)
+    return StratifiedMinibatches(ranges, [cut(rank, per_mb) for rank, per_mb in zip(shuffled, counts)])
+
+
+def cut(items: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+    """``items`` cut into consecutive pieces of ``sizes``."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(list(items[start:start + n]))
+        start += n
+    return out
 
 
 def _apportion(have: list[int], sizes: list[int]) -> list[list[int]]:
@@ -288,13 +290,3 @@ def plan_ranges(lengths: Sequence[int], strat: StratifiedMinibatches, *, packed:
         _add_minibatch(plan, lengths, shares, packed, max_tokens, micro_batch_size, micro_multiple)
     return plan
 
-
-def plan_stratified(lengths: Sequence[int], dp: int, global_batch_size: int, seed: int, *, packed: bool,
-                    max_tokens: int, micro_batch_size: int = 1,
-                    micro_multiple: int = 1) -> tuple[list[list[int]], ShardPlan]:
-    """An epoch's global mini-batches (for the loss denominators) and the plan in which every rank
-    trains on its forward-pass range: :func:`stratified_minibatches` + :func:`plan_ranges`."""
-    strat = stratified_minibatches(lengths, dp, global_batch_size, seed)
-    plan = plan_ranges(lengths, strat, packed=packed, max_tokens=max_tokens,
-                       micro_batch_size=micro_batch_size, micro_multiple=micro_multiple)
-    return strat.minibatches, plan
