@@ -108,6 +108,21 @@ def test_embedded_server_returns_sglang_routed_experts(tmp_path, tp):
     assert plain.routed_experts is None and "routed_experts" not in plain.meta_info
 
 
+def test_routes_survive_a_checkpoint_of_the_rollout_buffer():
+    """Buffered samples (off-policy sources) keep their routes through the JSON checkpoint, int16
+    and int32 alike."""
+    import json
+
+    from megarl.rollout.routed_experts import routes_from_state, routes_state
+
+    for high in (8, 40_000):
+        routes = torch.randint(-1, high, (9, 2, 3), dtype=torch.int32)
+        routes = routes.to(torch.int16) if high < 2 ** 15 else routes
+        back = routes_from_state(json.loads(json.dumps(routes_state(routes))))
+        assert back.dtype == routes.dtype and torch.equal(back, routes)
+    assert routes_state(None) is None and routes_from_state(None) is None
+
+
 def test_sample_routes_checks_presence_and_length():
     from megarl.rollout.routed_experts import sample_routes
 

@@ -422,12 +422,19 @@ def api_key_problem(key: str) -> str | None:
     return None
 
 
+def api_key_env_problem(cfg: RunConfig) -> str | None:
+    """The problem line for the key in ``rollout.api_key_env``'s variable, or None (unset is fine)."""
+    key = os.environ.get(cfg.rollout.api_key_env) if cfg.rollout.api_key_env else None
+    problem = api_key_problem(key) if key else None
+    return f"rollout.api_key_env: ${cfg.rollout.api_key_env}: {problem}" if problem else None
+
+
 def _check_paths(cfg: RunConfig, problems: list[str]) -> None:
     """Files and environment the run will use. Checked at launch, not by ``megarl config``, so a
     cluster recipe can be validated on a machine that does not hold its data."""
-    env_key = os.environ.get(cfg.rollout.api_key_env) if cfg.rollout.api_key_env else None
-    if env_key and api_key_problem(env_key):
-        problems.append(f"rollout.api_key_env: ${cfg.rollout.api_key_env}: {api_key_problem(env_key)}")
+    key_problem = api_key_env_problem(cfg)
+    if key_problem:
+        problems.append(key_problem)
     for field_name, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path),
                               ("model.megatron_checkpoint", cfg.model.megatron_checkpoint)):
         if value and not Path(value).expanduser().exists():

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megarl.config.loader import ConfigError
-from megarl.config.validate import api_key_problem, max_sequence_len
+from megarl.config.validate import api_key_env_problem, max_sequence_len
 
 API_KEY_ENV = "MEGARL_API_KEY"  # what the embedded server reads its key from (never argv)
 
@@ -247,11 +247,11 @@ def resolve_api_key(cfg: Any) -> Optional[str]:
     """The run's API key: the environment variable `rollout.api_key_env` names when set; else a
     fresh random key for servers megarl starts; servers given by URL get no key unless one is set
     (their operator chose it)."""
+    problem = api_key_env_problem(cfg)
+    if problem:
+        raise ConfigError([problem])
     key = os.environ.get(cfg.rollout.api_key_env) if cfg.rollout.api_key_env else None
     if key:
-        problem = api_key_problem(key)
-        if problem:
-            raise ConfigError([f"rollout.api_key_env: ${cfg.rollout.api_key_env}: {problem}"])
         return key
     # hex: a generated key must never start with '-' (SGLang turns its --config file into argv, and
     # argparse reads "--api-key -x..." as a missing value) nor look like a YAML number or boolean
