@@ -57,11 +57,11 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from megarl.data.records import PromptRecord
-    from megarl.models.smollm2 import smollm2_hf_dir
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
     from megarl.rollout.agent import AgentRollout, AgentSettings
     from megarl.rollout.manager import RolloutManager
-    from megarl.rollout.testing import ServerProcess
-    from megarl.testing_models import make_tiny_chat_model
+    from tests.helpers.servers import ServerProcess
+    from tests.helpers.models import make_tiny_chat_model
 
     path = str(smollm2_hf_dir()) if a.model == "smollm2" else str(make_tiny_chat_model(
         os.path.join(tempfile.gettempdir(), "megarl_bench_agent_tiny")))

@@ -150,7 +150,7 @@ def main() -> None:
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.model == "tiny":
-        from megarl.testing_models import make_tiny_chat_model
+        from tests.helpers.models import make_tiny_chat_model
 
         args.model_path = str(make_tiny_chat_model(args.work / "tinychat"))
     else:

@@ -125,13 +125,13 @@ class _Server:
     working directory is not put first on sys.path)."""
 
     def __init__(self, cfg: Any, model_dir: Path, code: Path, extra: list[str], log: Path, index: int):
-        from megarl.parallel.launcher import free_port
+        from megarl.wire.addresses import free_port
         from megarl.rollout.launch import LaunchSpec, ServerHost, embedded_args
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         weights = log.parent / f"weights_{index}"
-        cmd = [sys.executable, "-P", "-m", "megarl.rollout.server"] + embedded_args(
+        cmd = [sys.executable, "-P", "-m", "megarl.engine"] + embedded_args(
             cfg, model_dir, LaunchSpec(index, "127.0.0.1", self.port), weights) + extra
         env = dict(os.environ, PYTHONPATH=str(code), HF_HUB_OFFLINE="1")
         env.pop("MEGARL_API_KEY", None)

@@ -38,7 +38,7 @@ PAIRS = [("hf", "hf_fp32"), ("megatron", "hf_fp32"), ("engine", "hf_fp32"), ("en
 
 
 def sample(model, prompts: list[list[int]], new: int, seed: int) -> list[list[int]]:
-    from megarl.rollout.server.engine import Engine, Request, Sampling
+    from megarl.engine.engine import Engine, Request, Sampling
 
     eng = Engine(model, max_running=len(prompts), max_len=max(map(len, prompts)) + new + 1, seed=seed)
     eng.start()
@@ -112,8 +112,8 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from megarl.algos.fidelity import logprob_bound
-    from megarl.models import smollm2_hf_dir
-    from megarl.rollout.server.model import DecoderModel
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
+    from megarl.engine.model import DecoderModel
 
     d = a.model or str(smollm2_hf_dir())
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)

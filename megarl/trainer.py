@@ -26,7 +26,7 @@ from megarl.data.batch import LOSS_MASK, TokenBatch
 from megarl.data.packing import cut, minibatch_sizes
 from megarl.metrics_log import MetricsLogger, note
 from megarl.rollout.sample import Sample  # noqa: F401  (a trajectory; re-exported, it lived here)
-from megarl.rollout.versions import version_tag
+from megarl.wire.versions import version_tag
 
 GROUP_FREE_ESTIMATORS = {"gae", "reinforce_plus_plus", "remax"}
 

@@ -18,7 +18,7 @@ import ray
 
 def _whereami() -> dict[str, Any]:
     """What a process knows about its own node: Ray's view, megarl's, and the naive ones."""
-    from megarl.placement.addresses import node_address
+    from megarl.wire.addresses import node_address
 
     return {"pid": os.getpid(), "ray_ip": ray.util.get_node_ip_address(), "megarl_address": node_address(),
             "hostname_ip": socket.gethostbyname(socket.gethostname()),

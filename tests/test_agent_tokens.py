@@ -33,7 +33,7 @@ EOS = 2   # <|im_end|> in SmolLM2's tokenizer
 def tok():
     from transformers import AutoTokenizer
 
-    from megarl.models.smollm2 import smollm2_hf_dir
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
 
     return AutoTokenizer.from_pretrained(str(smollm2_hf_dir()))
 

@@ -6,7 +6,7 @@ import pytest
 from aiohttp import web
 
 from megarl.rollout.client import RequestFailed, ServerDown, SGLangClient, sampling_params
-from megarl.rollout.testing import free_port
+from tests.helpers.servers import free_port
 from tests.helpers.http import serve
 
 

@@ -3,7 +3,7 @@
 Importing `sglang.srt.managers.io_struct` from the wheel installed with --no-deps fails (it needs
 psutil, msgspec, zmq and sglang's runtime); so this test parses the wheel's *source* with `ast`
 when the wheel is installed, and always checks the client against the field list pinned in
-megarl/rollout/protocol.py (copied from sglang 0.5.23).
+megarl/wire/protocol.py (copied from sglang 0.5.23).
 """
 import ast
 import asyncio
@@ -13,7 +13,7 @@ import os
 import pytest
 from aiohttp import web
 
-from megarl.rollout import protocol
+from megarl.wire import protocol
 from megarl.rollout.client import GenerateOutput, SGLangClient, sampling_params
 from tests.helpers.http import serve
 
@@ -175,7 +175,7 @@ def test_parse_sglang_shaped_response():
 
 
 def test_documented_sglang_launch_flags_exist():
-    """The launch flags in megarl/rollout/README_SGLANG.md are sglang server-arg fields
+    """The launch flags in ARCHITECTURE.md ("Real SGLang") are sglang server-arg fields
     (sglang derives `--a-b` from field `a_b` in srt/arg_groups/fields/*.py)."""
     import glob
     import re
@@ -186,7 +186,7 @@ def test_documented_sglang_launch_flags_exist():
     # `--config FILE` is not a field: sglang's server_args.py adds it to the parser itself and
     # merges the file's keys (utils/server_args_config_parser.py)
     server_args = open(os.path.join(root, "srt/server_args.py")).read()
-    doc = open(os.path.join(os.path.dirname(protocol.__file__), "README_SGLANG.md")).read()
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ARCHITECTURE.md")).read()
     sg = doc.split("## Real SGLang")[1].split("## Embedded")[0]
     flags = set(re.findall(r"--([a-z][a-z0-9-]+)", sg))
     assert {"skip-tokenizer-init", "disable-radix-cache", "enable-memory-saver", "model-path"} <= flags

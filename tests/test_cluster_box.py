@@ -59,7 +59,7 @@ def _driver(rb: RayBox, name: str, args: dict, timeout: float = 240) -> dict:
 
 CLIENT = """
 import json, socket, urllib.request
-from megarl.placement.addresses import gloo_interface, node_address
+from megarl.wire.addresses import gloo_interface, node_address
 def get(url):
     try:
         return urllib.request.urlopen(url, timeout=3).status

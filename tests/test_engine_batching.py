@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from megarl.rollout.server.engine import Engine, Request, Sampling
-from megarl.rollout.server.graphs import DecodeGraphs, batch_buckets, len_bucket
-from megarl.rollout.server.model import DecoderModel
-from megarl.rollout.testing import make_tiny_hf_model
+from megarl.engine.engine import Engine, Request, Sampling
+from megarl.engine.graphs import DecodeGraphs, batch_buckets, len_bucket
+from megarl.engine.model import DecoderModel
+from tests.helpers.servers import make_tiny_hf_model
 
 torch.set_num_threads(1)
 

@@ -91,7 +91,7 @@ def test_python_env_runs_code_through_the_pool():
 def test_a_tool_past_its_deadline_truncates_only_its_trajectory():
     from transformers import AutoTokenizer
 
-    from megarl.models.smollm2 import smollm2_hf_dir
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
     from megarl.rollout.agent import AgentRollout, AgentSettings, agent_metrics
     from tests.helpers.agent import ScriptedServer
 

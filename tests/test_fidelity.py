@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from megarl.algos.fidelity import (DEFAULT_MARGIN, NOISE_FLOOR, fp32_logits, logprob_bound, mean_abs_diff,
+from megarl.wire.numerics import fp32_logits
+from megarl.algos.fidelity import (DEFAULT_MARGIN, NOISE_FLOOR, logprob_bound, mean_abs_diff,
                                    noise_floor)
 
 
@@ -90,7 +91,7 @@ def smollm2_logprobs():
     CPU for the same statistics."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megarl.models import smollm2_hf_dir
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
 
     d = str(smollm2_hf_dir())
     tok = AutoTokenizer.from_pretrained(d)
@@ -155,8 +156,8 @@ def test_fp32_logits_is_the_fp32_product_of_the_operands():
 def test_engine_fp32_head_in_bf16(tmp_path):
     from transformers import AutoConfig
 
-    from megarl.rollout.server.model import DecoderModel, _rms
-    from megarl.rollout.testing import make_tiny_hf_model
+    from megarl.engine.model import DecoderModel, _rms
+    from tests.helpers.servers import make_tiny_hf_model
 
     make_tiny_hf_model(str(tmp_path), "llama", std=0.3)
     cfg = AutoConfig.from_pretrained(str(tmp_path))

@@ -23,8 +23,8 @@ import pytest
 
 from megarl.rollout.client import SGLangClient, sampling_params
 from megarl.rollout.partial import continuation_seed, generate_resumable
-from megarl.rollout.testing import ServerProcess
-from megarl.testing_models import make_tiny_chat_model
+from tests.helpers.servers import ServerProcess
+from tests.helpers.models import make_tiny_chat_model
 from tests.helpers.runs import tiny_run_config
 from tests.sglang_cpu.server import SGLangCPUServer, server_command
 

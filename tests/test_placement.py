@@ -6,7 +6,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.placement import PlacementError, node_resource_requests, plan_pools
-from megarl.placement.addresses import gloo_interface, interface_of, is_loopback, node_address, route_address
+from megarl.wire.addresses import gloo_interface, interface_of, is_loopback, node_address, route_address
 from tests.helpers.runs import DEFAULT
 
 

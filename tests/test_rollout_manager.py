@@ -7,7 +7,7 @@ import pytest
 
 from megarl.rollout.client import sampling_params
 from megarl.rollout.manager import NoServerLeft, RolloutManager
-from megarl.rollout.testing import ServerProcess, free_port, make_tiny_hf_model
+from tests.helpers.servers import ServerProcess, free_port, make_tiny_hf_model
 
 
 @pytest.fixture(scope="module")

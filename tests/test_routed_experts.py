@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.rollout.routed_experts import decode_routed_experts, encode_routed_experts
+from megarl.wire.routes import decode_routed_experts, encode_routed_experts
 
 
 def _sglang_function(relpath: str, name: str):
@@ -69,7 +69,7 @@ def _hf_choices(model, ids: list[int]) -> tuple[dict[int, torch.Tensor], torch.T
 @pytest.mark.parametrize("tp", [1, 2])
 def test_embedded_server_returns_sglang_routed_experts(tmp_path, tp):
     from megarl.rollout.client import RequestFailed, SGLangClient, sampling_params
-    from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
+    from tests.helpers.servers import ServerProcess, make_tiny_hf_model
 
     hf = make_tiny_hf_model(str(tmp_path), "qwen3_moe", std=0.3, num_hidden_layers=3, mlp_only_layers=[1],
                             num_experts=8, num_experts_per_tok=3)
@@ -166,7 +166,7 @@ class ThreeTurnEnv:
 def moe_server(tmp_path_factory):
     """A tiny Qwen3-MoE with SmolLM2's vocabulary (the agent renders its chat template) behind a
     real embedded server that records routed experts."""
-    from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
+    from tests.helpers.servers import ServerProcess, make_tiny_hf_model
 
     d = tmp_path_factory.mktemp("moe")
     hf = make_tiny_hf_model(str(d), "qwen3_moe", std=0.3, num_hidden_layers=3, mlp_only_layers=[1], num_experts=8,
@@ -266,7 +266,7 @@ def test_agent_trajectory_routes_cover_every_turn(moe_server, max_turns):
     from transformers import AutoTokenizer
 
     from megarl.data.records import PromptRecord
-    from megarl.models.smollm2 import smollm2_hf_dir
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
     from megarl.rollout.agent import AgentRollout, AgentSettings
     from megarl.rollout.manager import RolloutManager
 

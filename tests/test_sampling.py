@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.rollout.server.engine import Request, Sampling, sample
+from megarl.engine.engine import Request, Sampling, sample
 
 
 def _req(seed: int, produced: int = 0, **params) -> Request:
@@ -59,7 +59,7 @@ def test_greedy_rows_take_the_argmax():
 def test_fast_noise_has_the_reference_bits():
     """The int32 hash path the sampler uses gives exactly the int64 reference's noise (and so the
     tokens seeded requests got before it)."""
-    from megarl.rollout.server.sampler import _fast_ok, _gumbel_fast, _gumbel_reference, seeded_gumbel
+    from megarl.engine.sampler import _fast_ok, _gumbel_fast, _gumbel_reference, seeded_gumbel
 
     g = torch.Generator().manual_seed(3)
     seeds = torch.cat([torch.randint(0, 2**31 - 1, (6,), generator=g), torch.tensor([0, 2**31 - 1, -5, 2**40])])

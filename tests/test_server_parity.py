@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.rollout.client import SGLangClient, sampling_params
-from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
+from tests.helpers.servers import ServerProcess, make_tiny_hf_model
 
 torch.set_num_threads(1)
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12], [200, 100, 50, 25, 12, 6, 3, 1, 0, 9, 8]]
@@ -52,7 +52,7 @@ def test_tiny_greedy_and_logprobs_match_hf(tmp_path, family):
 
 def test_smollm2_greedy_and_logprobs_match_hf():
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from megarl.models import smollm2_hf_dir
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
     d = str(smollm2_hf_dir())
     tok = AutoTokenizer.from_pretrained(d)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()

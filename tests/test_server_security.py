@@ -14,10 +14,10 @@ import psutil
 import pytest
 import torch
 
-from megarl.parallel.launcher import free_port
-from megarl.rollout.server import auth, unpickle
-from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
-from megarl.sync import wire
+from megarl.wire.addresses import free_port
+from megarl.engine import auth, unpickle
+from tests.helpers.servers import ServerProcess, make_tiny_hf_model
+from megarl.wire import flattened as wire
 from tests.helpers.weights_http import call, generate, list_payload, ok, shm_flat
 from tests.test_server_sessions import _sglang_file
 from tests.test_server_tp import assert_serves, checkpoint_tensors
@@ -260,7 +260,7 @@ def test_disk_updates_off_without_weights_dir(keyed_tp2, model):
 def test_key_from_another_variable_and_never_from_argv(model):
     d, _ = model
     port = free_port()
-    r = subprocess.run([sys.executable, "-m", "megarl.rollout.server", str(d / "a"), "--port", str(port),
+    r = subprocess.run([sys.executable, "-m", "megarl.engine", str(d / "a"), "--port", str(port),
                         "--api-key", KEY], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().startswith("megarl serve: error: --api-key is not accepted")
     assert len(r.stderr.strip().splitlines()) == 1

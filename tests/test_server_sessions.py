@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from megarl.parallel.launcher import free_port
-from megarl.rollout.server import session
-from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
+from megarl.wire.addresses import free_port
+from megarl.engine import session
+from tests.helpers.servers import ServerProcess, make_tiny_hf_model
 from tests.helpers.weights_http import DistributedSender, call, flattened_payload, generate, ok
 from tests.test_server_tp import assert_serves, checkpoint_tensors
 

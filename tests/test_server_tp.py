@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megarl.parallel.launcher import free_port
-from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
+from megarl.wire.addresses import free_port
+from tests.helpers.servers import ServerProcess, make_tiny_hf_model
 from tests.helpers.weights_http import (DistributedSender, call, flattened_payload, generate, list_payload, ok)
 
 torch.set_num_threads(1)
@@ -92,7 +92,7 @@ def test_tp_size_that_does_not_divide_is_refused_before_loading(tmp_path):
     d = str(tmp_path / "m")
     make_tiny_hf_model(d, "qwen3_moe", moe_intermediate_size=30)
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "megarl.rollout.server", d, "--tp-size", "4", "--port", str(free_port())],
+    r = subprocess.run([sys.executable, "-m", "megarl.engine", d, "--tp-size", "4", "--port", str(free_port())],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("megarl serve: error:")]

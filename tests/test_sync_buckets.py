@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-import megarl.sync.bucket as B
-from megarl.rollout.server.weights import WeightReceiver, WeightRefused, _all_finite, _covering_bytes
-from megarl.sync.bucket import checksum, iter_buckets, pack
+import megarl.wire.checksum as B
+from megarl.engine.weights import WeightReceiver, WeightRefused, _all_finite, _covering_bytes
+from megarl.sync.bucket import iter_buckets, pack
+from megarl.wire.checksum import checksum
 
 
 def _reference(data: bytes) -> str:

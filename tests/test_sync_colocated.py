@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megarl.rollout.client import SGLangClient, sampling_params
-from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
+from tests.helpers.servers import ServerProcess, make_tiny_hf_model
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from megarl.rollout.client import SGLangClient, sampling_params
-from megarl.rollout.testing import ServerProcess, make_tiny_hf_model
-from megarl.sync.bucket import BucketMeta, checksum, iter_buckets, pack
+from tests.helpers.servers import ServerProcess, make_tiny_hf_model
+from megarl.sync.bucket import BucketMeta, iter_buckets, pack
+from megarl.wire.checksum import checksum
 from megarl.sync.push import SyncError, WeightPusher
 
 PROMPT = [5, 6, 7, 8, 9]

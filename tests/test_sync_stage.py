@@ -11,7 +11,7 @@ import hashlib
 import pytest
 import torch
 
-from megarl.rollout.testing import make_tiny_hf_model
+from tests.helpers.servers import make_tiny_hf_model
 
 UNIT = 3000   # bytes: several transfer units per expert-parallel rank in the tiny model
 

@@ -108,8 +108,8 @@ def test_resume_continues_exactly(model, tmp_path):
 
 
 def test_step0_fails_loudly_when_rollout_weights_differ(model, tmp_path, monkeypatch):
-    from megarl.rollout.testing import ServerProcess
-    from megarl.testing_models import make_tiny_chat_model
+    from tests.helpers.servers import ServerProcess
+    from tests.helpers.models import make_tiny_chat_model
 
     other = make_tiny_chat_model(tmp_path / "other", seed=7)
     monkeypatch.setattr("megarl.sync.rank.push_from_rank", lambda *a, **k: {})  # a broken sync

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megarl.trainer import Trainer
-from megarl.testing_models import make_tiny_chat_model
+from tests.helpers.models import make_tiny_chat_model
 from tests.helpers.runs import tiny_run_config
 from tests.helpers.sinks import mlflow_metrics, tensorboard_scalars, wandb_history
 

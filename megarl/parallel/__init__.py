@@ -30,7 +30,9 @@ from .dist import (
     init_distributed,
     init_model_parallel,
 )
-from .launcher import SpawnError, free_port, spawn
+from megarl.wire.addresses import free_port
+
+from .launcher import SpawnError, spawn
 
 __all__ = [
     "apply_cpu_shim", "cuda_available", "shim_applied", "DEFAULT_TIMEOUT_S", "CollectiveTimeout",

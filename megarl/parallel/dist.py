@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from .cpu_shim import apply_cpu_shim, cuda_available
 
+from megarl.wire.process_group import bind_gloo_towards
+
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGARL_DIST_TIMEOUT_S", 600))
 
 _GROUP_NAMES: dict = {}  # id(process group) -> short name ("tp", "pp", ...)
@@ -55,24 +57,6 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = DEFAULT_T
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=float(timeout_s)))
     _GROUP_NAMES[id(dist.group.WORLD)] = "world"
-
-
-def bind_gloo_towards(master_addr: str) -> None:
-    """Make gloo (every group this process creates from now on) bind the interface that routes to
-    the rendezvous master, unless ``GLOO_SOCKET_IFNAME`` is set already.
-
-    Why: without it gloo binds whatever the hostname resolves to, which is loopback on hosts
-    whose /etc/hosts maps the hostname to 127.0.x.1, and then tells its peers on other nodes to dial
-    127.0.0.1 ("Gloo connectFullMesh failed ... remote=[127.0.0.1]"). A loopback master means all
-    ranks are on this host, where gloo's default works.
-    """
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return
-    from megarl.placement.addresses import gloo_interface
-
-    interface = gloo_interface(master_addr)
-    if interface:
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 def _mpu():

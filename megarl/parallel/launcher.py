@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import sys
 import time
 import traceback
 from typing import Any, Callable, List, Optional
 
 import multiprocessing as mp
+
+from megarl.wire.addresses import free_port
 
 
 class SpawnError(RuntimeError):
@@ -31,13 +32,6 @@ class SpawnError(RuntimeError):
         self.rank = rank
         self.remote_traceback = remote_traceback
         super().__init__(f"rank {rank} failed:\n{remote_traceback}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (``""``: on every interface, for peers on other nodes)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn, rank, world_size, port, args, q, backend, timeout_s, init):

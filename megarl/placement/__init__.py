@@ -1,6 +1,6 @@
 """Ray placement of role pools: colocated (roles share bundles) or disaggregated (own GPUs, own
 nodes when the cluster marks them), and the node addresses peers dial."""
-from megarl.placement.addresses import NoRoute, gloo_interface, node_address
+from megarl.wire.addresses import NoRoute, gloo_interface, node_address
 from megarl.placement.pools import (Pool, PlacementError, create_placement_groups, init_ray, node_resource_requests,
                                     plan_pools, pool_of)
 

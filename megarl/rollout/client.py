@@ -1,8 +1,8 @@
 """Async client for SGLang's native HTTP API (and the megarl embedded server, which speaks the same
-subset).  Field names are sglang 0.5.23's (`megarl/rollout/protocol.py`, checked against the
+subset).  Field names are sglang 0.5.23's (`megarl/wire/protocol.py`, checked against the
 wheel by tests/test_client_fields.py).
 
-Real SGLang launch that this client is tested to match (GPU box; see README_SGLANG.md):
+Real SGLang launch that this client is tested to match (GPU box; see ARCHITECTURE.md, "Contracts with SGLang"):
 
     python -m sglang.launch_server --model-path /path/to/hf_model --host 127.0.0.1 --port 30000 \
         --tp-size 1 --mem-fraction-static 0.7 --skip-tokenizer-init --enable-memory-saver \
@@ -10,7 +10,7 @@ Real SGLang launch that this client is tested to match (GPU box; see README_SGLA
 
 Embedded server (CPU / small GPU / CI):
 
-    megarl serve /path/to/hf_model --port 30000        # == python -m megarl.rollout.server ...
+    megarl serve /path/to/hf_model --port 30000        # == python -m megarl.engine ...
 
 Retries: idempotent calls (generate, health, get_model_info, flush_cache, release/resume) are
 retried on connection errors, timeouts and 5xx with exponential backoff; weight-update calls are
@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import aiohttp
 
-from .protocol import CHECKSUM_FIELD, ENDPOINTS, FLATTENED_BUCKET, SGLANG_VERSION  # noqa: F401
+from megarl.wire.protocol import CHECKSUM_FIELD, ENDPOINTS
 
 
 class ServerError(RuntimeError):

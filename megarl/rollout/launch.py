@@ -80,8 +80,8 @@ class ServerHost:
     def address(self, routable: bool) -> tuple[str, int]:
         """(address to bind and dial, a free port on it): this node's address as Ray reports it
         when peers on other nodes must reach the server, else loopback."""
-        from megarl.parallel.launcher import free_port
-        from megarl.placement.addresses import node_address
+        from megarl.wire.addresses import free_port
+        from megarl.wire.addresses import node_address
 
         host = node_address() if routable else "127.0.0.1"
         return host, free_port(host)
@@ -203,7 +203,7 @@ def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
 
 
 def embedded_args(cfg: Any, model_dir: Path, spec: LaunchSpec, weights_dir: Path) -> list[str]:
-    """`megarl.rollout.server` flags for server `spec.index` (the API key travels in the
+    """`megarl.engine` flags for server `spec.index` (the API key travels in the
     environment, `MEGARL_API_KEY`)."""
     r = cfg.rollout
     cpu = cfg.cluster.device == "cpu"
@@ -239,7 +239,7 @@ def rollout_dtype(cfg: Any) -> str:
 
 
 def default_command(engine: str) -> list[str]:
-    module = "sglang.launch_server" if engine == "sglang" else "megarl.rollout.server"
+    module = "sglang.launch_server" if engine == "sglang" else "megarl.engine"
     return [sys.executable, "-m", module]
 
 

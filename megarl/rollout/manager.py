@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import aiohttp
 
 from megarl.rollout.client import GenerateOutput, LoopThread, RequestFailed, SGLangClient, ServerError
-from megarl.rollout.protocol import ENDPOINTS
+from megarl.wire.protocol import ENDPOINTS
 
 log = logging.getLogger("megarl.rollout.manager")
 

@@ -5,7 +5,7 @@ once with ``finish_reason: {"type": "abort"}`` and the tokens (and logprobs) it 
 requests wait at the server until ``/continue_generation``. ``generate_resumable`` sends such a
 request again as prompt + the tokens already produced, with the remaining token budget, and
 concatenates the answers: the token ids are exactly the server's, in order; each token keeps the
-logprob and the weight version it was sampled under (``megarl.rollout.versions``), so the trainer
+logprob and the weight version it was sampled under (``megarl.wire.versions``), so the trainer
 knows which policy produced what. Modes ``retract`` / ``in_place`` keep the request on the server;
 it comes back as one answer whose ``meta_info.weight_versions`` spans say the same.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
 from megarl.rollout.client import GenerateOutput
-from megarl.rollout.versions import token_versions, version_number
+from megarl.wire.versions import token_versions, version_number
 
 Send = Callable[..., Awaitable[GenerateOutput]]   # (input ids, sampling params[, routes_start=...])
 

@@ -120,7 +120,7 @@ class IpcFanIn:
         return bool(self.members) and dist.get_rank() == self.members[0]
 
     def payloads(self, bucket, server_tp: Sequence[int], tensor_format: Optional[str]) -> List[List[str]]:
-        from . import wire
+        from megarl.wire import flattened as wire
         from .push import bucket_object
 
         mine = wire.dumps_b64(bucket_object(bucket, tensor_format))

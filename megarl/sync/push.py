@@ -24,7 +24,7 @@ Transports
   tensor       colocated: POST /update_weights_from_tensor, load_format=flattened_bucket, with ONE
                payload per server TP rank (SGLang's `deserialize_own_rank` reads entry tp_rank):
                {"flattened_tensor": the bucket, "metadata": [FlattenedTensorMetadata]} pickled by
-               `megarl.sync.wire` (CUDA IPC handle on GPU; shared memory, file_system strategy, on
+               `megarl.wire.flattened` (CUDA IPC handle on GPU; shared memory, file_system strategy, on
                CPU) -- no bytes on the wire.
   disk         fallback: write one safetensors file per bucket (+ config.json, + per-tensor
                checksums) into `disk_dir`, then POST /update_weights_from_disk.
@@ -61,11 +61,12 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.client import LoopThread, RequestFailed, SGLangClient
-from megarl.rollout.protocol import FLATTENED_BUCKET
+from megarl.wire import flattened as wire
+from megarl.wire.checksum import checksum
+from megarl.wire.process_group import destroy_group, init_custom_process_group, tcp
+from megarl.wire.protocol import FLATTENED_BUCKET
 
-from . import wire
-from .bucket import Bucket, checksum, iter_buckets
-from .groups import destroy_group, init_custom_process_group, tcp
+from .bucket import Bucket, iter_buckets
 from .session import SyncError, session_on
 
 TRANSPORTS = ("distributed", "tensor", "disk")
@@ -87,9 +88,9 @@ def server_rank_offsets(server_tp_sizes: Sequence[int]) -> Tuple[List[int], int]
 
 def dial_back_address(server_urls: Sequence[str]) -> str:
     """The address of this host that the servers can dial back (the update group's master):
-    `megarl.placement.addresses.node_address` towards the first server (Ray's node IP inside
+    `megarl.wire.addresses.node_address` towards the first server (Ray's node IP inside
     Ray; never gethostbyname(gethostname()), which is 127.0.1.1 on Debian-style hosts)."""
-    from megarl.placement.addresses import node_address
+    from megarl.wire.addresses import node_address
 
     url = server_urls[0] if "://" in server_urls[0] else "http://" + server_urls[0]
     return node_address(peer=urlparse(url).hostname or "127.0.0.1")
@@ -196,7 +197,7 @@ class WeightPusher:
         if self.transport != "distributed" or self.pg is not None:
             return
         backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        from megarl.parallel.launcher import free_port
+        from megarl.wire.addresses import free_port
 
         if self.master_address is None:
             self.master_address = dial_back_address(self.servers)

@@ -18,8 +18,8 @@ import torch
 from megarl.config import max_sequence_len
 from megarl.data.batch import TokenBatch
 from megarl.data.packing import ShardPlan, StratifiedMinibatches, plan_ranges, plan_shards, stratified_minibatches
-from megarl.parallel.launcher import free_port
-from megarl.placement.addresses import node_address
+from megarl.wire.addresses import free_port
+from megarl.wire.addresses import node_address
 from megarl.workers.dispatch import make_shards, unshard
 from megarl.workers.megatron_worker import MegatronWorker, WorkerSpec
 

@@ -10,7 +10,7 @@ def resolve_hf_path(path: str) -> Path:
         name = path.split(":", 1)[1]
         if name != "smollm2-135m-instruct":
             raise ValueError(f"model.hf_path: unknown builtin model {name!r} (known: smollm2-135m-instruct)")
-        from megarl.models.smollm2 import smollm2_hf_dir
+        from megarl.checkpoint.smollm2 import smollm2_hf_dir
 
         return Path(smollm2_hf_dir())
     resolved = Path(path).expanduser()

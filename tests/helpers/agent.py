@@ -12,7 +12,7 @@ from megarl.envs.calculator import CalculatorEnv
 from megarl.envs.tool_env import ToolEnv
 from megarl.envs.tools import Tool
 from megarl.rollout.client import GenerateOutput
-from megarl.rollout.versions import version_tag
+from megarl.wire.versions import version_tag
 
 
 def mostly_call(text: str) -> tuple[list[ToolCall], list[str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megarl.config import load_config
-from megarl.testing_models import make_tiny_chat_model
+from tests.helpers.models import make_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml"

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.sync.bucket import pack
-from megarl.sync.groups import destroy_group, init_custom_process_group, tcp
-from megarl.sync.wire import dumps_b64, flat_metadata
+from megarl.wire.process_group import destroy_group, init_custom_process_group, tcp
+from megarl.wire.flattened import dumps_b64, flat_metadata
 
 
 def call(url: str, path: str, body: Optional[dict] = None, key: Optional[str] = None, method: Optional[str] = None,

@@ -19,7 +19,7 @@ from typing import Iterable, Tuple
 
 import torch
 
-from megarl.rollout.server.model import DecoderModel
+from megarl.engine.model import DecoderModel
 
 
 def tensor_digest(t: torch.Tensor) -> str:

@@ -111,7 +111,7 @@ class CpuScheduler:
             is_fully_idle=self.is_fully_idle, scheduler=self)
         self.engine = None
         if self.tp_rank == 0:
-            from megarl.rollout.server.engine import Engine
+            from megarl.engine.engine import Engine
 
             self.engine = Engine(self.runner.model.decoder, max_running=server_args.max_running_requests or 16,
                                  max_len=self.model_config.context_len, seed=server_args.random_seed or 0)
@@ -194,7 +194,7 @@ class CpuScheduler:
         self._check_ranks_agree()
         if self.engine is None:
             return None
-        from megarl.rollout.server.engine import Request, Sampling
+        from megarl.engine.engine import Request, Sampling
 
         sp = req.sampling_params
         top_k = int(sp.top_k) if sp.top_k is not None and 0 < int(sp.top_k) < (1 << 30) else -1

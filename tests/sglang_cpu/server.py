@@ -40,7 +40,7 @@ class SGLangCPUServer:
 
     def __init__(self, model_dir: Path, cfg, log_dir: Path, index: int = 0, api_key: Optional[str] = None,
                  record_dir: Optional[str] = None):
-        from megarl.parallel.launcher import free_port
+        from megarl.wire.addresses import free_port
         from megarl.rollout.launch import LaunchSpec, ServerHost, sglang_args, sglang_key_file_text
 
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -28,9 +28,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megarl.sync.bucket import checksum, dtype_from_name
-from megarl.sync.groups import destroy_group, init_custom_process_group, tcp
-from megarl.sync.wire import FlattenedTensorMetadata
+from megarl.wire.checksum import checksum, dtype_from_name
+from megarl.wire.process_group import destroy_group, init_custom_process_group, tcp
+from megarl.wire.flattened import FlattenedTensorMetadata
 
 from .model import DecoderModel
 from .tp import RankFailure, TPComm, combine_errors

@@ -31,7 +31,7 @@ from .tp import RankFailure
 from .weights import receive_layout, resolve_disk_path
 from .worker import ModelHandle, RankWorker
 
-log = logging.getLogger("megarl.rollout.server")
+log = logging.getLogger("megarl.engine")
 
 
 class ServerState:

@@ -1,4 +1,4 @@
-"""`megarl serve MODEL --port P` / `python -m megarl.rollout.server MODEL --port P`.
+"""`megarl serve MODEL --port P` / `python -m megarl.engine MODEL --port P`.
 
 MODEL is an HF-layout folder (config.json + *.safetensors [+ tokenizer files]). Start-up:
   1. checks that need no weights, each a one-line error and exit code 2: the config loads, the
@@ -24,7 +24,7 @@ from typing import Any, List, Optional
 
 from .auth import DEFAULT_API_KEY_ENV, read_api_key
 
-log = logging.getLogger("megarl.rollout.server")
+log = logging.getLogger("megarl.engine")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,7 +177,7 @@ def _plan(args) -> "tuple[Any, Any, Optional[str]]":
     refused before a process is spawned or a weight is read."""
     import torch
 
-    from megarl.parallel.launcher import free_port
+    from megarl.wire.addresses import free_port
 
     from .worker import RankOptions, check_tp
     if args.num_threads:

@@ -1,6 +1,6 @@
 """Entry point of TP ranks 1..N-1 of the embedded server (started by rank 0, `tp.Followers`).
 
-    python -m megarl.rollout.server.follower RANK OPTIONS_JSON
+    python -m megarl.engine.follower RANK OPTIONS_JSON
 
 Builds this rank's shard (`worker.build_worker`), then runs rank 0's calls until told to stop
 (`tp.follow`). Dies with rank 0 (`tp.die_with_parent`). Serves no socket of its own.
@@ -28,7 +28,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .worker import RankOptions, build_worker
     opts = RankOptions(**json.loads(opts_json))
     worker = build_worker(opts, rank)
-    logging.getLogger("megarl.rollout.server").info("tp rank %d of %d ready", rank, opts.tp_size)
+    logging.getLogger("megarl.engine").info("tp rank %d of %d ready", rank, opts.tp_size)
     follow(worker, worker.comm)
     return 0
 

@@ -17,7 +17,7 @@ the subset), and only what these payloads need:
 * `torch.nn.parameter.Parameter` (a parameter pickles as its own class), plain containers and
   `copyreg.__newobj__` (objects pickled with protocol < 4 or by `__reduce_ex__`).
 * SGLang's `FlattenedTensorMetadata`, mapped to megarl's field-for-field twin
-  (`megarl.sync.wire`): the `flattened_bucket` format's metadata.
+  (`megarl.wire.flattened`): the `flattened_bucket` format's metadata.
 
 Deliberately left out although SGLang allows them: the file-descriptor sharing strategy
 (`rebuild_storage_fd`, `multiprocessing.resource_sharer.DupFd`: it only works between a parent and
@@ -32,7 +32,7 @@ import io
 import pickle
 from typing import Any, FrozenSet, Tuple, Union
 
-from megarl.sync.wire import SGLANG_FLAT_META_GLOBAL, FlattenedTensorMetadata
+from megarl.wire.flattened import SGLANG_FLAT_META_GLOBAL, FlattenedTensorMetadata
 
 _REDUCTIONS = "torch.multiprocessing.reductions"
 

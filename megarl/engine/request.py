@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from megarl.rollout.versions import weight_version_spans
+from megarl.wire.versions import weight_version_spans
 
 _SEED_MASK = 0x7FFFFFFF
 

@@ -7,10 +7,13 @@ processes.  The weight-update group joins one trainer rank (rank 0) with every r
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
+
+from megarl.wire.addresses import gloo_interface
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int,
@@ -23,8 +26,6 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
         # (loopback on Debian-style hosts: peers on other nodes would be told to dial 127.0.0.1)
         from urllib.parse import urlparse
 
-        from megarl.parallel.dist import bind_gloo_towards
-
         bind_gloo_towards(urlparse(init_method).hostname or "127.0.0.1")
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
@@ -33,6 +34,22 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
                                       group_name=group_name, backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def bind_gloo_towards(master_addr: str) -> None:
+    """Make gloo (every group this process creates from now on) bind the interface that routes to
+    the rendezvous master, unless ``GLOO_SOCKET_IFNAME`` is set already.
+
+    Why: without it gloo binds whatever the hostname resolves to, which is loopback on hosts
+    whose /etc/hosts maps the hostname to 127.0.x.1, and then tells its peers on other nodes to dial
+    127.0.0.1 ("Gloo connectFullMesh failed ... remote=[127.0.0.1]"). A loopback master means all
+    ranks are on this host, where gloo's default works.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    interface = gloo_interface(master_addr)
+    if interface:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 def destroy_group(pg) -> None:

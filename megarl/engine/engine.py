@@ -359,7 +359,7 @@ class Engine:
         ``[routed_experts_start_len, seqlen - 1)`` of cache row ``row`` (the last sampled token
         never ran through the model), base64 of the int32 array, when the model records them
         (else nothing, as SGLang)."""
-        from megarl.rollout.routed_experts import encode_routed_experts
+        from megarl.wire.routes import encode_routed_experts
 
         read = getattr(self.model, "routed_experts", None)
         if read is None or not getattr(self.model, "records_routes", lambda: False)():

@@ -130,3 +130,10 @@ def gloo_interface(peer: str) -> Optional[str]:
     if is_loopback(peer):
         return None
     return interface_of(route_address(peer))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (``""``: on every interface, for peers on other nodes)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -20,7 +20,7 @@ from .shard import tp_problems
 from .tp import Lockstep, TPComm, init_tp
 from .weights import Done, WeightReceiver
 
-log = logging.getLogger("megarl.rollout.server")
+log = logging.getLogger("megarl.engine")
 
 
 @dataclass

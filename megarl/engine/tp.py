@@ -184,10 +184,10 @@ class Followers:
 
     @classmethod
     def spawn(cls, size: int, options: Dict[str, Any], env: Dict[str, str]) -> "Followers":
-        """Start ranks 1..size-1 (`python -m megarl.rollout.server.follower RANK OPTIONS_JSON`).
+        """Start ranks 1..size-1 (`python -m megarl.engine.follower RANK OPTIONS_JSON`).
         Call from the main thread: PR_SET_PDEATHSIG fires when the spawning THREAD exits."""
         env = dict(env, **{PARENT_PID_ENV: str(os.getpid())})
-        procs = [subprocess.Popen([sys.executable, "-m", "megarl.rollout.server.follower", str(r), json.dumps(options)],
+        procs = [subprocess.Popen([sys.executable, "-m", "megarl.engine.follower", str(r), json.dumps(options)],
                                   env=env, stdin=subprocess.DEVNULL)
                  for r in range(1, size)]
         return cls(procs)

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable, Optional
 
 from aiohttp import web
 
-log = logging.getLogger("megarl.rollout.server")
+log = logging.getLogger("megarl.engine")
 
 DEFAULT_API_KEY_ENV = "MEGARL_API_KEY"
 _OPEN_PREFIXES = ("/health", "/ready", "/metrics")

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megarl.algos.fidelity import fp32_logits
+from megarl.wire.numerics import fp32_logits
 
 from .graphs import DecodeGraphs
 from .shard import local_part, local_shape

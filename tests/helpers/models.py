@@ -15,7 +15,7 @@ def make_tiny_chat_model(path: str | Path, *, hidden: int = 64, layers: int = 2,
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
-    from megarl.models.smollm2 import smollm2_hf_dir
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
 
     path = Path(path)
     if (path / "config.json").is_file():

@@ -1,6 +1,6 @@
 """megarl embedded rollout server: a real inference server speaking the SGLang native API subset
-(see megarl/rollout/protocol.py), including SGLang 0.5.23's weight-update contract.
-Run: `python -m megarl.rollout.server MODEL --port P [--tp-size N] [--weights-dir DIR]`
+(see megarl/wire/protocol.py), including SGLang 0.5.23's weight-update contract.
+Run: `python -m megarl.engine MODEL --port P [--tp-size N] [--weights-dir DIR]`
 (API key from $MEGARL_API_KEY).
 
 Modules: cli (start-up), app (HTTP), auth (API key), session (weight-update sessions), engine

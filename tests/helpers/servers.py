@@ -5,7 +5,7 @@ import os
 import sys
 from typing import List, Optional
 
-from megarl.parallel.launcher import free_port  # noqa: F401  (re-exported for tests)
+from megarl.wire.addresses import free_port
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -41,7 +41,7 @@ def make_tiny_hf_model(path: str, family: str = "llama", seed: int = 0, std: flo
 
 
 class ServerProcess:
-    """`python -m megarl.rollout.server MODEL --port P` as a child process (a ``ServerHost``)."""
+    """`python -m megarl.engine MODEL --port P` as a child process (a ``ServerHost``)."""
 
     def __init__(self, model: str, port: Optional[int] = None, extra: Optional[List[str]] = None,
                  threads: int = 1, env: Optional[dict] = None, log_path: Optional[str] = None):
@@ -55,7 +55,7 @@ class ServerProcess:
         e.setdefault("OMP_NUM_THREADS", str(threads))
         e["HF_HUB_OFFLINE"] = "1"
         e.update(env or {})
-        cmd = [sys.executable, "-m", "megarl.rollout.server", model, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "megarl.engine", model, "--port", str(self.port),
                "--num-threads", str(threads)] + list(extra or [])
         self.host = ServerHost()
         self.host.start(cmd, e, log_path or tempfile.mktemp(prefix="megarl_server_", suffix=".log"))
