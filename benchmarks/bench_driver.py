@@ -130,7 +130,7 @@ def step(batch, actors, mode: str, budget: int, global_batch: int, seed: int = 0
     import ray
 
     from megarl.data.packing import plan_shards
-    from megarl.trainer import minibatches
+    from megarl.data.packing import minibatches
     from megarl.workers.dispatch import unshard
 
     dp = len(actors)

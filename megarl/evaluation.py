@@ -14,6 +14,8 @@ from megarl.config import load_config
 
 
 def evaluate_model(cfg, model_dir: Path | None = None) -> dict[str, float]:
+    """The run's data and rollout pipeline without any Megatron role: servers of ``model_dir``
+    answer the held-out prompts greedily."""
     from megarl.rollout.launch import RolloutServers
     from megarl.trainer import Trainer
 
@@ -22,14 +24,13 @@ def evaluate_model(cfg, model_dir: Path | None = None) -> dict[str, float]:
         trainer.setup_data()
         if model_dir is not None:
             trainer.model_dir = Path(model_dir)
-        trainer.servers = RolloutServers(cfg, trainer.model_dir, trainer.out / "logs")
-        trainer.servers.wait_healthy()
+        servers = RolloutServers(cfg, trainer.model_dir, trainer.out / "logs")
+        trainer.servers = servers
+        servers.wait_healthy()
+        trainer.setup_rollout(servers)
         return trainer.evaluate()
     finally:
-        if trainer.servers is not None:
-            trainer.servers.stop()
-        if hasattr(trainer, "_manager"):
-            trainer._manager.close()
+        trainer.close()
 
 
 def eval_main(argv: list[str]) -> int:

@@ -2,10 +2,11 @@
 compact console line with a progress bar."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 CONSOLE_KEYS = [("reward/mean", "reward", "{:.3f}"), ("response/length_mean", "len", "{:.0f}"),
                 ("actor/pg_loss", "pg", "{:+.4f}"), ("actor/clip_frac", "clip", "{:.3f}"),
@@ -52,3 +53,29 @@ class MetricsLogger:
 
 def note(message: str) -> None:
     print(f"[megarl] {message}", file=sys.stderr, flush=True)
+
+
+class PhaseTimer:
+    """Wall seconds of each phase of a step, measured by one context manager (``with
+    timer("train"): ...``), reported as ``time/<phase>_s``, their sum ``time/step_s`` and, for the
+    token-bound phases, ``throughput/<phase>_tokens_per_s``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.time() - start
+
+    def metrics(self, tokens: float, throughput_phases: Sequence[str] = ("rollout", "old_logprobs", "train")
+                ) -> dict[str, float]:
+        out = {f"time/{phase}_s": s for phase, s in self.seconds.items()}
+        out["time/step_s"] = sum(self.seconds.values())
+        for phase in throughput_phases:
+            if phase in self.seconds:
+                out[f"throughput/{phase}_tokens_per_s"] = tokens / max(self.seconds[phase], 1e-9)
+        return out

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from megarl.checkpoint.hf_export import export_hf_folder
 from megarl.config import RunConfig
 from megarl.metrics_log import MetricsLogger, note
+from megarl.placement import RunPlacement
 
 
 class RewardModelTrainer:
@@ -40,14 +42,7 @@ class RewardModelTrainer:
         self.train_pairs = load_preferences(d.path, d.prompt_key, d.chosen_key, d.rejected_key)
         self.eval_pairs = load_preferences(d.eval_path, d.prompt_key, d.chosen_key, d.rejected_key) if d.eval_path else []
         note(f"reward model: {len(self.train_pairs)} train / {len(self.eval_pairs)} held-out pairs")
-        if cfg.cluster.backend == "ray":
-            from megarl.placement import create_placement_groups, init_ray, plan_pools, pool_of
-
-            init_ray(cfg)
-            pools = plan_pools(cfg)
-            pg = create_placement_groups(pools)[pool_of(pools, "reward_model").name]
-        else:
-            pg = None
+        pg, _ = RunPlacement(cfg).role("reward_model")
         self.group = WorkerGroup("reward_model", cfg, backend=cfg.cluster.backend, trainable=True, value_head=True,
                                  placement_group=pg)
         self.group.call("setup")
@@ -82,12 +77,8 @@ class RewardModelTrainer:
     def train_step(self, batch: Any) -> dict[str, float]:
         """One optimizer step on all pairs of ``batch``: data-parallel shards and micro-batches cut
         along pairs, one shard per data-parallel group."""
-        from megarl.workers.dispatch import make_shards
-
         num_pairs = len(batch) // 2
-        plan = self.group.plan(batch, [list(range(num_pairs))], pairs=True)
-        shards = make_shards(batch, plan, (), [{"num_pairs": float(num_pairs)}])
-        return self.group.reduce_metrics(self.group.call_sharded("train_reward_model", shards))
+        return self.group.train(batch, [list(range(num_pairs))], [{"num_pairs": float(num_pairs)}], None, (), pairs=True)
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -115,8 +106,6 @@ class RewardModelTrainer:
             results["eval_after"] = self.evaluate()
             self.logger.log(cfg.trainer.total_steps, results["eval_after"], console=False)
             note(f"eval after: {results['eval_after']}")
-            from megarl.trainer import export_hf_folder
-
             cls = json.loads((self.model_dir / "config.json").read_text())["architectures"][0]
             cls = cls.replace("ForCausalLM", "ForSequenceClassification")
             results["export"] = str(export_hf_folder(
@@ -129,8 +118,4 @@ class RewardModelTrainer:
                 self.logger.close()
             if self.group is not None:
                 self.group.shutdown()
-            if cfg.cluster.backend == "ray" and not cfg.cluster.ray_address:
-                import ray
-
-                if ray.is_initialized():
-                    ray.shutdown()
+            RunPlacement.shutdown(cfg)

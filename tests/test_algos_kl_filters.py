@@ -9,10 +9,10 @@ import torch
 import megarl.algos as A
 from megarl.algos import (
     AdaptiveKLController,
-    DynamicSamplingBuffer,
     FixedKLController,
     entropy_from_logits,
     filter_groups,
+    group_has_signal,
     get_kl_estimator,
     kl_loss,
     kl_penalty,
@@ -137,31 +137,12 @@ def test_filter_groups_drops_identical_reward_groups():
     assert filter_groups(t([0.0, 1e-9]), 2, atol=1e-6).group_keep.tolist() == [False]
 
 
-def test_dynamic_sampling_buffer_collects_until_full():
-    buf = DynamicSamplingBuffer(target_groups=2, group_size=2, max_rounds=3)
-    kept = buf.add({"ids": torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]]),
-                    "text": ["a", "b", "c", "d"]}, t([1, 1, 0, 1]))
-    assert kept == 1 and not buf.is_full
-    kept = buf.add({"ids": torch.tensor([[1, 1, 1], [2, 2, 2], [3, 3, 3], [4, 4, 4]]),
-                    "text": ["e", "f", "g", "h"]}, t([0, 1, 1, 0]))
-    assert kept == 2 and buf.is_full
-    assert (buf.rounds, buf.groups_seen, buf.groups_kept) == (2, 4, 3)
-    out = buf.pop()  # exactly 2 groups * 2; round-1 rows right-padded to width 3
-    assert out["ids"].tolist() == [[5, 6, 0], [7, 8, 0], [1, 1, 1], [2, 2, 2]]
-    assert out["text"] == ["c", "d", "e", "f"]
-    assert buf.groups_kept == 0 and not buf.is_full
-    with pytest.raises(RuntimeError):
-        buf.pop()
-
-
-def test_dynamic_sampling_buffer_gives_up_after_max_rounds():
-    buf = DynamicSamplingBuffer(target_groups=1, group_size=2, max_rounds=2)
-    for _ in range(2):
-        assert buf.add({"x": torch.zeros(2)}, t([1, 1])) == 0
-    with pytest.raises(RuntimeError, match="2 rounds"):
-        buf.add({"x": torch.zeros(2)}, t([1, 1]))
-    with pytest.raises(ValueError):
-        DynamicSamplingBuffer(1, 2).add({"x": torch.zeros(3)}, t([1, 0]))
+def test_group_has_signal_is_filter_groups_on_one_group():
+    """The sources' per-group verdict agrees with the batch filter group by group."""
+    rewards = [[1, 1, 1], [1, 0, 1], [0, 0, 0], [0.5, 0.5, 0.5], [0.25, 0.5, 0.5], [2.0]]
+    flat = t([r for g in rewards[:5] for r in g])
+    assert [group_has_signal(g) for g in rewards[:5]] == filter_groups(flat, group_size=3).group_keep.tolist()
+    assert [group_has_signal(g) for g in rewards] == [False, True, False, False, True, False]
 
 
 def test_overlong_penalty_dapo():

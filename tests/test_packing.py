@@ -25,7 +25,7 @@ from megarl.data.packing import (balance, pack_bins, plan_ranges, plan_shards,  
 from megarl.parallel import spawn  # noqa: E402
 from megarl.workers.batch import packed_inputs, padded_inputs  # noqa: E402
 from megarl.workers.dispatch import make_shards, unshard  # noqa: E402
-from megarl.trainer import denominators, minibatches  # noqa: E402
+from megarl.data.packing import denominators, minibatches  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
 ROOT = Path(__file__).resolve().parents[1]

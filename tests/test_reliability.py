@@ -78,7 +78,7 @@ def _train_one_sample(rank: int, world: int, cfg, out_dir: str) -> dict:
 
     from megarl.data.batch import TokenBatch
     from megarl.data.packing import plan_shards
-    from megarl.trainer import denominators
+    from megarl.data.packing import denominators
     from megarl.workers import MegatronWorker, WorkerSpec
     from megarl.workers.dispatch import make_shards
     from megarl.workers.group import token_budget

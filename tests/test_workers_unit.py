@@ -7,7 +7,7 @@ import torch
 
 from megarl.config import load_config
 from megarl.placement import plan_pools
-from megarl.trainer import denominators, minibatches
+from megarl.data.packing import denominators, minibatches
 from megarl.data.packing import split_by_token_budget
 from tests.helpers.runs import DEFAULT
 

@@ -51,7 +51,7 @@ modes ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mea
 ``entropy_from_logits``, ``logprobs_from_logits``, ``entropy_bonus``;
 ``kl_penalty(logprobs, ref_logprobs, estimator)``, ``kl_reward_penalty``, ``kl_loss``,
 ``FixedKLController``, ``AdaptiveKLController``;
-``filter_groups``, ``DynamicSamplingBuffer``, ``overlong_penalty``, ``length_penalty``,
+``filter_groups``, ``group_has_signal``, ``overlong_penalty``, ``length_penalty``,
 ``linear_length_penalty``; metric helpers in :mod:`megarl.algos.metrics`.
 
 A typical GRPO/DAPO step::
@@ -79,9 +79,9 @@ from .advantages import (
 from .aggregation import AGG_MODES, aggregate_loss, check_agg_mode
 from .entropy import entropy_bonus, entropy_from_logits, logprobs_from_logits
 from .filters import (
-    DynamicSamplingBuffer,
     GroupFilter,
     filter_groups,
+    group_has_signal,
     length_penalty,
     linear_length_penalty,
     overlong_penalty,
@@ -97,6 +97,7 @@ from .kl import (
     kl_reward_penalty,
     make_kl_controller,
 )
+from .loss_settings import LossSettings
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .metrics import (
     advantage_stats,

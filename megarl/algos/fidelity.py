@@ -80,3 +80,27 @@ def mean_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple
     m = mask.bool()
     diff = torch.where(m, (a.float() - b.float()).abs(), torch.zeros((), dtype=torch.float32))
     return float(diff.sum() / m.sum().clamp(min=1)), float(diff.max()) if diff.numel() else 0.0
+
+
+class LogprobMismatch(RuntimeError):
+    """Rollout and trainer disagree on the sampled tokens' logprobs: wrong weights or naming."""
+
+
+def rollout_logprob_check(step: int, trainer_lp: torch.Tensor, rollout_lp: torch.Tensor,
+                          loss_mask: Optional[torch.Tensor], bound: LogprobBound) -> tuple[dict[str, float], Optional[str]]:
+    """Rollout vs trainer logprobs of the sampled tokens (flat, response tokens; of an agent
+    trajectory only the model's, ``loss_mask``): metrics, and at step 0 the report line naming the
+    bound and the noise floor it came from. At step 0 a mean difference above ``bound`` raises
+    :class:`LogprobMismatch`: the servers do not hold the trainer's weights."""
+    mean, worst = mean_abs_diff(trainer_lp, rollout_lp, torch.ones_like(trainer_lp) if loss_mask is None else loss_mask)
+    out = {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst}
+    if step != 0:
+        return out, None
+    out.update({"rollout/logprob_diff_bound": bound.bound, "rollout/logprob_noise_floor": bound.floor})
+    if mean > bound.bound:
+        raise LogprobMismatch(
+            f"step 0: mean |rollout - trainer| logprob = {mean:.4g} exceeds the {bound.describe()}: the "
+            f"rollout servers do not hold the trainer's weights (wrong checkpoint, naming or dtype); a "
+            f"correct run differs by about the noise floor, a wrong weight by order 1")
+    return out, (f"step 0: mean |rollout - trainer| logprob = {mean:.3g} (max {worst:.3g}) within the "
+                 f"{bound.describe()}")

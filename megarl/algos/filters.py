@@ -1,7 +1,8 @@
-"""Sample filters and reward shaping: DAPO dynamic sampling, overlong shaping, length penalties."""
+"""Sample filters and reward shaping: DAPO's group filter (dynamic sampling), overlong shaping,
+length penalties."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -45,101 +46,10 @@ def filter_groups(rewards: Tensor, group_size: Optional[int] = None,
     return GroupFilter(group_keep, sample_keep, torch.nonzero(sample_keep).squeeze(-1))
 
 
-def _select(value: Any, index: Tensor) -> Any:
-    if isinstance(value, Tensor):
-        return value.index_select(0, index.to(value.device))
-    if isinstance(value, (list, tuple)):
-        return [value[i] for i in index.tolist()]
-    raise TypeError(f"batch values must be tensors or lists, got {type(value).__name__}")
-
-
-def _concat(parts: List[Any], pad_value: float) -> Any:
-    if isinstance(parts[0], Tensor):
-        if parts[0].dim() >= 2:  # right-pad token tensors of different rounds to one width
-            width = max(p.shape[1] for p in parts)
-            parts = [torch.nn.functional.pad(p, (0, 0) * (p.dim() - 2) + (0, width - p.shape[1]),
-                                             value=pad_value) for p in parts]
-        return torch.cat(parts, dim=0)
-    out: List[Any] = []
-    for p in parts:
-        out.extend(p)
-    return out
-
-
-class DynamicSamplingBuffer:
-    """Accumulates DAPO-kept groups across generation rounds until ``target_groups`` are collected
-    (Yu et al. 2025, sec. 3.2: "keep sampling until the batch is fully filled").
-
-    Pure bookkeeping over tensors/lists, no I/O. Usage::
-
-        buf = DynamicSamplingBuffer(target_groups=32, group_size=8, max_rounds=10)
-        while not buf.is_full:
-            batch, rewards = generate_and_score()           # contiguous groups of 8
-            buf.add(batch, rewards)
-        batch = buf.pop()                                 # exactly 32 * 8 samples
-
-    ``batch`` is a mapping of equal-length tensors (first dim = samples) or lists. Token tensors
-    (``dim >= 2``) of different rounds are right-padded to the widest with ``pad_values[key]``
-    (default 0). Extra groups beyond the target are dropped by :meth:`pop`, as in DAPO.
-    ``max_rounds`` guards against a task where nearly every group is degenerate.
-    """
-
-    def __init__(self, target_groups: int, group_size: int, max_rounds: Optional[int] = None,
-                 pad_values: Optional[Mapping[str, float]] = None) -> None:
-        if target_groups <= 0 or group_size <= 0:
-            raise ValueError("target_groups and group_size must be > 0")
-        self.target_groups = target_groups
-        self.group_size = group_size
-        self.max_rounds = max_rounds
-        self.pad_values = dict(pad_values or {})
-        self._parts: Dict[str, List[Any]] = {}
-        self.rounds = 0
-        self.groups_seen = 0
-        self.groups_kept = 0
-
-    @property
-    def is_full(self) -> bool:
-        return self.groups_kept >= self.target_groups
-
-    def add(self, batch: Mapping[str, Any], rewards: Tensor) -> int:
-        """Filter one round's ``batch`` by ``rewards`` and keep its informative groups.
-        Returns the number of groups kept from this round."""
-        if self.max_rounds is not None and self.rounds >= self.max_rounds:
-            raise RuntimeError(
-                f"dynamic sampling: {self.max_rounds} rounds gave only {self.groups_kept}/"
-                f"{self.target_groups} groups with non-identical rewards")
-        n = rewards.shape[0]
-        for k, v in batch.items():
-            if len(v) != n:
-                raise ValueError(f"batch[{k!r}] has {len(v)} rows, rewards has {n}")
-        if self._parts and set(batch) != set(self._parts):
-            raise ValueError("every round must carry the same keys")
-        f = filter_groups(rewards, self.group_size)
-        self.rounds += 1
-        self.groups_seen += int(f.group_keep.numel())
-        kept = int(f.group_keep.sum())
-        self.groups_kept += kept
-        for k, v in batch.items():
-            self._parts.setdefault(k, []).append(_select(v, f.sample_index))
-        return kept
-
-    def pop(self) -> Dict[str, Any]:
-        """Return exactly ``target_groups * group_size`` samples and reset (raises if not full)."""
-        if not self.is_full:
-            raise RuntimeError(f"only {self.groups_kept}/{self.target_groups} groups collected")
-        n = self.target_groups * self.group_size
-        out = {}
-        for k, parts in self._parts.items():
-            full = _concat(parts, self.pad_values.get(k, 0))
-            out[k] = full[:n]
-        self.reset()
-        return out
-
-    def reset(self) -> None:
-        self._parts = {}
-        self.rounds = 0
-        self.groups_seen = 0
-        self.groups_kept = 0
+def group_has_signal(rewards: Sequence[float]) -> bool:
+    """One group's verdict of :func:`filter_groups` (the rollout sources keep groups one at a time
+    as they finish): True iff its rewards are not all equal."""
+    return bool(filter_groups(torch.tensor(list(rewards), dtype=torch.float64), len(rewards)).group_keep[0])
 
 
 @torch.no_grad()

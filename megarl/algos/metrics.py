@@ -118,3 +118,16 @@ def logprob_mismatch(train_logprobs: Tensor, rollout_logprobs: Tensor,
         "rollout_logprob_diff_max": masked_max(d.abs(), mask),
         "rollout_kl_k3": masked_mean(torch.exp(log_r) - log_r - 1, mask),
     }
+
+
+def batch_summary(rewards: Tensor, response_lengths: Tensor, clipped: Tensor, advantages: Tensor,
+                  mask: Tensor) -> Dict[str, float]:
+    """The batch line of every step: rewards, response lengths and the share cut at the length
+    limit (``clipped``: bool per sample), the mean advantage over trained tokens, sizes."""
+    lengths = response_lengths.float()
+    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/max": float(rewards.max()), "reward/min": float(rewards.min()),
+            "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+            "response/clipped_frac": float(clipped.float().mean()),
+            "advantage/mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),
+            "batch/samples": len(rewards), "batch/response_tokens": float(mask.sum())}

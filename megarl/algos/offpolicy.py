@@ -11,6 +11,8 @@ staleness bound applies to it), and the down-weighting of tokens past the bound.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -80,3 +82,19 @@ def logprob_diff_by_staleness(versions: Tensor, mask: Tensor, current: int, trai
         if bool(sel.any()):
             out[name] = float(diff[sel].mean())
     return out
+
+
+def offpolicy_step(versions: Tensor, mask: Tensor, current: int, trainer_lp: Tensor, rollout_lp: Tensor,
+                   max_staleness: int, downweight: Optional[float]) -> tuple[dict[str, float], Optional[Tensor]]:
+    """One off-policy batch at trainer version ``current``: staleness metrics, rollout vs trainer
+    logprobs of fresh and stale tokens and, with ``downweight`` (the factor of
+    ``rollout.stale_samples: downweight``), per-token weights ``[B, T]`` for tokens past
+    ``max_staleness`` (None otherwise)."""
+    metrics = {f"offpolicy/{k}": v for k, v in staleness_stats(versions, mask, current).items()}
+    metrics.update({f"offpolicy/{k}": v for k, v in
+                    logprob_diff_by_staleness(versions, mask, current, trainer_lp, rollout_lp).items()})
+    if downweight is None:
+        return metrics, None
+    weights = staleness_weights(versions, mask, current, max_staleness, downweight)
+    metrics["offpolicy/downweighted_token_frac"] = float(((weights < 1) & mask.bool()).sum() / mask.sum().clamp(min=1))
+    return metrics, weights

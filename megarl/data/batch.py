@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 
+ROUTES_KEY = "routed_experts"  # sequence field: MoE experts the rollout chose per token and layer (R3)
 LOSS_MASK = "loss_mask"   # token field: 1 for the model's tokens, 0 for environment tokens (agent loop)
 
 

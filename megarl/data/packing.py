@@ -26,6 +26,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import torch
+
 
 def balance(lengths: Sequence[int], parts: int) -> list[list[int]]:
     """Indices of ``lengths`` split into ``parts`` lists with near-equal token sums (LPT)."""
@@ -232,12 +234,10 @@ def stratified_minibatches(lengths: Sequence[int], dp: int, global_batch_size: i
 
     The batch is split into ``dp`` contiguous token-balanced ranges (:func:`split_contiguous`, the
     split of a forward pass); each rank shuffles its range with one generator seeded by ``seed``
-    (rank 0 first, so at ``dp == 1`` this is ``trainer.minibatches``: one seeded shuffle of the
+    (rank 0 first, so at ``dp == 1`` this is :func:`minibatches`: one seeded shuffle of the
     batch cut into mini-batches). Mini-batch m takes the sizes of :func:`minibatch_sizes` exactly;
     its samples come from the ranks in proportion to what each has left (largest remainder), so
     every rank's range is used up by the last mini-batch and every sample is in exactly one."""
-    import torch
-
     ranges = split_contiguous(lengths, dp)
     gen = torch.Generator().manual_seed(seed)
     shuffled = [[r.start + k for k in torch.randperm(len(r), generator=gen).tolist()] for r in ranges]
@@ -290,3 +290,13 @@ def plan_ranges(lengths: Sequence[int], strat: StratifiedMinibatches, *, packed:
         _add_minibatch(plan, lengths, shares, packed, max_tokens, micro_batch_size, micro_multiple)
     return plan
 
+
+def minibatches(num_samples: int, global_batch_size: int, seed: int) -> list[list[int]]:
+    """Shuffled mini-batches of whole samples; a short tail joins the last mini-batch. (The step
+    draws them per data-parallel rank, ``WorkerGroup.minibatches``; at dp 1 that is this.)"""
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+    return cut(order, minibatch_sizes(num_samples, global_batch_size))
+
+
+def denominators(mask: torch.Tensor, batches: list[list[int]]) -> list[dict[str, float]]:
+    return [{"num_tokens": float(mask[b].sum().clamp(min=1)), "num_seqs": float(len(b))} for b in batches]

@@ -144,3 +144,40 @@ def init_ray(cfg: Any) -> None:
     ray.init(num_cpus=max(needed, os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False,
              object_store_memory=cfg.cluster.object_store_mb * 1024 * 1024, runtime_env=env,
              log_to_driver=True, configure_logging=False)
+
+
+class RunPlacement:
+    """Where a run's processes go: under Ray one placement group per pool (made here), locally
+    nowhere in particular. Roles share a bundle with a rollout server when colocated, so each
+    role of a pool takes an equal part of 90% of the bundle (the rest is the server's)."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        self.groups: dict[str, Any] = {}
+        self.pools: dict[str, Pool] = {}
+        if cfg.cluster.backend == "ray":
+            init_ray(cfg)
+            self.pools = plan_pools(cfg)
+            self.groups = create_placement_groups(self.pools)
+
+    def role(self, role: str) -> tuple[Any, float]:
+        """(placement group, share of each bundle) of ``role``'s ranks; (None, 1.0) locally."""
+        if not self.groups:
+            return None, 1.0
+        pool = pool_of(self.pools, role)
+        return self.groups[pool.name], 0.9 / len(pool.roles)
+
+    def servers(self) -> Optional[tuple[Any, int]]:
+        """(placement group, first bundle) of the rollout servers: the rollout pool
+        (disaggregated) or the shared one (colocated); None locally."""
+        pg = self.groups.get("rollout") or self.groups.get("shared")
+        return (pg, 0) if pg else None
+
+    @staticmethod
+    def shutdown(cfg: Any) -> None:
+        """Stop the Ray instance this run started (one it joined, ``cluster.ray_address``, stays)."""
+        if cfg.cluster.backend == "ray" and not cfg.cluster.ray_address:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()

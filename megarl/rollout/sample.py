@@ -18,6 +18,9 @@ from typing import Any, Optional
 
 import torch
 
+from megarl.data.batch import LOSS_MASK, ROUTES_KEY, TokenBatch
+from megarl.rollout.routed_experts import flat_routes
+
 
 @dataclass
 class Sample:
@@ -33,3 +36,18 @@ class Sample:
     routed_experts: Optional[torch.Tensor] = None        # MoE: int [len - 1, layers, top_k] chosen by the rollout
     loss_mask: list[int] = field(default_factory=list)   # per response token: 1 model, 0 environment (empty: all 1)
     info: dict[str, Any] = field(default_factory=dict)   # agent loop: turns, tool calls/errors, truncation
+
+
+def token_batch(samples: list[Sample], with_rollout_logprobs: bool = True,
+                routes_shape: Optional[tuple[int, int]] = None) -> TokenBatch:
+    """The step's samples as flat tensors (the one layout every worker call ships); MoE rollouts'
+    routed experts ride along as a sequence field when any sample has them, agent trajectories'
+    loss mask (1 model token, 0 environment token) as a token field."""
+    fields = {"rollout_logprobs": [s.rollout_logprobs for s in samples]} if with_rollout_logprobs else {}
+    if any(s.loss_mask for s in samples):   # agent trajectories: environment tokens are not trained on
+        fields[LOSS_MASK] = [s.loss_mask or [1] * len(s.response_ids) for s in samples]
+    batch = TokenBatch.from_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], fields or None)
+    if routes_shape is not None and any(s.routed_experts is not None for s in samples):
+        batch.seq_fields[ROUTES_KEY] = flat_routes([s.routed_experts for s in samples],
+                                                   batch.seq_lens.tolist(), routes_shape)
+    return batch

@@ -7,9 +7,8 @@ The loop asks its source for the next batch and tells it around every weight pus
     with source.weight_update(step + 1) as stats:
         push weights (one session on every server)
 
-* ``sync`` (:class:`SyncSource`): today's loop -- the step's prompts are generated and scored
-  after the previous push, with the trainer's own ``collect``; every token comes from the weights
-  being trained.
+* ``sync`` (:class:`SyncSource`): the step's prompts are generated and scored after the previous
+  push (``RolloutPipeline.collect``); every token comes from the weights being trained.
 * ``one_step_off`` and ``async`` (:class:`OffPolicySource`): a producer on the rollout client's
   event loop keeps drawing prompts and generating their groups while the trainer trains; the
   trainer takes finished groups from a buffer (``megarl/rollout/buffer.py``: admission that bounds
@@ -45,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, Optional, Protocol
 
+from megarl.algos.filters import group_has_signal
+from megarl.data import PromptLoader
 from megarl.rollout.buffer import Group, GroupBuffer, SourceClosed
 from megarl.rollout.manager import sample_seed
 from megarl.rollout.partial import generate_resumable
@@ -77,19 +78,19 @@ class RolloutSource(Protocol):
 # ---------------------------------------------------------------------------------------------
 
 class SyncSource:
-    """The trainer's ``collect(step)`` after each push: on-policy batches, as before sources."""
+    """The pipeline's ``collect(loader, step)`` after each push: on-policy batches."""
 
     mode, off_policy = "sync", False
 
-    def __init__(self, collect: Callable[[int], tuple[list[Sample], dict[str, float]]],
-                 retried: Callable[[], int], loader: Any):
-        self._collect, self._retried, self.loader = collect, retried, loader
+    def __init__(self, pipeline: Any, loader: Any):
+        self.pipeline, self.loader = pipeline, loader
+        self._loader_before: Optional[dict] = None
 
     def next_batch(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         self._loader_before = copy.deepcopy(self.loader.state_dict())
-        before = self._retried()
-        samples, metrics = self._collect(step)
-        metrics["rollout/retried_requests"] = self._retried() - before  # after a failure or timeout
+        before = self.pipeline.manager.retried
+        samples, metrics = self.pipeline.collect(self.loader, step)
+        metrics["rollout/retried_requests"] = self.pipeline.manager.retried - before  # after a failure or timeout
         return samples, metrics
 
     @contextlib.contextmanager
@@ -99,7 +100,7 @@ class SyncSource:
     def rewind_batch(self) -> None:
         """The step failed before its push: the loader back where the step started (a
         checkpoint then resumes by redoing the step)."""
-        if getattr(self, "_loader_before", None) is not None:
+        if self._loader_before is not None:
             self.loader.load_state_dict(self._loader_before)
             self._loader_before = None
 
@@ -266,7 +267,7 @@ class OffPolicySource:
             with self.buffer.cond:
                 self.buffer.fail(e)
             return
-        keep = self.ds_give_up is None or len({s.reward for s in samples}) > 1
+        keep = self.ds_give_up is None or group_has_signal([s.reward for s in samples])
         with self.buffer.cond:
             self.buffer.finish(job.group, samples if keep else None, filtered=not keep)
         self._poke_async()
@@ -428,5 +429,23 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
             "routed_experts": routes_state(s.routed_experts)}
 
 
-__all__ = ["MODES", "INTERRUPTS", "RolloutSource", "SyncSource", "OffPolicySource", "SingleTurnRollout", "GroupJob",
+def make_source(cfg: Any, pipeline: Any, records: list[Any], loader: Any, ledger: Optional[Path] = None) -> Any:
+    """The run's source (``rollout.mode``): sync over ``loader``, or an off-policy producer that
+    draws one prompt at a time from its own loader over ``records`` with the pipeline's group
+    rollout (single-turn or agent)."""
+    r = cfg.rollout
+    if r.mode == "sync":
+        return SyncSource(pipeline, loader)
+    ds = cfg.algorithm.dynamic_sampling
+    manager = pipeline.manager
+    return OffPolicySource(
+        mode=r.mode, rollout=pipeline.group_rollout(), loader=PromptLoader(records, 1, cfg.seed, cfg.data.shuffle),
+        records={rec.index: rec for rec in records}, encode=pipeline.prompt_ids, n=r.n_per_prompt,
+        groups_per_batch=cfg.batch.prompts_per_step, max_staleness=r.max_staleness, interrupt=r.interrupt,
+        stale=r.stale_samples, group_seed=lambda step: pipeline.seed_base(step, 0), call_servers=manager.call_all,
+        run=manager.io.run, submit=manager.io.submit,
+        dynamic_sampling_rounds=ds.max_rounds if ds.enabled else None, ledger=ledger)
+
+
+__all__ = ["make_source", "MODES", "INTERRUPTS", "RolloutSource", "SyncSource", "OffPolicySource", "SingleTurnRollout", "GroupJob",
            "GroupRollout", "SourceClosed"]

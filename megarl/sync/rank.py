@@ -1,9 +1,9 @@
-"""Worker side of a weight push: what each actor rank runs (called through `WorkerGroup.call`).
+"""Worker side of a weight push: what each actor rank runs (through its named methods).
 
 The driver opens the weight-update session on every server (`megarl.sync.session`) and calls
-`push_from_rank` on every actor rank; each pipeline stage's sender (`megarl.sync.stage`: one update
+`push_weights` on every actor rank, which runs its `RankSender`; each pipeline stage's sender (`megarl.sync.stage`: one update
 group per stage) streams buckets through its own `WeightPusher`, the other ranks take part in the
-all-gathers and send their experts to it. `push_to_server` does the same for one server alone
+all-gathers and send their experts to it. `RankSender.push_to_server` does the same for one server alone
 through a fresh, short-lived update group (a restarted server: `megarl.rollout.healing`).
 """
 from __future__ import annotations
@@ -62,14 +62,77 @@ def run_transport(cfg: Any) -> str:
     return resolve_transport(cfg.sync.transport, cfg.cluster.device, same_gpu)
 
 
-def push_from_rank(worker: Any, target: PushTarget, version: str) -> dict[str, Any]:
-    """Runs on every actor rank: stream HF-named weights bucket by bucket to all servers.
-    The pusher (and its stage's update group) is created on the first push and reused."""
-    if target.transport == "tensor" and target.ipc_groups:
-        return _push_colocated(worker, target, version)
-    if not hasattr(worker, "_pusher"):
-        worker._pusher = _stage_pusher(target, sender_group_name()) if is_sender_rank() else None
-    return _stage_push(worker, worker._pusher, target, version)
+class RankSender:
+    """One actor rank's side of every weight push of a run, kept between pushes: its stage's
+    pusher (whose update group is made on the first push) or, colocated, its IPC fan-in (whose
+    process groups are made once: ``new_group`` is collective). A worker holds one in a field and
+    calls it from its named methods (``push_weights``, ``push_to_server``, ``close_pusher``)."""
+
+    def __init__(self) -> None:
+        self.pusher: Optional[WeightPusher] = None
+        self.fan: Any = None
+
+    def push(self, chunks: list, target: PushTarget, version: str) -> dict[str, Any]:
+        """Stream HF-named weights bucket by bucket to all servers (every rank takes part)."""
+        if target.transport == "tensor" and target.ipc_groups:
+            return self._push_colocated(chunks, target, version)
+        if self.pusher is None and is_sender_rank():
+            self.pusher = _stage_pusher(target, sender_group_name())
+        return _stage_push(chunks, self.pusher, target, version)
+
+    def push_to_server(self, chunks: list, target: PushTarget, version: str, server: int, tag: str) -> dict[str, Any]:
+        """The current weights to server ``server`` alone (e.g. restarted, at a new URL in
+        ``target.urls``), through a fresh update group per stage named with ``tag``, left again
+        afterwards. The run's regular pusher is not touched (the driver drops it when a server's
+        URL changed: :meth:`close`)."""
+        if target.transport == "tensor" and target.ipc_groups:
+            return self._push_colocated(chunks, target, version, only=server)
+        sub = replace(target, urls=(target.urls[server],), server_tp_sizes=(target.server_tp_sizes[server],))
+        pusher = _stage_pusher(sub, f"{sender_group_name()}_{tag}") if is_sender_rank() else None
+        try:
+            return _stage_push(chunks, pusher, sub, version)
+        finally:
+            if pusher is not None:
+                pusher.close()
+
+    def close(self) -> None:
+        """Leave the update groups and close the HTTP sessions of this rank's pusher (unclosed
+        aiohttp sessions warn at exit); the next push makes a new one."""
+        if self.pusher is not None:
+            self.pusher.close()
+        self.pusher = None
+
+    def _push_colocated(self, chunks: list, target: PushTarget, version: str,
+                        only: Optional[int] = None) -> dict[str, Any]:
+        """Every rank streams the whole model; each server's first rank posts its TP ranks'
+        handles. ``only``: to that server alone, with a one-off pusher (the others' leaders post
+        nothing but still gather, as every bucket's gather is collective within each server's group)."""
+        from .colocated import IpcFanIn, iter_hf_weights_everywhere
+
+        if self.fan is None:
+            self.fan = IpcFanIn(target.ipc_groups)
+        fan = self.fan
+
+        def pusher_for(server: Optional[int]) -> WeightPusher:
+            mine = fan.server is not None and fan.leader and (server is None or fan.server == server)
+            return WeightPusher(
+                [target.urls[fan.server]] if mine else [], transport="tensor", bucket_mb=target.bucket_mb,
+                server_tp_sizes=[target.server_tp_sizes[fan.server]] if mine else [],
+                send_checksums=target.verify_checksum, api_key=target.api_key, timeout_s=target.timeout_s,
+                known_names=target.known_names, tensor_payloads=fan.payloads)
+
+        if only is None and self.pusher is None:
+            self.pusher = pusher_for(None)
+        pusher = self.pusher if only is None else pusher_for(only)
+        try:
+            stats = pusher.push(iter_hf_weights_everywhere(chunks), weight_version=version)
+            fan.barrier()
+        finally:
+            if only is not None:
+                pusher.close()
+        if not fan.leader:
+            return {}
+        return dict(stats.as_dict(), group=f"ipc_server{fan.server}", master=None, servers=len(pusher.servers))
 
 
 def _stage_pusher(target: PushTarget, group_name: str) -> WeightPusher:
@@ -92,10 +155,10 @@ def _stage_pusher(target: PushTarget, group_name: str) -> WeightPusher:
     return pusher
 
 
-def _stage_push(worker: Any, pusher: Optional[WeightPusher], target: PushTarget, version: str) -> dict[str, Any]:
+def _stage_push(chunks: list, pusher: Optional[WeightPusher], target: PushTarget, version: str) -> dict[str, Any]:
     """Every rank walks its stage's stream; the sender pushes it. Errors name stage and group."""
     try:
-        stats = push_megatron(worker.chunks, None, pusher, weight_version=version, bucket_mb=target.bucket_mb)
+        stats = push_megatron(chunks, None, pusher, weight_version=version, bucket_mb=target.bucket_mb)
     except Exception as e:
         name = pusher.group_name if pusher is not None else sender_group_name()
         raise SyncError(f"{_where(name)}: {type(e).__name__}: {e}") from e
@@ -105,22 +168,6 @@ def _stage_push(worker: Any, pusher: Optional[WeightPusher], target: PushTarget,
     out.update(group=pusher.group_name, master=f"{pusher.master_address}:{pusher.master_port_used}"
                if pusher.transport == "distributed" else None, servers=len(pusher.servers))
     return out
-
-
-def push_to_server(worker: Any, target: PushTarget, version: str, server: int, tag: str) -> dict[str, Any]:
-    """Runs on every actor rank: the current weights to server `server` alone (e.g. restarted,
-    at a new URL in `target.urls`), through a fresh update group per stage named with `tag`, left
-    again afterwards. The run's regular pushers are not touched (the driver drops them when a
-    server's URL changed: `close_pusher`)."""
-    if target.transport == "tensor" and target.ipc_groups:
-        return _push_colocated(worker, target, version, only=server)
-    sub = replace(target, urls=(target.urls[server],), server_tp_sizes=(target.server_tp_sizes[server],))
-    pusher = _stage_pusher(sub, f"{sender_group_name()}_{tag}") if is_sender_rank() else None
-    try:
-        return _stage_push(worker, pusher, sub, version)
-    finally:
-        if pusher is not None:
-            pusher.close()
 
 
 def _where(group_name: str) -> str:
@@ -136,44 +183,3 @@ def _pipeline_stages() -> int:
     from megatron.core import parallel_state as mpu
 
     return mpu.get_pipeline_model_parallel_world_size()
-
-
-def _push_colocated(worker: Any, target: PushTarget, version: str, only: Optional[int] = None) -> dict[str, Any]:
-    """Every rank streams the whole model; each server's first rank posts its TP ranks' handles.
-    `only`: to that server alone, with a one-off pusher (the others' leaders post nothing but
-    still gather, as every bucket's gather is collective within each server's group)."""
-    from .colocated import IpcFanIn, iter_hf_weights_everywhere
-
-    if not hasattr(worker, "_fan"):
-        worker._fan = IpcFanIn(target.ipc_groups)   # new_group is collective: made once per run
-    fan = worker._fan
-
-    def pusher_for(server: Optional[int]) -> WeightPusher:
-        mine = fan.server is not None and fan.leader and (server is None or fan.server == server)
-        return WeightPusher(
-            [target.urls[fan.server]] if mine else [], transport="tensor", bucket_mb=target.bucket_mb,
-            server_tp_sizes=[target.server_tp_sizes[fan.server]] if mine else [],
-            send_checksums=target.verify_checksum, api_key=target.api_key, timeout_s=target.timeout_s,
-            known_names=target.known_names, tensor_payloads=fan.payloads)
-
-    if only is None and getattr(worker, "_pusher", None) is None:
-        worker._pusher = pusher_for(None)
-    pusher = worker._pusher if only is None else pusher_for(only)
-    try:
-        stats = pusher.push(iter_hf_weights_everywhere(worker.chunks), weight_version=version)
-        fan.barrier()
-    finally:
-        if only is not None:
-            pusher.close()
-    if not fan.leader:
-        return {}
-    return dict(stats.as_dict(), group=f"ipc_server{fan.server}", master=None, servers=len(pusher.servers))
-
-
-def close_pusher(worker: Any) -> None:
-    """Runs on every actor rank before shutdown: leave the update groups and close the HTTP
-    sessions of this rank's pusher (unclosed aiohttp sessions warn at exit)."""
-    pusher = getattr(worker, "_pusher", None)
-    if pusher is not None:
-        pusher.close()
-    worker.__dict__.pop("_pusher", None)

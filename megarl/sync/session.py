@@ -9,7 +9,7 @@ stream, and closes it -- also when a rank failed, so the servers are left usable
 that ended the push is the one reported.
 
     with weight_update_session(urls, api_key=key):
-        actor_group.call("call", push_from_rank, target, version)
+        actor_group.call("push_weights", target, version)
 """
 from __future__ import annotations
 

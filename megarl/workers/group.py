@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from megarl.algos import LossSettings
 from megarl.config import max_sequence_len
 from megarl.data.batch import TokenBatch
 from megarl.data.packing import ShardPlan, StratifiedMinibatches, plan_ranges, plan_shards, stratified_minibatches
@@ -168,12 +169,13 @@ class WorkerGroup:
         return out
 
     def train(self, batch: TokenBatch, minibatches: "Minibatches", denominators: list[dict[str, float]],
-              algo: dict[str, Any], fields: tuple[str, ...]) -> dict[str, float]:
+              loss: Optional[LossSettings], fields: tuple[str, ...], pairs: bool = False) -> dict[str, float]:
         """One optimizer step per mini-batch (sample indices of ``batch``, or :meth:`minibatches`,
-        whose shards are views); metrics merged over ranks."""
-        plan = self.plan(batch, minibatches)
+        whose shards are views) with the role's loss; metrics merged over ranks. ``pairs``: the
+        reward model's (chosen, rejected) sequence pairs, kept in one micro-batch."""
+        plan = self.plan(batch, minibatches, pairs=pairs)
         shards = make_shards(batch, plan, fields, denominators)
-        return self.reduce_metrics(self.call_sharded("train", shards, algo))
+        return self.reduce_metrics(self.call_sharded("train_batch", shards, loss))
 
     def reduce_metrics(self, per_rank: list[dict[str, float]]) -> dict[str, float]:
         """Add ``*_sum`` metrics over output ranks (they carry global denominators), average the rest;

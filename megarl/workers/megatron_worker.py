@@ -30,10 +30,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from megarl.models.builder import unwrap
+from megarl.algos import LossSettings, PolicyLossConfig, entropy_bonus, get_policy_loss, kl_loss, value_loss
 from megarl.data.batch import TokenBatch
+from megarl.sync.rank import PushTarget, RankSender
 from megarl.workers.batch import MicroInputs, common_shape, micro_inputs
 from megarl.workers.dispatch import Shard
-from megarl.workers.routing import routing_flags, set_batch_routes, trainer_fp32_lm_head
+from megarl.workers.hf_export import write_hf_shard
+from megarl.workers.routing import collect_routing_stats, routing_flags, set_batch_routes, trainer_fp32_lm_head
 from megarl.workers.vocab_parallel import logprobs_and_entropy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,6 +65,7 @@ class MegatronWorker:
         self.optimizer = None
         self.scheduler = None
         self.steps = 0
+        self.sender = RankSender()     # this rank's weight pushes (actor): pusher / IPC fan-in between pushes
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> dict[str, Any]:
@@ -278,25 +282,28 @@ class MegatronWorker:
         return {per: out}
 
     # ------------------------------------------------------------------ training
-    def train(self, shard: Any, algo: dict[str, Any]) -> dict[str, float]:
-        """One pass of optimizer steps, one per mini-batch of the shard (with its global denominators)."""
+    def train_batch(self, shard: Any, loss: Optional[LossSettings] = None) -> dict[str, float]:
+        """One pass of optimizer steps, one per mini-batch of the shard (with its global
+        denominators), with this role's loss: the policy loss (actor), the value loss (critic) or
+        the pairwise Bradley-Terry loss (reward model). Metrics named ``*_sum`` carry global
+        denominators and add up over micro-batches; the rest are averaged."""
         from megatron.core import parallel_state as mpu
 
         for chunk in self.chunks:
             chunk.train()
         shard = Shard.from_payload(shard)
         dp = mpu.get_data_parallel_world_size()
-        totals: dict[str, float] = {}   # "*_sum" metrics: add up over micro-batches (global denominators)
+        loss_fn = self._role_loss()
+        totals: dict[str, float] = {}
         means: dict[str, list[float]] = {}
         minibatches = shard.minibatches()
         device = self._device()
-        loss_fn = self._critic_loss if self.spec.value_head else self._actor_loss
         for micro, denom in zip(minibatches, shard.denominators):
             scale = len(micro) * dp
 
             def per_output(out, mi, _denom=denom, _scale=scale):
-                loss, metrics = loss_fn(out, mi, _denom, algo)
-                return loss * _scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
+                value, metrics = loss_fn(out, mi, _denom, loss)
+                return value * _scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
 
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
@@ -319,82 +326,54 @@ class MegatronWorker:
         # The group adds "*_sum" metrics over data-parallel output ranks and averages the rest.
         return out if self._is_output_rank() else {}
 
-    def train_reward_model(self, shard: Any) -> dict[str, float]:
+    def _role_loss(self) -> Callable:
+        if self.spec.role == "reward_model":
+            return self._pairwise_loss
+        return self._critic_loss if self.spec.value_head else self._actor_loss
+
+    def _pairwise_loss(self, output: torch.Tensor, mi: MicroInputs, denom: dict[str, float], _: Any = None):
         """Bradley-Terry (Ouyang et al. 2022, InstructGPT eq. 1): ``-log sigmoid(r_chosen - r_rejected)``,
         averaged over the pairs of each mini-batch. The shard holds pair ``i`` as sequences ``2i``
         (chosen) and ``2i + 1`` (rejected); its micro-batches are cut along pairs so a pair is always
-        scored in one forward; ``denominators[k]["num_pairs"]`` is mini-batch k's global pair count."""
-        from megatron.core import parallel_state as mpu
+        scored in one forward; ``denom["num_pairs"]`` is the mini-batch's global pair count."""
+        n = float(denom["num_pairs"])
+        scores = self._last_token_values(output, mi)
+        margin = scores[0::2] - scores[1::2]
+        loss = -torch.nn.functional.logsigmoid(margin).sum() / n
+        return loss, {"loss_sum": loss.detach(), "accuracy_sum": (margin > 0).float().sum() / n,
+                      "margin_sum": margin.detach().sum() / n}
 
-        for chunk in self.chunks:
-            chunk.train()
-        shard = Shard.from_payload(shard)
-        dp = mpu.get_data_parallel_world_size()
-        totals: dict[str, float] = {}
-        grad_norms = []
-        minibatches = shard.minibatches()
-        for micro, denom in zip(minibatches, shard.denominators):
-            scale = len(micro) * dp
-            num_pairs = float(denom["num_pairs"])
-
-            def per_output(out, mi, _n=num_pairs, _scale=scale):
-                scores = self._last_token_values(out, mi)
-                margin = scores[0::2] - scores[1::2]
-                loss = -torch.nn.functional.logsigmoid(margin).sum() / _n
-                metrics = {"loss_sum": loss.detach(), "accuracy_sum": (margin > 0).float().sum() / _n,
-                           "margin_sum": margin.detach().sum() / _n}
-                return loss * _scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
-
-            for chunk in self.chunks:
-                chunk.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            outputs = self._run_schedule(self._inputs(micro, self._device()), per_output, forward_only=False)
-            _, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=1)
-            self.steps += 1
-            grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
-            for metrics in outputs:
-                for k, v in metrics.items():
-                    totals[k] = totals.get(k, 0.0) + float(v) / len(minibatches)
-        out = dict(totals, grad_norm=sum(grad_norms) / max(1, len(grad_norms)), lr=self.optimizer.param_groups[0]["lr"])
-        return out if self._is_output_rank() else {}
-
-    def _actor_loss(self, output: torch.Tensor, mi: MicroInputs, denom: dict[str, float], algo: dict[str, Any]):
-        from megarl.algos import PolicyLossConfig, entropy_bonus, get_policy_loss, kl_loss
-
-        need_entropy = algo["entropy_coef"] != 0.0
+    def _actor_loss(self, output: torch.Tensor, mi: MicroInputs, denom: dict[str, float], settings: LossSettings):
         logprobs, entropy = self._token_outputs(output, mi, with_entropy=True)
         fields = mi.batch.token_fields
         dev = logprobs.device
         mask = mi.loss_mask.to(dev)   # model tokens only: environment tokens of agent trajectories are not trained on
         agg = dict(num_tokens=denom["num_tokens"], num_seqs=denom["num_seqs"])
-        pcfg = PolicyLossConfig(**algo["policy_loss_cfg"])
+        pcfg: PolicyLossConfig = settings.policy
         rollout_lp = mi.padded("rollout_logprobs").to(dev) if "rollout_logprobs" in fields else None
-        pg_loss, metrics = get_policy_loss(algo["policy_loss"])(
+        pg_loss, metrics = get_policy_loss(settings.policy_loss)(
             logprobs, mi.padded("old_logprobs").to(dev), mi.padded("advantages").to(dev), mask, pcfg,
             rollout_logprobs=rollout_lp, **agg)
         loss = pg_loss
         out = {f"actor/{k}": v for k, v in metrics.items()}
         out["actor/pg_loss_sum"] = pg_loss.detach()
-        if algo["kl_loss_coef"] and "ref_logprobs" in fields:
-            kl = kl_loss(logprobs, mi.padded("ref_logprobs").to(dev), mask, algo["kl_estimator"],
+        if settings.kl_loss_coef and "ref_logprobs" in fields:
+            kl = kl_loss(logprobs, mi.padded("ref_logprobs").to(dev), mask, settings.kl_estimator,
                          agg_mode=pcfg.agg_mode, **agg)
-            loss = loss + algo["kl_loss_coef"] * kl
+            loss = loss + settings.kl_loss_coef * kl
             out["actor/kl_loss_sum"] = kl.detach()
         ent = entropy_bonus(entropy, mask, pcfg.agg_mode, **agg)
         out["actor/entropy_sum"] = ent.detach()
-        if need_entropy:
-            loss = loss - algo["entropy_coef"] * ent
+        if settings.entropy_coef != 0.0:
+            loss = loss - settings.entropy_coef * ent
         out["actor/loss_sum"] = loss.detach()
         return loss, out
 
-    def _critic_loss(self, output: torch.Tensor, mi: MicroInputs, denom: dict[str, float], algo: dict[str, Any]):
-        from megarl.algos import value_loss
-
+    def _critic_loss(self, output: torch.Tensor, mi: MicroInputs, denom: dict[str, float], settings: LossSettings):
         values, _ = self._token_outputs(output, mi, with_entropy=False)
         dev = values.device
         loss, metrics = value_loss(values, mi.padded("old_values").to(dev), mi.padded("returns").to(dev),
-                                   mi.loss_mask.to(dev), clip_range=algo["value_clip"], agg_mode=algo["agg_mode"],
+                                   mi.loss_mask.to(dev), clip_range=settings.value_clip, agg_mode=settings.agg_mode,
                                    num_tokens=denom["num_tokens"], num_seqs=denom["num_seqs"])
         out = {f"critic/{k}": v for k, v in metrics.items()}
         out["critic/vf_loss_sum"] = loss.detach()
@@ -410,8 +389,31 @@ class MegatronWorker:
         """Full HF-named tensors this rank yields (tests, export of small models)."""
         return {name: t.cpu().clone() for name, t in self.iter_hf_weights()}
 
-    def call(self, fn: Callable, *args, **kwargs):
-        """Run ``fn(worker, *args)`` on this rank (weight sync and other plug-ins)."""
+    def export_hf(self, out_dir: str) -> dict[str, str]:
+        """Write the HF tensors this rank owns into its own safetensors file in ``out_dir``;
+        returns {name: file} for the index (empty on ranks that own none)."""
+        return write_hf_shard(self.iter_hf_weights(), out_dir, self.spec.rank)
+
+    def push_weights(self, target: PushTarget, version: str) -> dict[str, Any]:
+        """Every actor rank: this rank's part of one weight push to all servers (the driver holds
+        the weight-update session around it)."""
+        return self.sender.push(self.chunks, target, version)
+
+    def push_to_server(self, target: PushTarget, version: str, server: int, tag: str) -> dict[str, Any]:
+        """Every actor rank: the current weights to one (restarted) server alone."""
+        return self.sender.push_to_server(self.chunks, target, version, server, tag)
+
+    def close_pusher(self) -> None:
+        """Leave the weight-update groups (before shutdown, or when a server's URL changed)."""
+        self.sender.close()
+
+    def routing_stats(self) -> dict[int, list[float]]:
+        """MoE: this rank's per-layer router agreement counters since the last call."""
+        return collect_routing_stats(self.chunks)
+
+    def probe(self, fn: Callable, *args, **kwargs):
+        """Run ``fn(worker, *args)`` on this rank and return its result: a diagnostic hook for
+        tests and debugging sessions (megarl itself calls only named methods)."""
         return fn(self, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints

@@ -18,7 +18,8 @@ import torch
 
 from megarl.models.routing_replay import set_routes, take_stats
 
-ROUTES_KEY = "routed_experts"
+from megarl.data.batch import ROUTES_KEY
+
 
 
 def trainer_fp32_lm_head(cfg: Any) -> bool:
@@ -64,15 +65,15 @@ def set_batch_routes(model: torch.nn.Module, mi: Any, replay: bool, measure: boo
     set_routes(model, batch_rows_routes(mi), shape, replay, measure, _seq_slice(shape[1]) if seq_parallel else None)
 
 
-def collect_routing_stats(worker: Any) -> dict[int, list[float]]:
-    """``worker.call`` target: this rank's per-layer routing counters (empty on ranks whose tokens
-    another rank already counted)."""
+def collect_routing_stats(chunks: list) -> dict[int, list[float]]:
+    """This rank's per-layer routing counters (empty on ranks whose tokens another rank already
+    counted)."""
     from megatron.core import parallel_state as mpu
 
     stats: dict[int, list[float]] = {}
-    for chunk in worker.chunks:
+    for chunk in chunks:
         stats.update(take_stats(chunk))
-    seq_parallel = bool(worker.chunks and getattr(worker.chunks[0].config, "sequence_parallel", False))
+    seq_parallel = bool(chunks and getattr(chunks[0].config, "sequence_parallel", False))
     if mpu.get_tensor_model_parallel_rank() != 0 and not seq_parallel:
         return {}
     return stats
