@@ -4,11 +4,11 @@ Full mode runs the real trainer (backend ``local``: Megatron actor in-process, e
 server as a child process, weights pushed every step) and prints one JSON line with the phase
 times of the steps after the first (which pays graph capture and compilation).
 
-``--rollout-only`` runs just the trainer's rollout phase (`Trainer.collect`: the same prompts,
+``--rollout-only`` runs just the trainer's rollout phase (`RolloutPipeline.collect`: the same prompts,
 chat template, per-sample seeds, sampling and reward as in the loop) against two servers started
 with the trainer's own flags, alternating between them step by step so both see the same load:
   * "after": this checkout's server and the batched manager;
-  * "before": one request per sample (``RolloutManager(per_sample=True)``) to a server without
+  * "before": one request per sample (``tests/helpers/per_sample.py``) to a server without
     prefix sharing (``--disable-radix-cache``), or, with ``--baseline-code DIR``, to the server of
     another checkout (e.g. ``git worktree add /tmp/main main``: the code before issue 18).
 Both modes draw the same prompts with the same seeds; the line says whether their tokens agreed.
@@ -159,9 +159,17 @@ class _Server:
             return None
 
 
+class _UrlsOnly:
+    """Servers this benchmark started itself, as the trainer's pipeline sees them."""
+
+    def __init__(self, urls: list[str]):
+        self.urls, self.api_key, self.restartable = urls, None, False
+
+
 def rollout_only(args: argparse.Namespace, cfg: Any) -> dict:
     from megarl.rollout.manager import RolloutManager
     from megarl.trainer import Trainer
+    from tests.helpers.per_sample import PerSampleManager
 
     trainer = Trainer(cfg)
     trainer.setup_data()
@@ -174,26 +182,24 @@ def rollout_only(args: argparse.Namespace, cfg: Any) -> dict:
                                  logs / "server_before.log", 1)}
     for s in servers.values():
         s.wait()
-    managers = {k: RolloutManager([s.url], max_concurrency=r.max_running_requests, timeout_s=r.request_timeout_s,
-                                  per_sample=(k == "before")) for k, s in servers.items()}
+    managers = {k: (PerSampleManager if k == "before" else RolloutManager)(
+        [s.url], max_concurrency=r.max_running_requests, timeout_s=r.request_timeout_s) for k, s in servers.items()}
     modes = ("before", "after")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     agree = True
 
-    class _Urls:
-        urls = [servers["after"].url]
-        api_key = None
-    trainer.servers = _Urls()
+    trainer.setup_rollout(_UrlsOnly([servers["after"].url]))   # the trainer's pipeline; managers swapped per mode
+    trainer.rollout.manager.close()
     try:
         for rep in range(args.steps + 1):                  # rep 0: warm-up (graph capture), not timed
             state = trainer.loader.state_dict()
             outs = {}
             for mode in (modes if rep % 2 else modes[::-1]):
                 trainer.loader.load_state_dict(state)
-                trainer._manager = managers[mode]
+                trainer.rollout.manager = managers[mode]
                 cpu0 = servers[mode].cpu_s()
                 t0 = time.perf_counter()
-                samples, _ = trainer.collect(rep)
+                samples, _ = trainer.rollout.collect(trainer.loader, rep)
                 wall = time.perf_counter() - t0
                 cpu1 = servers[mode].cpu_s()
                 tokens = sum(len(s.response_ids) for s in samples)
@@ -239,7 +245,8 @@ def rollout_only(args: argparse.Namespace, cfg: Any) -> dict:
 
 def full(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> dict:
     from megarl.config import load_config
-    from megarl.trainer import Trainer, latest_checkpoint
+    from megarl.checkpoint.manager import latest_checkpoint
+    from megarl.trainer import Trainer
 
     t0 = time.time()
     trainer = Trainer(cfg)

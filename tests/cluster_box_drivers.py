@@ -100,7 +100,7 @@ def worker_group(args: dict[str, Any]) -> dict[str, Any]:
                         placement_group=groups["actor"], share=0.9)
     try:
         group.call("setup")
-        ranks = group.call("call", _rank_facts)
+        ranks = group.call("probe", _rank_facts)
         sequences = [[1, 20, 300, 4000, 50, 6, 70], [9, 8, 7, 600, 5000], [11, 12, 13, 14, 15, 16]]
         prompt_lens = [3, 2, 4]
         batch = TokenBatch.from_sequences([s[:n] for s, n in zip(sequences, prompt_lens)],
@@ -195,8 +195,8 @@ def train(args: dict[str, Any]) -> dict[str, Any]:
         def setup(self) -> None:
             super().setup()
             facts["servers"] = self.server_facts()
-            facts["ranks"] = self.groups["actor"].call("call", drivers._rank_where)
-            facts["sync_groups"] = [list(g) for g in self.sync_groups]
+            facts["ranks"] = self.groups["actor"].call("probe", drivers._rank_where)
+            facts["sync_groups"] = [list(g) for g in self.weights.groups]
 
         def server_facts(self) -> list[dict[str, Any]]:
             out = []
@@ -205,13 +205,19 @@ def train(args: dict[str, Any]) -> dict[str, Any]:
                 out.append({"url": url, "tp": tp, "pid": pid, "netns": _netns_of(pid)})
             return out
 
-        def _push_weights(self, version: str = "init") -> dict[str, float]:
-            if args.get("record_ipc") and not hasattr(self, "_recording"):
-                self._recording = self.groups["actor"].call("call", drivers._record_ipc)
-            out = super()._push_weights(version)
-            if args.get("record_ipc"):
-                facts["ipc"].extend(e for per_rank in self.groups["actor"].call("call", drivers._ipc_seen) for e in per_rank)
-            return out
+        def setup_rollout(self, servers) -> None:
+            super().setup_rollout(servers)
+            collect = self.rollout.collect
+            self.rollout.collect = lambda loader, step: self.collect_and_kill(collect, loader, step)
+            if args.get("record_ipc"):   # every push records what the ranks posted
+                actor, push = self.groups["actor"], self.weights.push
+                actor.call("probe", drivers._record_ipc)
+
+                def recorded(version: str) -> dict[str, float]:
+                    out = push(version)
+                    facts["ipc"].extend(e for per_rank in actor.call("probe", drivers._ipc_seen) for e in per_rank)
+                    return out
+                self.weights.push = recorded
 
         def probe_servers(self) -> list[dict[str, Any]]:
             io = LoopThread()
@@ -228,26 +234,27 @@ def train(args: dict[str, Any]) -> dict[str, Any]:
         def kill_when_busy(self, server: int, pid: int) -> None:
             deadline = time.time() + 120
             while time.time() < deadline:
-                manager = getattr(self, "_manager", None)
-                if manager is not None and manager.outstanding[server] > 0:
+                manager = self.rollout.manager
+                if manager.outstanding[server] > 0:
                     os.kill(pid, signal.SIGKILL)
                     facts["killed"] = {"server": server, "pid": pid, "in_flight": manager.outstanding[server]}
                     return
                 time.sleep(0.001)
 
-        def collect(self, step: int):
+
+        def collect_and_kill(self, collect, loader, step: int):
             killer = None
             if kill and step == kill["step"]:
                 killer = threading.Thread(target=self.kill_when_busy,
                                           args=(kill["server"], self.servers.pid(kill["server"])), daemon=True)
                 killer.start()
             try:
-                return super().collect(step)
+                return collect(loader, step)
             finally:
                 if killer is not None:
                     killer.join(5)
                     facts["after_kill"] = {"servers": self.server_facts(), "probe": self.probe_servers(),
-                                           "version": self._weight_version}
+                                           "version": self.weights.version}
 
     t0 = time.time()
     results = Observed(cfg).run()

@@ -22,7 +22,7 @@ import torch
 from megarl.data.batch import LOSS_MASK
 from megarl.data.records import PromptRecord
 from megarl.rollout.agent import AgentRollout, AgentSettings, agent_metrics
-from megarl.trainer import token_batch
+from megarl.rollout.sample import token_batch
 from megarl.workers.batch import packed_inputs, padded_inputs
 from tests.helpers.agent import ScriptedServer
 

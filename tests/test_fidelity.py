@@ -45,30 +45,31 @@ def test_mean_abs_diff_ignores_padding():
     assert mean == pytest.approx((0.1 + 0.2 + 0.5) / 3) and worst == pytest.approx(0.5)
 
 
-def test_step0_report_names_the_floor_and_raises_only_above_the_bound(tmp_path, capsys):
-    from megarl.config import load_config
-    from megarl.trainer import LogprobMismatch, Trainer
-    from tests.helpers.runs import DEFAULT
+def test_step0_report_names_the_floor_and_raises_only_above_the_bound():
+    from megarl.algos.fidelity import LogprobMismatch, rollout_logprob_check
 
-    cfg = load_config(DEFAULT, [f"output_dir={tmp_path}", "cluster.device=cuda", "cluster.gpus_per_node=1",
-                                "model.dtype=bfloat16", "rollout.gpus=1", "cluster.backend=local"])
-    trainer = Trainer(cfg)
+    bound = logprob_bound("bfloat16", "bfloat16")
     g = torch.Generator().manual_seed(0)
     ref = -torch.rand(4, 50, generator=g) * 3
     noise = ref + torch.randn(4, 50, generator=g) * 0.045  # mean |diff| ~ 0.036, the measured bf16 engine/megatron gap
-    out = trainer._check_logprobs(0, noise.flatten(), ref.flatten())
+    out, report = rollout_logprob_check(0, noise.flatten(), ref.flatten(), None, bound)
     assert 0.02 < out["rollout/logprob_diff_mean"] < 0.05
-    assert out["rollout/logprob_diff_bound"] == pytest.approx(logprob_bound("bfloat16", "bfloat16").bound)
+    assert out["rollout/logprob_diff_bound"] == pytest.approx(bound.bound)
     assert out["rollout/logprob_noise_floor"] == pytest.approx(noise_floor("bfloat16", "bfloat16"))
-    assert "within the calibrated bound" in capsys.readouterr().err
+    assert "within the calibrated bound" in report
     wrong = ref + torch.randn(4, 50, generator=g)  # order-1 differences: wrong weights
     with pytest.raises(LogprobMismatch, match=r"exceeds the calibrated bound 0\.127 = 3 x noise floor 0\.0424 of "
                                               r"trainer bfloat16 / rollout bfloat16"):
-        trainer._check_logprobs(0, wrong.flatten(), ref.flatten())
-    assert "rollout/logprob_diff_bound" not in trainer._check_logprobs(1, wrong.flatten(), ref.flatten())  # later steps: metrics only
-    cfg.rollout.logprob_diff_bound = 0.01            # an explicit bound wins
+        rollout_logprob_check(0, wrong.flatten(), ref.flatten(), None, bound)
+    later, report = rollout_logprob_check(1, wrong.flatten(), ref.flatten(), None, bound)
+    assert "rollout/logprob_diff_bound" not in later and report is None   # later steps: metrics only
+    explicit = logprob_bound("bfloat16", "bfloat16", 0.01)            # an explicit bound wins
     with pytest.raises(LogprobMismatch, match="rollout.logprob_diff_bound = 0.01"):
-        trainer._check_logprobs(0, noise.flatten(), ref.flatten())
+        rollout_logprob_check(0, noise.flatten(), ref.flatten(), None, explicit)
+    mask = torch.zeros(200)
+    mask[:10] = 1   # only the model's tokens count: the wrong ones are environment tokens here
+    masked, _ = rollout_logprob_check(0, torch.cat([noise.flatten()[:10], wrong.flatten()[10:]]), ref.flatten(), mask, bound)
+    assert masked["rollout/logprob_diff_mean"] < bound.bound
 
 
 # ------------------------------------------------------------------------------------------------

@@ -153,20 +153,25 @@ def _run_with_fault(model, out: Path, fault: str, *overrides: str) -> tuple[dict
         def fault_when_busy(self, pid: int) -> None:
             deadline = time.time() + 120
             while time.time() < deadline:
-                if getattr(self, "_manager", None) is not None and self._manager.outstanding[0] > 0:
+                if self.rollout.manager.outstanding[0] > 0:
                     os.kill(pid, getattr(signal, fault))
-                    facts["fault"] = {"pid": pid, "in_flight": self._manager.outstanding[0]}
+                    facts["fault"] = {"pid": pid, "in_flight": self.rollout.manager.outstanding[0]}
                     return
                 time.sleep(0.001)
 
-        def collect(self, step: int):
+        def setup_rollout(self, servers) -> None:
+            super().setup_rollout(servers)
+            collect = self.rollout.collect
+            self.rollout.collect = lambda loader, step: self.collect_with_fault(collect, loader, step)
+
+        def collect_with_fault(self, collect, loader, step: int):
             if step != 1:
-                return super().collect(step)
+                return collect(loader, step)
             facts["loader_at_step_1"] = json.loads(json.dumps(self.loader.state_dict()))
             t = threading.Thread(target=self.fault_when_busy, args=(self.servers.pid(0),), daemon=True)
             t.start()
             try:
-                return super().collect(step)
+                return collect(loader, step)
             finally:
                 t.join(5)
                 io = LoopThread()

@@ -25,6 +25,7 @@ from megarl.data.packing import (balance, pack_bins, plan_ranges, plan_shards,  
 from megarl.parallel import spawn  # noqa: E402
 from megarl.workers.batch import packed_inputs, padded_inputs  # noqa: E402
 from megarl.workers.dispatch import make_shards, unshard  # noqa: E402
+from megarl.algos import LossSettings, PolicyLossConfig  # noqa: E402
 from megarl.data.packing import denominators, minibatches  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
@@ -278,10 +279,9 @@ def _cfg(hf_dir: str, world: int, layout: dict, packing: bool, value_head: bool 
     return load_config(ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml", over), role
 
 
-ALGO = {"policy_loss": "ppo", "entropy_coef": 0.01, "value_clip": 0.2, "kl_loss_coef": 0.0, "kl_estimator": "k3",
-        "agg_mode": "token-mean",
-        "policy_loss_cfg": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": None, "agg_mode": "token-mean",
-                            "tis_cap": None, "norm_len": 32.0}}
+ALGO = LossSettings(policy_loss="ppo", entropy_coef=0.01, value_clip=0.2, kl_loss_coef=0.0, kl_estimator="k3",
+                    policy=PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip_c=None, agg_mode="token-mean",
+                                            tis_cap=None, norm_len=32.0))
 
 
 def _worker_pass(rank, world, hf_dir, batch, runs, train):
@@ -325,7 +325,7 @@ def _worker_pass(rank, world, hf_dir, batch, runs, train):
             mask = batch.response_mask()
             dens = [{"num_tokens": float(mask.sum()), "num_seqs": float(len(batch))}]
             fields = ("old_values", "returns") if value_head else ("old_logprobs", "advantages", "rollout_logprobs")
-            out["train"] = worker.train(make_shards(batch, plan([list(range(len(batch)))]), fields, dens)[dp_rank],
+            out["train"] = worker.train_batch(make_shards(batch, plan([list(range(len(batch)))]), fields, dens)[dp_rank],
                                         ALGO)
         destroy_model_parallel()
         outs.append(out)
@@ -429,7 +429,7 @@ def _train_epoch(rank, world, hf_dir, batch, strat):
         plan_shards(lengths, strat.minibatches, dp, **budget)
     dens = denominators(batch.response_mask(), strat.minibatches)
     shard = make_shards(batch, plan, ("old_logprobs", "advantages", "rollout_logprobs"), dens)
-    metrics = worker.train(shard[mpu.get_data_parallel_rank()], ALGO)
+    metrics = worker.train_batch(shard[mpu.get_data_parallel_rank()], ALGO)
     sums = {n: (float(p.detach().double().sum()), float(p.detach().double().square().sum()))
             for c in worker.chunks for n, p in c.named_parameters()}
     destroy_model_parallel()

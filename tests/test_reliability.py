@@ -3,6 +3,7 @@ data-parallel rank without samples, and a rollout server that timed out once."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,17 +23,17 @@ def model(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------------------------- keep_last
 
 def _save_steps(cfg, steps: list[int]) -> list[str]:
-    """Trainer.save_checkpoint for each step (no worker roles: only the trainer's own state)."""
+    """The run's checkpoint manager for each step (no worker roles: only the trainer's own state)."""
     from megarl.trainer import Trainer
 
     trainer = Trainer(cfg)
-    trainer.loader = SimpleNamespace(state_dict=lambda: {"epoch": 0})
-    trainer.source = SimpleNamespace(state_dict=lambda: {"loader": {"epoch": 0}})   # what setup() makes
-    trainer.kl_ctl = SimpleNamespace(value=0.0)
+    trainer.checkpoints.register("trainer", trainer.state)
+    trainer.checkpoints.register("rollout_source", SimpleNamespace(state_dict=lambda: {"loader": {"epoch": 0}}))
     for step in steps:
         trainer.state.step = step
         written = trainer.save_checkpoint()
         assert written.is_dir(), f"checkpoint {written} deleted right after it was written"
+        assert json.loads((written / "trainer_state.json").read_text())["step"] == step
     return sorted(p.name for p in trainer.ckpt_dir.glob("step_*"))
 
 
@@ -55,14 +56,11 @@ SEQUENCES = [[1, 20, 300, 4000, 50, 6, 70, 8]]
 PROMPT_LENS = [3]
 
 
-def _algo(cfg) -> dict:
-    """The algorithm settings Trainer.step hands to ``train`` (same fields, from the config)."""
-    a = cfg.algorithm
-    return {"policy_loss": a.policy_loss, "entropy_coef": a.entropy_coef, "value_clip": a.value_clip,
-            "kl_loss_coef": 0.0, "kl_estimator": a.kl.estimator, "agg_mode": a.loss_agg,
-            "policy_loss_cfg": {"clip_low": a.clip_low, "clip_high": a.clip_high, "dual_clip_c": a.dual_clip_c,
-                                "agg_mode": a.loss_agg, "tis_cap": a.tis_cap,
-                                "norm_len": float(cfg.rollout.sampling.max_new_tokens)}}
+def _loss(cfg):
+    """The loss settings Trainer.train hands to the actor (from the config, no KL loss)."""
+    from megarl.algos import LossSettings
+
+    return LossSettings.from_algorithm(cfg.algorithm, cfg.rollout.sampling.max_new_tokens, 0.0)
 
 
 def _params(worker) -> dict[str, torch.Tensor]:
@@ -102,8 +100,8 @@ def _train_one_sample(rank: int, world: int, cfg, out_dir: str) -> dict:
     mask = batch.response_mask()
     batch.token_fields.update(old_logprobs=old, rollout_logprobs=old.clone(),
                               advantages=torch.linspace(-1.0, 1.0, old.numel()))
-    metrics = worker.train(shard([[0]], ("old_logprobs", "rollout_logprobs", "advantages"),
-                                 denominators(mask, [[0]])), _algo(cfg))
+    metrics = worker.train_batch(shard([[0]], ("old_logprobs", "rollout_logprobs", "advantages"),
+                                 denominators(mask, [[0]])), _loss(cfg))
     after = _params(worker)
     moved = max(float((after[k] - before[k]).abs().max()) for k in after)
     torch.save(after, os.path.join(out_dir, f"rank{rank}.pt"))

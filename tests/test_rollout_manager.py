@@ -7,6 +7,7 @@ import pytest
 
 from megarl.rollout.client import sampling_params
 from megarl.rollout.manager import NoServerLeft, RolloutManager
+from tests.helpers.per_sample import PerSampleManager
 from tests.helpers.servers import ServerProcess, free_port, make_tiny_hf_model
 
 
@@ -71,7 +72,7 @@ def test_batched_requests_give_the_per_sample_results(model_dir):
     sample, what one request per sample returns; it sends a few requests instead of one per
     sample, and streams every prompt back exactly once."""
     with ServerProcess(model_dir, extra=["--max-running-requests", "32"]) as s:
-        batched, old = RolloutManager([s.url]), RolloutManager([s.url], per_sample=True)
+        batched, old = RolloutManager([s.url]), PerSampleManager([s.url])
         prompts = [[i + 1, i + 2, i + 3] for i in range(6)] + [[1, 2, 3]]    # a repeated prompt too
         sp = sampling_params(max_new_tokens=8, temperature=1.0)
         try:

@@ -2,7 +2,7 @@
 rollout server as its own process (placement disaggregated), weights pushed every step.
 
 * ``sync`` through its rollout source gives exactly what the loop gave before sources existed
-  (``Trainer.collect`` per step after each push), samples, metrics and checkpoint state alike;
+  (``RolloutPipeline.collect`` per step after each push), samples, metrics and checkpoint state alike;
 * ``one_step_off``: batch k >= 1 comes entirely from version k - 1 (the push waits for the
   generation, nothing is interrupted);
 * ``async`` with ``interrupt: abort``: pushes meet requests in flight, which come back with their
@@ -53,13 +53,18 @@ def comparable(metrics: dict[str, float]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 
 class Recording(Trainer):
-    """Records every batch ``collect`` returns (token ids, logprobs, rewards)."""
+    """Records every batch the pipeline's ``collect`` returns (token ids, logprobs, rewards)."""
 
-    def collect(self, step: int):
-        samples, metrics = super().collect(step)
-        self.batches = getattr(self, "batches", []) + [[(s.group, s.prompt_ids, s.response_ids, s.rollout_logprobs,
-                                                         s.reward, s.finish_reason) for s in samples]]
-        return samples, metrics
+    def setup_rollout(self, servers) -> None:
+        super().setup_rollout(servers)
+        collect, self.batches = self.rollout.collect, []
+
+        def recorded(loader, step: int):
+            samples, metrics = collect(loader, step)
+            self.batches.append([(s.group, s.prompt_ids, s.response_ids, s.rollout_logprobs, s.reward,
+                                  s.finish_reason) for s in samples])
+            return samples, metrics
+        self.rollout.collect = recorded
 
 
 class CollectEachStep:
@@ -73,9 +78,9 @@ class CollectEachStep:
         self.t = trainer
 
     def next_batch(self, step: int) -> tuple[list[Any], dict[str, float]]:
-        retried = self.t._manager.retried if hasattr(self.t, "_manager") else 0
-        samples, metrics = self.t.collect(step)
-        metrics["rollout/retried_requests"] = self.t._manager.retried - retried
+        retried = self.t.rollout.manager.retried
+        samples, metrics = self.t.rollout.collect(self.t.loader, step)
+        metrics["rollout/retried_requests"] = self.t.rollout.manager.retried - retried
         return samples, metrics
 
     @contextlib.contextmanager
@@ -93,7 +98,7 @@ class CollectEachStep:
 
 
 class PreSourceLoop(Recording):
-    def _make_source(self):
+    def make_source(self):
         return CollectEachStep(self)
 
 
@@ -120,8 +125,8 @@ class PushMidGeneration(Trainer):
     """Test instrumentation: a push first waits (up to 30 s) until some group is generating, and
     records whether one was, so that the pause is known to have met requests in flight."""
 
-    def _make_source(self):
-        source = super()._make_source()
+    def make_source(self):
+        source = super().make_source()
         inner = source.weight_update
         self.pushed_mid_generation: list[bool] = []
 

@@ -62,7 +62,7 @@ def _colocated_rank(rank, world, hf_dir, url):
     from megarl.models import build_model, forward_logits, load_hf_weights
     from megarl.parallel import apply_cpu_shim, init_model_parallel
     from megarl.sync.colocated import ipc_groups
-    from megarl.sync.rank import PushTarget, close_pusher, push_from_rank
+    from megarl.sync.rank import PushTarget, RankSender
     from megarl.sync.session import weight_update_session
 
     apply_cpu_shim()
@@ -75,11 +75,7 @@ def _colocated_rank(rank, world, hf_dir, url):
         for p in chunks[0].parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
-    class Worker:  # what push_from_rank needs of a MegatronWorker
-        pass
-
-    worker = Worker()
-    worker.chunks = chunks
+    sender = RankSender()   # what a MegatronWorker holds for its pushes
     target = PushTarget(urls=(url,), server_tp_sizes=(2,), transport="tensor", backend="gloo", bucket_mb=0.05,
                         verify_checksum=None, disk_dir=None, api_key=None, ipc_groups=ipc_groups(1, 2))
     origins = []
@@ -95,9 +91,9 @@ def _colocated_rank(rank, world, hf_dir, url):
         colocated.IpcFanIn.payloads = recording
     with weight_update_session([url]) if rank == 0 else _nothing():
         dist.barrier()
-        stats = push_from_rank(worker, target, "colocated1")
+        stats = sender.push(chunks, target, "colocated1")
         dist.barrier()
-    close_pusher(worker)
+    sender.close()
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
 

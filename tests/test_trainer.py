@@ -112,7 +112,7 @@ def test_step0_fails_loudly_when_rollout_weights_differ(model, tmp_path, monkeyp
     from tests.helpers.models import make_tiny_chat_model
 
     other = make_tiny_chat_model(tmp_path / "other", seed=7)
-    monkeypatch.setattr("megarl.sync.rank.push_from_rank", lambda *a, **k: {})  # a broken sync
+    monkeypatch.setattr("megarl.sync.rank.RankSender.push", lambda *a, **k: {})  # a broken sync
     with ServerProcess(str(other), extra=["--skip-tokenizer-init"]) as server:
         cfg = tiny_run_config(model, tmp_path / "bad", f"rollout.server_urls=[{server.url}]",
                               "trainer.eval_before_after=false")

@@ -93,13 +93,11 @@ def plan_chunks(num_prompts: int, n: int, servers: int, chunks_per_server: int, 
 
 
 class RolloutManager:
-    """``per_sample=True`` sends one request per sample (the behaviour before issue 18), kept as
-    the benchmarks' baseline."""
+    """Batched generation over a fleet of servers, with retries and healing (module doc)."""
 
     def __init__(self, urls: Sequence[str], max_concurrency: int = 64, timeout_s: float = 600.0,
                  request_retries: int = 2, health_timeout_s: float = 10.0, api_key: Optional[str] = None,
-                 healer: Optional[Any] = None, chunks_per_server: int = 4, min_chunk_samples: int = 16,
-                 per_sample: bool = False):
+                 healer: Optional[Any] = None, chunks_per_server: int = 4, min_chunk_samples: int = 16):
         if not urls:
             raise ValueError("RolloutManager needs at least one server URL")
         if request_retries < 0:
@@ -115,7 +113,6 @@ class RolloutManager:
         self.health_timeout_s = health_timeout_s
         self.chunks_per_server = chunks_per_server
         self.min_chunk_samples = min_chunk_samples
-        self.per_sample = per_sample
         self.dead: set[int] = set()
         self.failures: list[str] = []
         self.outstanding: list[int] = [0] * len(self.urls)   # samples in flight per server
@@ -246,21 +243,6 @@ class RolloutManager:
             raise self.fatal
 
     async def _generate_all(self, prompts, n, sampling, seed, emit, routes):
-        if self.per_sample:
-            chunks = [(_Chunk(p, 1, 1), k) for p in range(len(prompts)) for k in range(n)]
-            partial: dict[int, list[Optional[GenerateOutput]]] = {}
-
-            async def one_sample(i: int, c: _Chunk, k: int):
-                params = dict(sampling, n=1)
-                if seed is not None:
-                    params["sampling_seed"] = sample_seed(seed, c.first * n + k)
-                outs = await self._send(i, c, prompts[c.first], params, f"prompt {c.first} sample {k}", routes)
-                slot = partial.setdefault(c.first, [None] * n)
-                slot[k] = outs[0]
-                if all(o is not None for o in slot):
-                    emit((c.first, partial.pop(c.first)))
-            await self._gather(one_sample(i, c, k) for i, (c, k) in enumerate(chunks))
-            return
         live = len(self.urls) - len(self.dead)
         chunks = plan_chunks(len(prompts), n, max(1, live), self.chunks_per_server, self.min_chunk_samples)
 
