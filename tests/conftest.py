@@ -9,6 +9,36 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
+# Test tiers (pytest -m unit | integration | e2e; ARCHITECTURE.md, "Tests"). A file's tier is its
+# heaviest common case; a test marked with a tier itself keeps its own.
+#   unit:        pure functions and in-process objects, seconds
+#   integration: real servers, Ray, torch.distributed ranks, SGLang's own code, sandboxes
+#   e2e:         whole runs (Trainer.run, `megarl train`), SLURM, network-namespace clusters
+TIERS = ("unit", "integration", "e2e")
+UNIT_FILES = {
+    "test_algos_advantages.py", "test_algos_kl_filters.py", "test_algos_losses.py", "test_architecture.py",
+    "test_client_fields.py", "test_config.py", "test_data_rewards.py", "test_reward_pool.py",
+    "test_rollout_source.py", "test_sampling.py", "test_sync_buckets.py",
+}
+E2E_FILES = {
+    "test_agent_train.py", "test_cluster_box.py", "test_cluster_train.py", "test_healing.py", "test_reward_model.py",
+    "test_rollout_modes.py", "test_slurm.py", "test_trainer.py", "test_trainer_moe.py",
+}
+
+
+def tier_of_file(name: str) -> str:
+    return "unit" if name in UNIT_FILES else "e2e" if name in E2E_FILES else "integration"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test gets exactly one tier marker: its own, or its file's."""
+    for item in items:
+        own = [m.name for m in item.iter_markers() if m.name in TIERS]
+        if len(set(own)) > 1:
+            raise pytest.UsageError(f"{item.nodeid}: more than one test tier marker {sorted(set(own))}")
+        if not own:
+            item.add_marker(getattr(pytest.mark, tier_of_file(item.path.name)))
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):

@@ -72,16 +72,39 @@ def _sglang_version(root):
         return None
 
 
-def test_io_struct_import_needs_sglang_runtime():
-    """Documents why we parse instead of import (the --no-deps wheel cannot import io_struct)."""
-    if _sglang_root() is None:
-        pytest.skip("sglang wheel not installed (pip install --no-deps sglang==0.5.23)")
-    try:
-        import sglang.srt.managers.io_struct  # noqa: F401
-        imported = True
-    except Exception:
-        imported = False
-    print(f"io_struct importable without deps: {imported}")
+def test_parsed_fields_are_sglangs_own_request_classes():
+    """The field sets read from io_struct.py's source (what the other tests compare against)
+    equal the fields of SGLang's own request classes, imported by SGLang's runtime in the CPU
+    harness environment (msgspec Structs and dataclasses alike)."""
+    import json
+    import subprocess
+
+    from tests.sglang_cpu.server import sglang_cpu_python
+
+    root = _sglang_root()
+    assert root is not None, "sglang wheel not installed (launch/install.sh installs it)"
+    names = sorted(set(protocol.SGLANG_CLASSES) | set(PINNED_0_5_23))
+    code = ("import dataclasses, json, sys\n"
+            "import tests.sglang_cpu.stubs as stubs; stubs.install()\n"
+            "import sglang.srt.managers.io_struct as io\n"
+            "from sglang.srt.sampling import sampling_params as sp\n"
+            "out = {}\n"
+            "for n in sys.argv[1:]:\n"
+            "    c = getattr(io, n, None) or getattr(sp, n)\n"
+            "    out[n] = sorted(c.__struct_fields__ if hasattr(c, '__struct_fields__') else\n"
+            "                    [f.name for f in dataclasses.fields(c)])\n"
+            "print(json.dumps(out))\n")
+    root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sglang_cpu_python(), "-c", code, *names], capture_output=True, text=True, timeout=300,
+                         cwd=root_dir, env=dict(os.environ, PYTHONPATH=root_dir))
+    assert run.returncode == 0, run.stderr[-2000:]
+    real = json.loads(run.stdout.strip().splitlines()[-1])
+    parsed = _class_fields(os.path.join(root, "srt/managers/io_struct.py"), names)
+    parsed.update(_class_fields(os.path.join(root, "srt/sampling/sampling_params.py"), ["SamplingParams"]))
+    for n in names:
+        if n == "SamplingParams":
+            continue   # a plain class with __init__ parameters, read from its signature elsewhere
+        assert sorted(parsed[n]) == real[n], n
 
 
 def test_protocol_fields_exist_in_installed_sglang():

@@ -289,6 +289,7 @@ def _check_run(results, out: Path):
     assert all(s["sync/bytes"] > 1e5 for s in steps)
 
 
+@pytest.mark.e2e
 def test_grpo_launching_an_sglang_server_distributed(model, tmp_path, monkeypatch):
     """The trainer starts SGLang itself (rollout.server_command), with a generated API key in a
     0600 --config file, and pushes over the distributed transport (TP2 servers: the push test above
@@ -305,6 +306,7 @@ def test_grpo_launching_an_sglang_server_distributed(model, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("transport,tp", [("ipc", 2), ("disk", 1)])
+@pytest.mark.e2e
 def test_grpo_on_running_sglang_servers(model, servers, tmp_path, monkeypatch, transport, tp):
     monkeypatch.setenv("MEGARL_API_KEY", API_KEY)
     server = servers[0] if tp == 1 else servers[1]

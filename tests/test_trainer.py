@@ -163,9 +163,39 @@ def test_sigusr1_checkpoints_after_the_current_step_and_stops(model, tmp_path, m
 
 
 def test_remax_uses_the_greedy_response_as_baseline(model, tmp_path):
+    """Each sample's baseline is the reward of its prompt's greedy answer under the step's weights:
+    checked against transformers' own greedy decoding of the same prompt tokens, scored by the
+    run's reward function."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers.rewards import distinct_token_reward
+
+    class Recording(Trainer):
+        def setup_rollout(self, servers) -> None:
+            super().setup_rollout(servers)
+            baseline = self.rollout.greedy_baseline
+
+            def recorded(samples):
+                out = baseline(samples)
+                self.seen = [(s.group, s.prompt_ids, float(b)) for s, b in zip(samples, out)]
+                return out
+            self.rollout.greedy_baseline = recorded
+
     cfg = tiny_run_config(model, tmp_path / "remax", "algorithm.advantage=remax", "trainer.total_steps=1",
                           "trainer.eval_before_after=false", "checkpoint.export_hf=false")
-    step = Trainer(cfg).run()["steps"][0]
-    # advantages are reward minus the greedy reward of the same prompt (one token-level return)
-    assert step["remax/baseline_reward_mean"] > 0
-    assert abs(step["advantage/mean"]) > 0 and math.isfinite(step["actor/pg_loss"])
+    trainer = Recording(cfg)
+    step = trainer.run()["steps"][0]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model)
+    stop = sorted(set(cfg.rollout.sampling.stop_token_ids) | {tok.eos_token_id})
+    expected = {}
+    for group, prompt_ids, _ in trainer.seen:
+        if group not in expected:
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([prompt_ids]), do_sample=False, eos_token_id=stop, pad_token_id=stop[0],
+                                  max_new_tokens=cfg.rollout.sampling.max_new_tokens)[0, len(prompt_ids):].tolist()
+            expected[group] = distinct_token_reward(tok.decode(out, skip_special_tokens=True), None)
+    assert len(expected) == cfg.batch.prompts_per_step
+    assert [b for _, _, b in trainer.seen] == [pytest.approx(expected[g]) for g, _, _ in trainer.seen]
+    assert step["remax/baseline_reward_mean"] == pytest.approx(sum(b for _, _, b in trainer.seen) / len(trainer.seen))
+    assert math.isfinite(step["actor/pg_loss"])

@@ -3,7 +3,7 @@
 Rollout and trainer compute the same model with different kernels (KV-cached decode vs full
 forward, other GEMM tilings and reduction orders). In bf16 that alone moves token logprobs by a
 few hundredths: measured on SmolLM2-135M-Instruct with its real weights (mean |logprob difference|
-on the same sampled tokens, H200, FACTS.md "bf16 noise floor"):
+on the same sampled tokens, H200; benchmarks/bench_fidelity.py):
 
 * HF bf16 full forward vs HF fp32: 3.1e-2; megatron bf16 (megarl) vs HF fp32: 3.0e-2;
 * megarl's embedded engine (bf16) vs the megatron trainer (bf16): 3.7e-2;
@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 # mean |logprob difference| between an implementation in this dtype and an exact (fp32) one, on
-# real weights: the numbers above (FACTS.md).
+# real weights: the numbers above (benchmarks/bench_fidelity.py).
 NOISE_FLOOR: dict[str, float] = {
     "float32": 1e-5,
     "bfloat16": 3e-2,

@@ -1,4 +1,4 @@
-"""Metric helpers: detached, masked statistics that every step logs (DESIGN.md "The loop").
+"""Metric helpers: detached, masked statistics that every step logs (ARCHITECTURE.md "The loop").
 
 All return 0-dim float tensors (call ``.item()`` when logging) and ignore padded positions. A
 statistic over an empty selection is 0 rather than ``nan``/``inf``, so logs stay finite.

@@ -56,7 +56,7 @@ def smollm2_hf_dir(cache_dir=None) -> pathlib.Path:
         cfg = AutoConfig.from_pretrained(src, gguf_file=name)
         tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
         # from_pretrained(gguf_file=...) needs accelerate and save_pretrained on the GGUF-loaded
-        # model fails (FACTS.md): build from_config and load the dequantised tensors ourselves
+        # model fails (transformers 5.x): build from_config and load the dequantised tensors ourselves
         # (transformers' GGUF reader undoes llama.cpp's q/k permutation).
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         sd = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]

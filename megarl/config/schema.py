@@ -2,7 +2,7 @@
 
 Every field has a type, a default and a one-line help (``metadata["help"]``): recipes are YAML files
 of this tree, ``megarl config RECIPE`` prints it resolved, and the validator walks it. Sections
-mirror the parts of DESIGN.md so a reader can go from a YAML key to the module that consumes it.
+mirror the parts of ARCHITECTURE.md so a reader can go from a YAML key to the module that consumes it.
 """
 from __future__ import annotations
 

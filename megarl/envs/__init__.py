@@ -1,4 +1,4 @@
-"""Multi-turn environments and tools for agentic RL (DESIGN.md ``envs/``): the interface
+"""Multi-turn environments and tools for agentic RL (ARCHITECTURE.md ``envs/``): the interface
 (``base``), registry, tool-call parsers, the tool pool with deadlines, the bubblewrap sandbox and
 the built-in ``calculator``, ``python`` and ``search`` environments. The agent loop that drives
 them lives on the rollout side (``megarl/rollout/agent.py``)."""

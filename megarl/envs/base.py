@@ -1,4 +1,4 @@
-"""The environment interface of agentic RL (DESIGN.md, ``envs/``).
+"""The environment interface of agentic RL (ARCHITECTURE.md, ``envs/``).
 
 An environment holds the state of ONE trajectory: the agent loop makes a fresh instance per
 trajectory, calls ``reset(record)`` once for the opening conversation and the tool schemas, then

@@ -1,7 +1,7 @@
 """Core attention backed by ``torch.nn.functional.scaled_dot_product_attention``.
 
 Drop-in replacement for megatron's local ``DotProductAttention`` (which materialises the full
-[b, np, s, s] score matrix and OOMs at real sizes, FACTS.md). Same constructor and forward
+[b, np, s, s] score matrix and ran out of memory on the H200 at batch 4 x 4096). Same constructor and forward
 signature; works for GQA (``enable_gqa``) and MLA (different q/k and v head sizes via
 ``k_channels`` / ``v_channels``). Layouts follow megatron: inputs ``[s, b, heads, dim]``, output
 ``[s, b, heads * v_dim]``.

@@ -1,7 +1,7 @@
 """CPU shim for megatron-core 0.16.1 (tests / CPU CI only; never applied when CUDA exists).
 
 megatron-core calls CUDA APIs directly in many places. On a machine without a CUDA device
-:func:`apply_cpu_shim` patches, in this process only, the seven things FACTS.md lists
+:func:`apply_cpu_shim` patches, in this process only, the seven things listed below
 (checked against megatron-core 0.16.1's source):
 
 1. RNG tracker: ``torch.cuda.get_rng_state / set_rng_state / manual_seed(_all)`` and

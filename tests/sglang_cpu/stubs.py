@@ -1,6 +1,6 @@
 """Stand-ins for the few SGLang modules that cannot import on this CPU box and are off the path the
 conformance tests check (multimodal image configs that need torchvision, which has no wheel that
-loads beside the CPU torch 2.13 here; see ../shared/FACTS.md).
+loads beside the CPU torch 2.13 here).
 
 Only the modules named in `OFF_PATH` are replaced, by exact name; everything else -- SGLang's HTTP
 app, argument parser, launcher, tokenizer manager, scheduler weight updater, TP worker, model-runner
