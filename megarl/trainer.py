@@ -14,6 +14,7 @@ import json
 import random
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,7 +23,6 @@ import torch
 from megarl.algos import LossSettings, get_advantage_estimator, kl_reward_penalty, make_kl_controller
 from megarl.algos.fidelity import LogprobMismatch, logprob_bound, rollout_logprob_check
 from megarl.algos.metrics import batch_summary
-from megarl.algos.offpolicy import offpolicy_step
 from megarl.checkpoint.hf_export import export_hf_folder
 from megarl.checkpoint.manager import CheckpointManager
 from megarl.config import RunConfig
@@ -33,14 +33,12 @@ from megarl.metrics_log import MetricsLogger, PhaseTimer, note
 from megarl.metrics_sinks import build_sinks
 from megarl.models.routing_replay import agreement_metrics
 from megarl.placement import RunPlacement
-from megarl.rewards import RewardPool, build_reward_fn
 from megarl.rollout.agent import agent_metrics
-from megarl.rollout.healing import RolloutServerLost, ServerHealer
+from megarl.rollout.healing import RolloutServerLost
 from megarl.rollout.launch import RolloutServers, rollout_dtype
-from megarl.rollout.manager import RolloutManager
-from megarl.rollout.pipeline import RolloutPipeline, SampleScorer
+from megarl.rollout.pipeline import RolloutPipeline, build_pipeline
 from megarl.rollout.routed_experts import moe_routing_shape
-from megarl.rollout.sample import Sample, token_batch
+from megarl.rollout.sample import token_batch
 from megarl.rollout.source import make_source
 from megarl.sync.driver import WeightSync
 from megarl.wire.versions import version_tag
@@ -108,27 +106,19 @@ class Trainer:
 
     def setup_rollout(self, servers: RolloutServers) -> None:
         """The rollout pipeline over ``servers`` (restartable ones are healed through the weight sync)."""
-        cfg, r = self.cfg, self.cfg.rollout
         self.servers = servers
-        healer = (ServerHealer(servers, self.weights.push_to_restarted, r.max_restarts)
-                  if servers.restartable and self.weights is not None else None)
-        manager = RolloutManager(servers.urls, max_concurrency=r.max_running_requests, timeout_s=r.request_timeout_s,
-                                 request_retries=r.request_retries, api_key=servers.api_key, healer=healer)
-        pool = RewardPool(build_reward_fn(cfg.reward), cfg.reward.workers, cfg.reward.executor) \
-            if cfg.reward.kind != "model" else None
-        model_scores = (lambda batch: self.groups["reward_model"].forward("compute_scores", batch)["scores"]) \
-            if pool is None else None
-        scorer = SampleScorer(cfg, pool, model_scores, self.tokenizer.eos_token_id)
-        self.rollout = RolloutPipeline(cfg, self.tokenizer, manager, scorer, self.moe_routing)
+        scores = lambda batch: self.groups["reward_model"].forward("compute_scores", batch)["scores"]  # noqa: E731
+        self.rollout = build_pipeline(self.cfg, self.tokenizer, servers, self.moe_routing, scores,
+                                      self.weights.push_to_restarted if self.weights is not None else None)
 
     def setup(self) -> None:
         cfg = self.cfg
         self.setup_data()
-        placement = RunPlacement(cfg)
-        servers = RolloutServers(cfg, self.model_dir, self.out / "logs", placement=placement.servers())
+        placement, started = RunPlacement(cfg), time.time()
+        self.servers = servers = RolloutServers(cfg, self.model_dir, self.out / "logs", placement=placement.servers())
         self.groups = start_roles(cfg, placement)
         servers.wait_healthy()
-        note(f"workers and {len(servers.urls)} rollout server(s) ready")
+        note(f"workers and {len(servers.urls)} rollout server(s) ready in {time.time() - started:.1f}s")
         self.weights = WeightSync(cfg, self.groups["actor"], servers, self.model_dir)
         self.setup_rollout(servers)
         self.logger = MetricsLogger(None, cfg.trainer.total_steps, cfg.logging.progress_bar, sinks=build_sinks(cfg, self.out))
@@ -160,7 +150,7 @@ class Trainer:
             metrics["rollout/restarted_servers"] = manager.restarted - restarted
             metrics.update(agent_metrics(samples))
             baseline = self.rollout.greedy_baseline(samples) if a.advantage == "remax" else None
-        self.server_memory("release")
+        self.rollout.server_memory("release")
 
         batch = token_batch(samples, routes_shape=self.moe_routing)  # flat; [B, R] views only for the algorithms
         mask = batch.loss_mask()    # tokens the model sampled (agent: environment tokens are 0)
@@ -175,7 +165,10 @@ class Trainer:
         metrics.update(checked)
         if report:
             note(report)
-        token_weights = self.offpolicy(samples, batch, mask, step, metrics) if self.source.off_policy else None
+        token_weights = None
+        if self.source.off_policy:   # staleness metrics; weights of tokens past the bound (stale_samples: downweight)
+            found, token_weights = self.source.staleness(samples, batch, mask, step)
+            metrics.update(found)
         kl_tokens = values = None
         if "ref" in self.groups:
             with timer("ref_logprobs"):
@@ -208,7 +201,7 @@ class Trainer:
             metrics.update({"kl/actor_ref_k1": kl_now, "kl/coef": self.kl_ctl.value})
 
         with timer("sync"):
-            self.server_memory("resume")
+            self.rollout.server_memory("resume")
             with self.source.weight_update(step + 1) as update:   # off-policy: pause or drain generation around it
                 metrics.update(self.weights.push(version_tag(step + 1)))
             metrics.update(update)
@@ -235,25 +228,6 @@ class Trainer:
                 metrics.update(_prefixed(self.groups["critic"].train(batch, mbs, dens, loss, ("old_values", "returns")
                                                                      + masked), "critic/"))
         return metrics
-
-    def offpolicy(self, samples: list[Sample], batch: TokenBatch, mask: torch.Tensor, step: int,
-                  metrics: dict[str, float]) -> Optional[torch.Tensor]:
-        """Off-policy batches: staleness metrics and, with ``stale_samples: downweight``, token weights."""
-        r = self.cfg.rollout
-        versions = batch.padded(torch.tensor([v for s in samples for v in s.versions], dtype=torch.int64))
-        lp = batch.token_fields
-        found, weights = offpolicy_step(versions, mask, step, batch.padded(lp["old_logprobs"]),
-                                        batch.padded(lp["rollout_logprobs"]),
-                                        1 if r.mode == "one_step_off" else r.max_staleness,
-                                        r.stale_weight if r.stale_samples == "downweight" else None)
-        metrics.update(found)
-        return weights
-
-    def server_memory(self, action: str) -> None:
-        """Colocated on GPU: the servers give their KV cache and weights back while the trainer
-        trains (SGLang's release/resume_memory_occupation) and take them back before the push."""
-        if self.cfg.placement.mode == "colocated" and self.cfg.cluster.device == "cuda":
-            self.rollout.manager.call_all(f"{action}_memory_occupation")
 
     # ------------------------------------------------------------------ evaluation, checkpoints, export
     def evaluate(self) -> dict[str, float]:
@@ -340,7 +314,6 @@ class Trainer:
             self.servers.stop()
         if self.rollout is not None:
             self.rollout.close()
-            self.rollout.manager.close()
         RunPlacement.shutdown(self.cfg)
 
 

@@ -25,6 +25,9 @@ from megarl.algos import overlong_penalty
 from megarl.algos.filters import group_has_signal
 from megarl.data import encode_prompt
 from megarl.metrics_log import note
+from megarl.rewards import RewardPool, build_reward_fn
+from megarl.rollout.healing import ServerHealer
+from megarl.rollout.manager import RolloutManager
 from megarl.rollout.routed_experts import sample_routes
 from megarl.rollout.sample import Sample, token_batch
 from megarl.rollout.source import SingleTurnRollout
@@ -209,10 +212,35 @@ class RolloutPipeline:
                 "eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
                 "eval/response_length": sum(len(s.response_ids) for s in samples) / len(samples)}
 
+    def server_memory(self, action: str) -> None:
+        """Colocated on GPU: the servers give their KV cache and weights back while the trainer
+        trains (SGLang's release/resume_memory_occupation, ``action`` release | resume) and take
+        them back before the push. Disaggregated or CPU runs keep the servers as they are."""
+        if self.cfg.placement.mode == "colocated" and self.cfg.cluster.device == "cuda":
+            self.manager.call_all(f"{action}_memory_occupation")
+
     def close(self) -> None:
         if self.agent is not None:
             self.agent.close()
         self.scorer.close()
+        self.manager.close()
+
+
+def build_pipeline(cfg: Any, tokenizer: Any, servers: Any, moe_routing: Optional[tuple[int, int]],
+                   reward_model_scores: ScoreSequences,
+                   push_to_restarted: Optional[Callable[[int], None]] = None) -> RolloutPipeline:
+    """The run's pipeline over ``servers``: a manager that heals restartable servers (pushing the
+    current weights into a restarted one through ``push_to_restarted``) and the configured reward
+    (a function pool, or ``reward_model_scores`` for ``reward.kind: model``)."""
+    r = cfg.rollout
+    healer = (ServerHealer(servers, push_to_restarted, r.max_restarts)
+              if servers.restartable and push_to_restarted is not None else None)
+    manager = RolloutManager(servers.urls, max_concurrency=r.max_running_requests, timeout_s=r.request_timeout_s,
+                             request_retries=r.request_retries, api_key=servers.api_key, healer=healer)
+    model_reward = cfg.reward.kind == "model"
+    pool = None if model_reward else RewardPool(build_reward_fn(cfg.reward), cfg.reward.workers, cfg.reward.executor)
+    scorer = SampleScorer(cfg, pool, reward_model_scores if model_reward else None, tokenizer.eos_token_id)
+    return RolloutPipeline(cfg, tokenizer, manager, scorer, moe_routing)
 
 
 def _groups(samples: list[Sample]) -> list[list[Sample]]:

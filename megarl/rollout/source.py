@@ -44,7 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, Optional, Protocol
 
+import torch
+
 from megarl.algos.filters import group_has_signal
+from megarl.algos.offpolicy import offpolicy_step
 from megarl.data import PromptLoader
 from megarl.rollout.buffer import Group, GroupBuffer, SourceClosed
 from megarl.rollout.manager import sample_seed
@@ -181,7 +184,7 @@ class OffPolicySource:
                  call_servers: Callable[..., Any], run: Callable[[Awaitable[Any]], Any],
                  submit: Callable[[Awaitable[Any]], concurrent.futures.Future],
                  dynamic_sampling_rounds: Optional[int] = None, ledger: Optional[Path] = None,
-                 take_timeout_s: Optional[float] = None):
+                 take_timeout_s: Optional[float] = None, stale_weight: float = 0.0):
         if mode not in ("one_step_off", "async"):
             raise ValueError(f"rollout.mode {mode!r} is not an off-policy mode")
         if interrupt not in INTERRUPTS:
@@ -190,7 +193,9 @@ class OffPolicySource:
         self.rollout, self.loader, self.records, self.encode = rollout, loader, records, encode
         self.n, self.P = n, groups_per_batch
         self.interrupt = "none" if mode == "one_step_off" else interrupt
-        self.buffer = GroupBuffer(groups_per_batch, 1 if mode == "one_step_off" else max_staleness, stale)
+        self.max_staleness = 1 if mode == "one_step_off" else max_staleness
+        self.buffer = GroupBuffer(groups_per_batch, self.max_staleness, stale)
+        self.downweight = stale_weight if stale == "downweight" else None   # factor of tokens past the bound
         self.group_seed = group_seed
         self.call_servers, self.run, self.submit = call_servers, run, submit
         self.ds_give_up = dynamic_sampling_rounds * groups_per_batch if dynamic_sampling_rounds else None
@@ -345,6 +350,15 @@ class OffPolicySource:
                     b.cond.notify_all()
                 self._poke()
 
+    def staleness(self, samples: list[Sample], batch: Any, mask: Any, step: int) -> tuple[dict[str, float], Any]:
+        """A batch the trainer at version ``step`` took: staleness metrics and, with
+        ``stale_samples: downweight``, per-token advantage weights ``[B, T]`` (else None). Needs
+        the trainer's ``old_logprobs`` in the batch."""
+        versions = batch.padded(torch.tensor([v for s in samples for v in s.versions], dtype=torch.int64))
+        lp = batch.token_fields
+        return offpolicy_step(versions, mask, step, batch.padded(lp["old_logprobs"]), batch.padded(lp["rollout_logprobs"]),
+                              self.max_staleness, self.downweight)
+
     def rewind_batch(self) -> None:
         """The step failed before its push: the batch it took goes back to the buffer (finished,
         with its tokens), so a checkpoint written now holds it and a resume trains on it."""
@@ -444,7 +458,7 @@ def make_source(cfg: Any, pipeline: Any, records: list[Any], loader: Any, ledger
         groups_per_batch=cfg.batch.prompts_per_step, max_staleness=r.max_staleness, interrupt=r.interrupt,
         stale=r.stale_samples, group_seed=lambda step: pipeline.seed_base(step, 0), call_servers=manager.call_all,
         run=manager.io.run, submit=manager.io.submit,
-        dynamic_sampling_rounds=ds.max_rounds if ds.enabled else None, ledger=ledger)
+        dynamic_sampling_rounds=ds.max_rounds if ds.enabled else None, ledger=ledger, stale_weight=r.stale_weight)
 
 
 __all__ = ["make_source", "MODES", "INTERRUPTS", "RolloutSource", "SyncSource", "OffPolicySource", "SingleTurnRollout", "GroupJob",
