@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from typing import Callable, Sequence
 
-from megarl.config import ConfigError, dump_config, field_help, load_config
+from megarl.config import ConfigError, dump_config, field_help, load_config, validate_config
 
 # Subcommands implemented in their own modules: name -> "module:function(argv) -> int".
 DELEGATED = {
@@ -19,7 +20,6 @@ DELEGATED = {
     "serve": ("megarl.engine.cli:serve_main", "run the embedded rollout server (SGLang HTTP API)"),
     "plan": ("megarl.planning.cli:plan_main", "memory plan per role and GPU; exits 1 if the recipe does not fit"),
     "eval": ("megarl.evaluation:eval_main", "held-out accuracy/reward of a model on a recipe's eval split"),
-    "train": ("megarl.trainer:train_main", "run RL training from a recipe"),
 }
 
 
@@ -52,6 +52,33 @@ def _config_main(argv: list[str]) -> int:
     return 0
 
 
+def train_main(argv: list[str]) -> int:
+    """``megarl train RECIPE [overrides]``: validate, run, print one JSON summary line."""
+    parser = argparse.ArgumentParser(prog="megarl train", description="run RL training from a recipe")
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.recipe, args.overrides)
+    validate_config(cfg, check_paths=True)
+    if cfg.trainer.mode == "reward_model":
+        from megarl.reward_model_trainer import RewardModelTrainer
+
+        results = RewardModelTrainer(cfg).run()
+    else:
+        from megarl.trainer import Trainer
+
+        results = Trainer(cfg).run()
+    summary = {k: v for k, v in results.items() if k != "steps"}
+    summary["final_step"] = results["steps"][-1] if results["steps"] else {}
+    print(json.dumps(summary, default=float))
+    return 0
+
+
+# Subcommands implemented in this module
+LOCAL = {"config": (_config_main, "print the resolved, validated config of a recipe"),
+         "train": (train_main, "run RL training from a recipe")}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megarl",
@@ -59,8 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `megarl COMMAND --help` for a command's options.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("config", help="print the resolved, validated config of a recipe", add_help=False)
-    for name, (_, help_text) in DELEGATED.items():
+    for name, (_, help_text) in {**LOCAL, **DELEGATED}.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
@@ -73,8 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     try:
-        if command == "config":
-            return _config_main(rest)
+        if command in LOCAL:
+            return int(LOCAL[command][0](rest) or 0)
         if command not in DELEGATED:
             parser.error(f"unknown command {command!r}")
         func = _resolve(DELEGATED[command][0])

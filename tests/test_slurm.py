@@ -181,15 +181,6 @@ def test_convert_sbatch_runs_megarl_convert(cluster, tmp_path):
     assert "hf-to-megatron" in log
 
 
-def _trainer_available() -> bool:
-    try:
-        from megarl.trainer import train_main  # noqa: F401
-    except Exception:  # noqa: BLE001 - not landed yet / broken import: the test says so
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _trainer_available(), reason="megarl.trainer.train_main not importable yet")
 def test_sbatch_trains_cpu_recipe_two_steps(cluster, tmp_path):
     """The real thing: train.sbatch runs `megarl train` on the CPU recipe for 2 steps on the Ray
     cluster the script started; the job completes and the run's outputs exist."""
