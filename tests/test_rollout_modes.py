@@ -117,7 +117,7 @@ def test_sync_source_equals_the_loop_before_sources(model, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 class PushMidGeneration(Trainer):
-    """Test instrumentation: a push first waits (up to 30 s) until some group is generating, and
+    """Test instrumentation: a push first waits (up to 300 s, a hang guard) until some group is generating, and
     records whether one was, so that the pause is known to have met requests in flight."""
 
     def _make_source(self):
@@ -128,7 +128,7 @@ class PushMidGeneration(Trainer):
         @contextlib.contextmanager
         def weight_update(version: int) -> Iterator[dict[str, float]]:
             with source.buffer.cond:
-                self.pushed_mid_generation.append(bool(source.buffer.cond.wait_for(lambda: source.buffer.inflight, 30)))
+                self.pushed_mid_generation.append(bool(source.buffer.cond.wait_for(lambda: source.buffer.inflight, 300)))
             with inner(version) as stats:
                 yield stats
         source.weight_update = weight_update
