@@ -20,13 +20,14 @@ import asyncio
 import json
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from megarl.rollout.client import SGLangClient, sampling_params
 from megarl.rollout.partial import continuation_seed, generate_resumable
 from megarl.rollout.testing import ServerProcess
 from megarl.testing_models import make_tiny_chat_model
+from tests.helpers import inflight
+from tests.helpers.inflight import HANG_S
 from tests.helpers.runs import tiny_run_config
 from tests.sglang_cpu.server import SGLangCPUServer, server_command
 
@@ -41,7 +42,6 @@ CONTEXT = 1 << 14
 LONG = CONTEXT - 64
 PROMPT = [1, 2, 3, 4]
 SEED = 4242
-WAIT_S = 300                 # a hang guard, far above any expected wait
 
 
 @pytest.fixture(scope="module")
@@ -110,27 +110,11 @@ async def one(c: SGLangClient, ids, params):
 
 
 async def held(url: str) -> dict:
-    """The requests the server's engine holds (``Engine.requests``: ``running`` rid -> tokens so far,
-    ``queued``), from ``/server_info``: the embedded server's own field, or SGLang's
-    ``internal_states`` (its scheduler's answer to ``GetInternalStateReq``; the harness's)."""
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
-        async with s.get(url + "/server_info") as r:
-            body = await r.json(content_type=None)
-    return body["megarl_requests"] if "megarl_requests" in body else body["internal_states"][0]["megarl_requests"]
+    return await inflight.held(url, KEY)
 
 
-async def until_generating(url: str, *rids: str, tasks=(), past: int = 0) -> dict:
-    """Wait until the server runs every rid with more than ``past`` tokens out (running at all means
-    prefilled, its first token out); polls the server instead of sleeping for a guess. Returns at
-    once when one of ``tasks`` (the requests' own futures) has ended (the caller's checks then say
-    it finished too early); fails after WAIT_S, a hang guard."""
-    deadline = asyncio.get_running_loop().time() + WAIT_S
-    while True:
-        state = await held(url)
-        if all(state["running"].get(r, 0) > past for r in rids) or any(t.done() for t in tasks):
-            return state
-        assert asyncio.get_running_loop().time() < deadline, f"{rids} not generating after {WAIT_S}s: {state}"
-        await asyncio.sleep(0.005)
+async def until_generating(url: str, *rids: str, **kw) -> dict:
+    return await inflight.until_generating(url, *rids, api_key=KEY, **kw)
 
 
 async def interrupted(attempt_once, tries: int = 4):
@@ -168,14 +152,14 @@ def test_abort_pause_resumes_from_the_tokens_already_produced(kind, servers, mod
                 await load(c, b, "step1")
                 await c.end_weight_update()
                 await asyncio.sleep(0.3)
-                held = not waiting.done()
+                kept_waiting = not waiting.done()
                 await c.continue_generation()
                 traj = await task
                 late = await waiting
-                return (ref, traj, held, late, chunks), traj.versions.count(0)
+                return (ref, traj, kept_waiting, late, chunks), traj.versions.count(0)
 
-            (ref, traj, held, late, chunks), m = await interrupted(attempt)
-            assert held and late.weight_version == "step1", "a request sent during the pause waits for the continue"
+            (ref, traj, kept_waiting, late, chunks), m = await interrupted(attempt)
+            assert kept_waiting and late.weight_version == "step1", "a request sent during the pause waits for the continue"
             assert len(traj.output_ids) == N and traj.finish_reason == "length" and traj.resumed == 1
             assert traj.versions == [0] * m + [1] * (N - m), "versions switch once, at the update"
             (sent0, first), (sent1, second) = chunks
@@ -281,14 +265,14 @@ def test_abort_request_by_rid_aborts_that_request_only(kind, servers, models, hf
             assert set(state["running"]) == {"victim-1", "bystander-1"}, state
             assert not first.done() and not second.done()
             await c.abort_request(rid="victim-1")
-            hit = (await asyncio.wait_for(first, WAIT_S))[0]
+            hit = (await asyncio.wait_for(first, HANG_S))[0]
             state = await held(url)
             assert list(state["running"]) == ["bystander-1"] and not second.done(), state
             stopped_at = state["running"]["bystander-1"]
             await c.continue_generation()              # the bystander generates on
             await until_generating(url, "bystander-1", tasks=[second], past=stopped_at)
             await c.abort_request(rid="bystander-1")
-            kept = (await asyncio.wait_for(second, WAIT_S))[0]
+            kept = (await asyncio.wait_for(second, HANG_S))[0]
             assert hit.finish_reason == "abort" and 0 < len(hit.output_ids) < LONG
             assert len(hit.logprobs) == len(hit.output_ids)
             assert hit.meta_info["finish_reason"]["message"] == "Aborted"
@@ -330,7 +314,7 @@ def test_a_pause_does_not_queue_behind_the_clients_own_generations(kind, servers
                 await load(c, a, "init")
                 task = asyncio.ensure_future(c.generate(PROMPT, greedy(), rid="slot-holder"))
                 await until_generating(servers[kind], "slot-holder", tasks=[task])
-                await asyncio.wait_for(c.pause_generation("abort"), WAIT_S)   # a hang guard: it answers at once
+                await asyncio.wait_for(c.pause_generation("abort"), HANG_S)   # a hang guard: it answers at once
                 out = (await task)[0]
                 await c.continue_generation()
                 return out, len(out.output_ids)

@@ -122,10 +122,10 @@ def test_dp_rank_without_samples_joins_and_changes_nothing(model, tmp_path):
     (tmp_path / "dp1").mkdir()
     (tmp_path / "dp2").mkdir()
     one = spawn(_train_one_sample, 1, tiny_run_config(model, tmp_path / "dp1", *base), str(tmp_path / "dp1"),
-                init=False, timeout_s=240)
+                init=False, timeout_s=600)   # a hang guard
     two = spawn(_train_one_sample, 2, tiny_run_config(model, tmp_path / "dp2", *base, "actor.gpus=2",
                                                        "cluster.backend=ray"), str(tmp_path / "dp2"),
-                init=False, timeout_s=240)
+                init=False, timeout_s=600)   # a hang guard
     weights_one = torch.load(tmp_path / "dp1" / "rank0.pt")
     weights_two = [torch.load(tmp_path / "dp2" / f"rank{r}.pt") for r in range(2)]
     assert len((two[1]["forward"] or {}).get("token", {}).get("logprobs", [])) == 0, "rank 1 had no sample"
