@@ -39,8 +39,8 @@ class FakeServer:
     async def handler(self, request):
         from aiohttp import web
 
-        deadline = time.time() + 30
-        while self.hung and time.time() < deadline:   # until stop() (or 30 s)
+        deadline = time.time() + 600
+        while self.hung and time.time() < deadline:   # until stop() (600 s: a hang guard only)
             await asyncio.sleep(0.05)
         if request.path == "/health":
             return web.Response(text="ok")
@@ -95,7 +95,8 @@ def _manager(servers: FakeServers, max_restarts: int, pushed: list):
     from megarl.rollout.manager import RolloutManager
 
     healer = ServerHealer(servers, pushed.append, max_restarts)
-    return RolloutManager(list(servers.urls), timeout_s=0.5, request_retries=1, health_timeout_s=0.5, healer=healer)
+    # 3 s: far above what a local answer takes on a loaded box; a hung server never answers
+    return RolloutManager(list(servers.urls), timeout_s=3.0, request_retries=1, health_timeout_s=3.0, healer=healer)
 
 
 def test_hung_server_is_restarted_and_its_requests_wait_for_it():
