@@ -244,8 +244,6 @@ def test_in_place_pause_keeps_requests_and_an_update_reports_the_unflushed_cache
 
 @pytest.mark.parametrize("kind", ["embedded", "sglang"])
 def test_abort_request_by_rid_aborts_that_request_only(kind, servers, models, hf_logprobs):
-    _, a, _ = models
-
     """Both requests ask for LONG tokens (more than any machine makes while the test runs) and are
     held still by an ``in_place`` pause once the server reports them generating, so what ends each
     one is the test's abort, and what the server holds is read from it, not inferred from timing."""
