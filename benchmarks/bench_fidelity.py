@@ -17,7 +17,8 @@ same tokens are scored, all teacher-forced, by:
 * ``megatron_misnamed``: megatron with two layers' ``o_proj`` weights swapped on load (a naming
   bug), which the step-0 check must catch.
 
-It reports mean/max |logprob difference| of the pairs that matter and the calibrated step-0 bound
+It reports mean/max |logprob difference| of the pairs that matter, ``fp32head_ratio_*`` (the fp32
+LM head's gap over the bf16 head's, both from this run), and the calibrated step-0 bound
 (``megarl/algos/fidelity.py``) for trainer and rollout both in ``--dtype``; ``misnamed_caught`` /
 ``correct_passes`` say whether the bound separates them.
 """
@@ -161,6 +162,11 @@ def main() -> None:
         diff = (flat[x] - flat[y]).abs()
         res[f"{x}_vs_{y}_mean"] = diff.mean().item()
         res[f"{x}_vs_{y}_max"] = diff.max().item()
+    # what the fp32 LM head buys, as a ratio to the bf16-head gap measured in this same run (< 1: it
+    # helps); a property of the hardware's bf16 kernels, so measured here rather than asserted by a test
+    for x, y in (("engine", "megatron"), ("engine", "hf_fp32"), ("megatron", "hf_fp32")):
+        fx, fy = x + "_fp32head", (y + "_fp32head" if y == "megatron" else y)
+        res[f"fp32head_ratio_{x}_vs_{y}"] = res[f"{fx}_vs_{fy}_mean"] / res[f"{x}_vs_{y}_mean"]
     res["correct_passes"] = res["engine_vs_megatron_mean"] <= bound.bound
     res["fp32head_correct_passes"] = res["engine_fp32head_vs_megatron_fp32head_mean"] <= bound.bound
     res["misnamed_caught"] = res["engine_vs_megatron_misnamed_mean"] > bound.bound

@@ -141,7 +141,7 @@ PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINI
     def pid_files(self) -> list[Path]:
         return [self.root / "slurmctld.pid"] + [self.root / f"slurmd.{n}.pid" for n in self.node_names]
 
-    def start(self, timeout: float = 30.0) -> "SlurmCluster":
+    def start(self, timeout: float = 120.0) -> "SlurmCluster":   # a hang guard: returns once idle
         self.write_config()
         # -i: ignore saved state of an earlier run in this dir. Both daemonize and write pid files.
         subprocess.run(self._on_node(0, ["slurmctld", "-i", "-f", str(self.conf)]), env=self.env, check=True,

@@ -49,8 +49,10 @@ def test_retries_5xx_then_succeeds_and_4xx_not_retried():
 
 
 def test_timeout_raises_server_down():
+    """A server that never answers (until the test releases it): the client gives up after its
+    timeout on each attempt and raises ServerDown, instead of waiting for the server."""
     async def handler(request):
-        await asyncio.sleep(2)
+        await release.wait()
         return web.json_response({})
 
     async def main():
@@ -58,11 +60,13 @@ def test_timeout_raises_server_down():
         async with SGLangClient(f"http://127.0.0.1:{port}", timeout_s=0.3, retries=1, backoff_s=0.01) as c:
             t = time.time()
             with pytest.raises(ServerDown):
-                await c.get_model_info()
+                await asyncio.wait_for(c.get_model_info(), 300)   # a hang guard
             dt = time.time() - t
+        release.set()
         await runner.cleanup()
         return dt
-    assert asyncio.run(main()) < 1.9
+    release = asyncio.Event()
+    assert asyncio.run(main()) >= 0.3 * 2   # both attempts waited out their timeout
 
 
 def test_bounded_concurrency():

@@ -8,6 +8,7 @@ root); skipped otherwise, which CI counts as a failure.
 from __future__ import annotations
 
 import json
+import select
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 # 1 rollout node (one unit per node, so a 2-rank pool must span both trainer nodes).
 LAYOUT = [{"megarl_train": 1}, {"megarl_train": 1}, {"megarl_rollout": 1}]
 TRAIN_A, TRAIN_B, ROLLOUT = 0, 1, 2
+HANG_S = 300   # a hang guard for a subprocess's start or teardown, not an expected time
 
 
 def _netns_list() -> set[str]:
@@ -61,8 +63,8 @@ CLIENT = """
 import json, socket, urllib.request
 from megarl.wire.addresses import gloo_interface, node_address
 def get(url):
-    try:
-        return urllib.request.urlopen(url, timeout=3).status
+    try:  # the refused loopback answers at once; 60 s only bounds a hang
+        return urllib.request.urlopen(url, timeout=60).status
     except Exception as err:
         return type(err).__name__ + ": " + str(getattr(err, 'reason', err))
 print(json.dumps({"peer": get("http://{peer}:{port}/"), "loopback": get("http://127.0.0.1:{port}/"),
@@ -72,7 +74,7 @@ print(json.dumps({"peer": get("http://{peer}:{port}/"), "loopback": get("http://
 
 WAIT_LISTEN = """
 import json, socket, time
-end = time.time() + 30
+end = time.time() + 240   # python starting the server on a loaded box; only a hang guard
 while time.time() < end:
     try:
         socket.create_connection(("127.0.0.1", {port}), 1).close(); print(json.dumps(True)); break
@@ -90,8 +92,8 @@ def test_loopback_does_not_reach_another_node(pair):
     port = 18123
     pair.popen(1, [sys.executable, "-m", "http.server", str(port), "--bind", "0.0.0.0"],
                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert pair.python(1, WAIT_LISTEN.format(port=port), timeout=60) is True
-    seen = pair.python(0, CLIENT.replace("{peer}", pair.address(1)).replace("{port}", str(port)), timeout=60)
+    assert pair.python(1, WAIT_LISTEN.format(port=port), timeout=300) is True
+    seen = pair.python(0, CLIENT.replace("{peer}", pair.address(1)).replace("{port}", str(port)), timeout=300)
     assert seen["peer"] == 200, seen
     assert seen["loopback"].startswith("URLError") and "refused" in seen["loopback"], seen
     assert seen["node_address"] == seen["node_address_no_peer"] == pair.address(0), seen
@@ -110,18 +112,22 @@ def test_teardown_on_signals_and_stale_cleanup(tmp_path):
         "    p = box.popen(1, ['sleep', '300'])\n"
         "    print(json.dumps({'names': box.names, 'pid': p.pid}), flush=True)\n"
         "    time.sleep(300)\n")
+    # Every wait below is a hang guard only, far above the time it takes on a loaded 2-core box: a
+    # teardown runs several `ip` commands and waits for processes (NetnsCluster.stop), and once took
+    # more than 60 s with the load at 7-9.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
         holder = subprocess.Popen([sys.executable, str(script), str(ROOT)], stdout=subprocess.PIPE, text=True)
         try:
+            assert select.select([holder.stdout], [], [], HANG_S)[0], f"hold.py did not start in {HANG_S} s"
             info = json.loads(holder.stdout.readline())
             assert set(info["names"]) <= _netns_list()
-            deadline = time.time() + 30   # nsenter may not have entered the namespace yet
+            deadline = time.time() + HANG_S   # nsenter may not have entered the namespace yet
             while namespace_pids(info["names"][1]) != [info["pid"]] and time.time() < deadline:
                 time.sleep(0.1)
             assert namespace_pids(info["names"][1]) == [info["pid"]]
         finally:
             holder.send_signal(sig)
-            holder.wait(60)
+            holder.wait(HANG_S)
             holder.stdout.close()
         if sig != signal.SIGKILL:
             assert not set(info["names"]) & _netns_list(), sig

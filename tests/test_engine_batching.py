@@ -135,6 +135,41 @@ def test_weight_change_ends_prefix_sharing_with_running_rows(tiny):
         eng.stop()
 
 
+def test_requests_reports_running_rows_and_the_queue(tiny):
+    """``Engine.requests`` (what the servers report so that tests wait for a request to generate
+    instead of sleeping): submitted while paused, both requests are queued; with one row, one runs
+    (its first token out) and the other waits; paused in place, nothing moves; a read-only control
+    starts no new weight epoch."""
+    d, _ = tiny
+    eng = Engine(_model(d), max_running=1, max_len=4096)   # 4000 tokens: more than any machine makes meanwhile
+    eng.start()
+    read = lambda: eng.control(eng.requests, new_epoch=False).result(timeout=300)  # noqa: E731
+    try:
+        eng.control(lambda: eng.pause("in_place")).result(timeout=300)
+        a = _req(PROMPT_A, seed=1, max_new=4000, ignore_eos=True)
+        b = _req(PROMPT_B, seed=2, max_new=4000, ignore_eos=True)
+        eng.submit_many([a])
+        eng.submit_many([b])
+        epoch = eng.epoch
+        assert read() == {"running": {}, "queued": [a.rid, b.rid]} and eng.epoch == epoch
+        eng.control(eng.unpause).result(timeout=300)
+        deadline = time.time() + 300   # a hang guard: ends once a is seen running
+        while a.rid not in (held := read())["running"] and time.time() < deadline:
+            time.sleep(0.005)
+        assert held["running"][a.rid] >= 1 and held["queued"] == [b.rid], held
+        eng.control(lambda: eng.pause("in_place")).result(timeout=300)
+        frozen = read()
+        assert list(frozen["running"]) == [a.rid] and frozen["queued"] == [b.rid], frozen
+        assert read() == frozen                     # paused in place: not a token more
+        eng.control(lambda: eng.abort(abort_all=True)).result(timeout=300)
+        assert read() == {"running": {}, "queued": []}
+        done = a.done.result(timeout=300)
+        assert done["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(done["output_ids"]) == frozen["running"][a.rid]
+    finally:
+        eng.stop()
+
+
 def test_padded_bucketed_decode_body_equals_the_exact_one(tiny):
     """What a decode CUDA graph replays -- rows padded to a batch bucket (token 0 at position 0 in
     free rows) and keys to a length bucket -- gives the running rows the logits of the exact step."""

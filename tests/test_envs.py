@@ -17,7 +17,9 @@ from megarl.envs.parsers import get_parser, hermes, llama3_json
 from megarl.envs.sandbox import SandboxLimits, run_python
 from megarl.envs.tools import ToolPool
 
-LIMITS = SandboxLimits(cpu_s=1, wall_s=3.0, memory_mb=512, output_bytes=4096, nproc=16, tmp_mb=8)
+# wall_s far above cpu_s: on a loaded box 1 s of CPU takes several seconds of wall clock, and the
+# CPU-time case must hit the CPU limit, not the wall clock
+LIMITS = SandboxLimits(cpu_s=1, wall_s=20.0, memory_mb=512, output_bytes=4096, nproc=16, tmp_mb=8)
 
 
 # ------------------------------------------------------------------------------ sandbox
@@ -58,13 +60,13 @@ def test_sandbox_has_no_network():
     ("import os\nwhile True:\n    os.fork()", "process limit"),
     ("x = bytearray(2 << 30)", "memory limit"),
     ("while True: pass", "CPU-time limit"),
-    ("import time; time.sleep(60)", "wall-clock limit"),
+    ("import time; time.sleep(600)", "wall-clock limit"),
     ("while True: print('y' * 1000)", "output limit"),
 ])
 def test_sandbox_limits_stop_code_with_a_clear_observation(code, limit):
     t = time.perf_counter()
     r = run_python(code, LIMITS)
-    assert time.perf_counter() - t < LIMITS.wall_s + 2
+    assert time.perf_counter() - t < LIMITS.wall_s + 120   # a hang guard: the kill does not wait for the code
     assert r.killed is not None and limit in r.killed, r.observation()
     assert f"[sandbox: {r.killed}]" in r.observation()
 
@@ -74,7 +76,7 @@ def test_python_env_runs_code_through_the_pool():
 
     async def go():
         pool = ToolPool(2)
-        env = PythonEnv(EnvContext(pool, {"cpu_s": 1, "wall_s": 2.0}, tool_timeout_s=5.0))
+        env = PythonEnv(EnvContext(pool, {"cpu_s": 1, "wall_s": 20.0}, tool_timeout_s=60.0))   # limits, not speeds
         await env.reset(PromptRecord("What is 2**20?", answer="1048576"))
         res = await env.step(Action("", [ToolCall("python", {"code": "print(2**20)"}),
                                           ToolCall("python", {"code": "while True: pass"})]))
@@ -103,13 +105,14 @@ def test_a_tool_past_its_deadline_truncates_only_its_trajectory():
     scripts[3] = [(call("sleep", {"seconds": 30}), "stop"), (enc("The answer is 42."), "stop")]
     server = ScriptedServer(scripts, delay_s=0.05)
     sampling = {"max_new_tokens": 100, "temperature": 1.0, "stop_token_ids": [2]}
-    rollout = AgentRollout(server, sampling, tok, AgentSettings("tests.helpers.agent:SleepyEnv", tool_timeout_s=0.5))
+    # the deadline is far above a calculator call and far below the 30 s sleep
+    rollout = AgentRollout(server, sampling, tok, AgentSettings("tests.helpers.agent:SleepyEnv", tool_timeout_s=3.0))
     t = time.perf_counter()
     samples = asyncio.run(rollout._batch([PromptRecord("6*7?", answer="42", index=j) for j in range(6)], 1, 1,
                                          sampling))
     elapsed = time.perf_counter() - t
     rollout.close()
-    assert elapsed < 3.0                              # the batch did not wait for the 30 s tool
+    assert elapsed < 20.0                             # the batch did not wait for the 30 s tool
     for j, s in enumerate(samples):
         if j == 3:
             assert s.info["truncated"] == "tool_timeout" and s.finish_reason == "length" and s.reward == 0.0

@@ -17,6 +17,7 @@ AbortReq / pause / continue) and against megarl's embedded server, with the same
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ from megarl.rollout.client import SGLangClient, sampling_params
 from megarl.rollout.partial import continuation_seed, generate_resumable
 from tests.helpers.servers import ServerProcess
 from tests.helpers.models import make_tiny_chat_model
+from tests.helpers import inflight
+from tests.helpers.inflight import HANG_S
 from tests.helpers.runs import tiny_run_config
 from tests.sglang_cpu.server import SGLangCPUServer, server_command
 
@@ -33,6 +36,10 @@ KEY = "partial-rollout-key"
 # refuses: the seed-reproduction checks run where seeds are honoured (megarl's engine always)
 SEEDED = {"embedded": True, "sglang": False}
 N = 300                      # tokens per request (ignore_eos): long enough to interrupt
+# The servers' context: room for a request that outlasts any test (LONG tokens, ignore_eos) -- what
+# holds a request in flight is the test's own pause or abort, never a machine too slow to finish
+CONTEXT = 1 << 14
+LONG = CONTEXT - 64
 PROMPT = [1, 2, 3, 4]
 SEED = 4242
 
@@ -40,7 +47,11 @@ SEED = 4242
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("weights")
-    return root, make_tiny_chat_model(root / "a", seed=0), make_tiny_chat_model(root / "b", seed=1)
+    a, b = make_tiny_chat_model(root / "a", seed=0), make_tiny_chat_model(root / "b", seed=1)
+    for d in (a, b):   # declare the servers' context (RoPE has no length limit; SGLang checks the config)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=CONTEXT)))
+    return root, a, b
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +61,12 @@ def servers(models, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     command = "[" + ",".join(server_command()) + "]"
     cfg = tiny_run_config(a, logs / "cfg", "rollout.engine=sglang", f"rollout.server_command={command}",
-                          "rollout.max_prompt_len=64", f"rollout.sampling.max_new_tokens={N + 100}")
+                          "rollout.max_prompt_len=64", f"rollout.sampling.max_new_tokens={CONTEXT - 64}",
+                          "rollout.max_running_requests=4")
     sglang = SGLangCPUServer(a, cfg, logs, 0, KEY)
     embedded = ServerProcess(str(a), extra=["--skip-tokenizer-init", "--weights-dir", str(root),
-                                            "--context-length", str(N + 200)], env={"MEGARL_API_KEY": KEY})
+                                            "--context-length", str(CONTEXT), "--max-running-requests", "4"],
+                             env={"MEGARL_API_KEY": KEY})
     try:
         embedded.wait_ready()
         sglang.wait_ready()
@@ -96,15 +109,23 @@ async def one(c: SGLangClient, ids, params):
     return (await c.generate(ids, params))[0]
 
 
+async def held(url: str) -> dict:
+    return await inflight.held(url, KEY)
+
+
+async def until_generating(url: str, *rids: str, **kw) -> dict:
+    return await inflight.until_generating(url, *rids, api_key=KEY, **kw)
+
+
 async def interrupted(attempt_once, tries: int = 4):
-    """Run a pause scenario until the pause landed mid-generation (timing on a shared box): the
-    first wait is tuned down when the request finished before it, up when it had not started."""
-    delay = 0.4
+    """Run a pause scenario until the pause landed mid-generation. Each attempt pauses as soon as
+    the server reports the request generating (``until_generating``), so the pause lands after its
+    first token; it lands before its last unless the machine produced all N tokens within the
+    one round trip between that report and the pause, which a retry covers."""
     for _ in range(tries):
-        result, produced_before = await attempt_once(delay)
+        result, produced_before = await attempt_once()
         if 0 < produced_before < N:
             return result, produced_before
-        delay = delay / 3 if produced_before >= N else delay * 2
     pytest.fail(f"no pause landed mid-generation in {tries} tries (last: {produced_before} of {N} tokens)")
 
 
@@ -114,31 +135,31 @@ def test_abort_pause_resumes_from_the_tokens_already_produced(kind, servers, mod
 
     async def go():
         async with SGLangClient(servers[kind], api_key=KEY) as c:
-            async def attempt(delay):
+            async def attempt():
                 await load(c, a, "init")
                 ref = await one(c, PROMPT, seeded())
                 chunks = []
 
                 async def send(ids, params):
-                    out = await one(c, ids, params)
+                    out = (await c.generate(ids, params, rid=f"resumable-{len(chunks)}"))[0]
                     chunks.append((list(ids), out))
                     return out
                 task = asyncio.ensure_future(generate_resumable(send, PROMPT, seeded(), SEED))
-                await asyncio.sleep(delay)
+                await until_generating(servers[kind], "resumable-0", tasks=[task])
                 assert (await c.pause_generation("abort"))   # every request answered: aborted with its tokens
                 waiting = asyncio.ensure_future(one(c, [9, 9, 9], greedy(4)))   # sent while paused: held
                 await c.begin_weight_update()
                 await load(c, b, "step1")
                 await c.end_weight_update()
                 await asyncio.sleep(0.3)
-                held = not waiting.done()
+                kept_waiting = not waiting.done()
                 await c.continue_generation()
                 traj = await task
                 late = await waiting
-                return (ref, traj, held, late, chunks), traj.versions.count(0)
+                return (ref, traj, kept_waiting, late, chunks), traj.versions.count(0)
 
-            (ref, traj, held, late, chunks), m = await interrupted(attempt)
-            assert held and late.weight_version == "step1", "a request sent during the pause waits for the continue"
+            (ref, traj, kept_waiting, late, chunks), m = await interrupted(attempt)
+            assert kept_waiting and late.weight_version == "step1", "a request sent during the pause waits for the continue"
             assert len(traj.output_ids) == N and traj.finish_reason == "length" and traj.resumed == 1
             assert traj.versions == [0] * m + [1] * (N - m), "versions switch once, at the update"
             (sent0, first), (sent1, second) = chunks
@@ -165,16 +186,16 @@ def test_retract_pause_continues_on_the_server_under_the_new_weights(kind, serve
 
     async def go():
         async with SGLangClient(servers[kind], api_key=KEY) as c:
-            async def attempt(delay):
+            async def attempt():
                 await load(c, a, "init")
-                task = asyncio.ensure_future(one(c, PROMPT, seeded()))
-                await asyncio.sleep(delay)
+                task = asyncio.ensure_future(c.generate(PROMPT, seeded(), rid="retracted"))
+                await until_generating(servers[kind], "retracted", tasks=[task])
                 await c.pause_generation("retract")
                 await c.begin_weight_update()
                 await load(c, b, "step1")   # retracted requests wait in the queue: the flush succeeds
                 await c.end_weight_update()
                 await c.continue_generation()
-                out = await task
+                out = (await task)[0]
                 spans = out.meta_info["weight_versions"]
                 return out, (spans[0]["end"] if spans[0]["version"] == "init" else 0)
 
@@ -199,10 +220,10 @@ def test_in_place_pause_keeps_requests_and_an_update_reports_the_unflushed_cache
 
     async def go():
         async with SGLangClient(servers[kind], api_key=KEY) as c:
-            async def attempt(delay):
+            async def attempt():
                 await load(c, a, "init")
-                task = asyncio.ensure_future(one(c, PROMPT, greedy()))
-                await asyncio.sleep(delay)
+                task = asyncio.ensure_future(c.generate(PROMPT, greedy(), rid="in-place"))
+                await until_generating(servers[kind], "in-place", tasks=[task])
                 await c.pause_generation("in_place")
                 try:
                     await load(c, b, "step1")
@@ -210,7 +231,7 @@ def test_in_place_pause_keeps_requests_and_an_update_reports_the_unflushed_cache
                 except Exception as e:  # noqa: BLE001 - the answer under test
                     refused = str(e)
                 await c.continue_generation()
-                out = await task
+                out = (await task)[0]
                 spans = out.meta_info["weight_versions"]
                 m = spans[0]["end"] if len(spans) == 2 else (N if spans[0]["version"] == "init" else 0)
                 return (out, refused), m
@@ -222,25 +243,42 @@ def test_in_place_pause_keeps_requests_and_an_update_reports_the_unflushed_cache
 
 
 @pytest.mark.parametrize("kind", ["embedded", "sglang"])
-def test_abort_request_by_rid_aborts_that_request_only(kind, servers, models):
+def test_abort_request_by_rid_aborts_that_request_only(kind, servers, models, hf_logprobs):
+    """Both requests ask for LONG tokens (more than any machine makes while the test runs) and are
+    held still by an ``in_place`` pause once the server reports them generating, so what ends each
+    one is the test's abort, and what the server holds is read from it, not inferred from timing."""
     _, a, _ = models
+    url = servers[kind]
 
     async def go():
-        async with SGLangClient(servers[kind], api_key=KEY) as c:
+        async with SGLangClient(url, api_key=KEY) as c:
             await load(c, a, "init")
-            first = asyncio.ensure_future(c.generate(PROMPT, greedy(), rid="victim-1"))
-            second = asyncio.ensure_future(c.generate([7, 8, 9], greedy(), rid="bystander-1"))
-            await asyncio.sleep(0.5)
+            first = asyncio.ensure_future(c.generate(PROMPT, greedy(LONG), rid="victim-1"))
+            second = asyncio.ensure_future(c.generate([7, 8, 9], greedy(LONG), rid="bystander-1"))
+            await until_generating(url, "victim-1", "bystander-1", tasks=[first, second])
+            await c.pause_generation("in_place")       # both stay on the server, still
             await c.abort_request(rid="victim")        # not a rid the server holds: ignored
             await c.abort_request()                    # empty rid, no abort_all: ignored
-            await asyncio.sleep(0.2)
+            state = await held(url)
+            assert set(state["running"]) == {"victim-1", "bystander-1"}, state
             assert not first.done() and not second.done()
             await c.abort_request(rid="victim-1")
-            hit, kept = (await first)[0], (await second)[0]
-            assert hit.finish_reason == "abort" and 0 < len(hit.output_ids) < N
+            hit = (await asyncio.wait_for(first, HANG_S))[0]
+            state = await held(url)
+            assert list(state["running"]) == ["bystander-1"] and not second.done(), state
+            stopped_at = state["running"]["bystander-1"]
+            await c.continue_generation()              # the bystander generates on
+            await until_generating(url, "bystander-1", tasks=[second], past=stopped_at)
+            await c.abort_request(rid="bystander-1")
+            kept = (await asyncio.wait_for(second, HANG_S))[0]
+            assert hit.finish_reason == "abort" and 0 < len(hit.output_ids) < LONG
             assert len(hit.logprobs) == len(hit.output_ids)
             assert hit.meta_info["finish_reason"]["message"] == "Aborted"
-            assert kept.finish_reason == "length" and len(kept.output_ids) == N
+            assert kept.finish_reason == "abort" and stopped_at < len(kept.output_ids) < LONG
+            # every token's logprob is model a's (transformers' fp32 forward): the bystander's KV came
+            # through the victim's removal intact
+            assert hit.logprobs == pytest.approx(hf_logprobs("a", PROMPT, hit.output_ids), abs=1e-4)
+            assert kept.logprobs == pytest.approx(hf_logprobs("a", [7, 8, 9], kept.output_ids), abs=1e-4)
     asyncio.run(go())
 
 
@@ -251,11 +289,11 @@ def test_an_update_without_a_pause_waits_for_the_requests_in_flight(kind, server
     async def go():
         async with SGLangClient(servers[kind], api_key=KEY) as c:
             await load(c, a, "init")
-            gen = asyncio.ensure_future(one(c, PROMPT, greedy()))
-            await asyncio.sleep(0.2)
+            gen = asyncio.ensure_future(c.generate(PROMPT, greedy(), rid="in-flight"))
+            await until_generating(servers[kind], "in-flight", tasks=[gen])
             await c.begin_weight_update()               # the writer lock: after every request in flight
             assert gen.done(), "begin_weight_update answered while a request was still generating"
-            out = await gen
+            out = (await gen)[0]
             await c.end_weight_update()
             assert out.finish_reason == "length" and len(out.output_ids) == N
     asyncio.run(go())
@@ -270,12 +308,12 @@ def test_a_pause_does_not_queue_behind_the_clients_own_generations(kind, servers
 
     async def go():
         async with SGLangClient(servers[kind], api_key=KEY, max_concurrency=1) as c:
-            async def attempt(delay):
+            async def attempt():
                 await load(c, a, "init")
-                task = asyncio.ensure_future(one(c, PROMPT, greedy()))
-                await asyncio.sleep(delay)
-                await asyncio.wait_for(c.pause_generation("abort"), 60)
-                out = await task
+                task = asyncio.ensure_future(c.generate(PROMPT, greedy(), rid="slot-holder"))
+                await until_generating(servers[kind], "slot-holder", tasks=[task])
+                await asyncio.wait_for(c.pause_generation("abort"), HANG_S)   # a hang guard: it answers at once
+                out = (await task)[0]
                 await c.continue_generation()
                 return out, len(out.output_ids)
 

@@ -120,10 +120,10 @@ def test_dp_rank_without_samples_joins_and_changes_nothing(model, tmp_path):
     (tmp_path / "dp1").mkdir()
     (tmp_path / "dp2").mkdir()
     one = spawn(_train_one_sample, 1, tiny_run_config(model, tmp_path / "dp1", *base), str(tmp_path / "dp1"),
-                init=False, timeout_s=240)
+                init=False, timeout_s=600)   # a hang guard
     two = spawn(_train_one_sample, 2, tiny_run_config(model, tmp_path / "dp2", *base, "actor.gpus=2",
                                                        "cluster.backend=ray"), str(tmp_path / "dp2"),
-                init=False, timeout_s=240)
+                init=False, timeout_s=600)   # a hang guard
     weights_one = torch.load(tmp_path / "dp1" / "rank0.pt")
     weights_two = [torch.load(tmp_path / "dp2" / f"rank{r}.pt") for r in range(2)]
     assert len((two[1]["forward"] or {}).get("token", {}).get("logprobs", [])) == 0, "rank 1 had no sample"
@@ -145,15 +145,23 @@ def test_dp_rank_without_samples_joins_and_changes_nothing(model, tmp_path):
 # ------------------------------------------------------------------ a generation timeout
 
 class FlakyServer:
-    """An HTTP server on a thread of its own: ``/generate`` stalls (longer than the client's
-    timeout) for its first ``stalls`` requests, then answers like SGLang (3 tokens with logprobs);
-    ``/health`` answers ``health_status``, or stalls too when ``health_status`` is None."""
+    """An HTTP server on a thread of its own: ``/generate`` stalls (until the server is closed: far
+    longer than the client's timeout, on any machine) for its first ``stalls`` requests, then answers
+    like SGLang (3 tokens with logprobs); ``/health`` answers ``health_status``, or stalls too when
+    ``health_status`` is None."""
 
-    def __init__(self, stalls: int, health_status: int | None = 200, stall_s: float = 3.0):
-        self.stalls, self.health_status, self.stall_s = stalls, health_status, stall_s
+    def __init__(self, stalls: int, health_status: int | None = 200):
+        self.stalls, self.health_status = stalls, health_status
         self.generate_calls = 0
         self.health_calls = 0
         self.loop = asyncio.new_event_loop()
+        self.closing = asyncio.Event()   # set (on the server's loop) by __exit__: stalls end
+
+    async def stall(self) -> None:
+        try:
+            await asyncio.wait_for(self.closing.wait(), 600)   # a hang guard only
+        except asyncio.TimeoutError:
+            pass
 
     async def handler(self, request):
         from aiohttp import web
@@ -161,11 +169,11 @@ class FlakyServer:
         if request.path == "/health":
             self.health_calls += 1
             if self.health_status is None:
-                await asyncio.sleep(self.stall_s)
+                await self.stall()
             return web.Response(status=self.health_status or 200, text="ok")
         self.generate_calls += 1
         if self.generate_calls <= self.stalls:
-            await asyncio.sleep(self.stall_s)
+            await self.stall()
         body = await request.json()
         batched = isinstance(body["input_ids"][0], list)   # SGLang's batch form: prompt-major, n each
         params = body.get("sampling_params") or {}
@@ -188,6 +196,7 @@ class FlakyServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.closing.set)
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
@@ -195,7 +204,8 @@ class FlakyServer:
 def _manager(urls: list[str], retries: int = 2):
     from megarl.rollout.manager import RolloutManager
 
-    mgr = RolloutManager(urls, timeout_s=0.5, request_retries=retries, health_timeout_s=1.0)
+    # 3 s: far above what a local answer takes on a loaded box; the stalled servers never answer
+    mgr = RolloutManager(urls, timeout_s=3.0, request_retries=retries, health_timeout_s=3.0)
     for c in mgr.clients:
         c.retries = 0  # the client's own retries would hide the manager's
     return mgr
@@ -221,7 +231,7 @@ def test_generation_timeout_keeps_a_server_that_answers_health():
 def test_generation_failing_on_a_healthy_server_gives_up_after_the_retries():
     from megarl.rollout.manager import GenerationFailed
 
-    with FlakyServer(stalls=100, stall_s=1.5) as server:
+    with FlakyServer(stalls=100) as server:
         mgr = _manager([server.url], retries=1)
         try:
             with pytest.raises(GenerationFailed, match=r"prompt 0 \(1 sample\): failed 2 time\(s\) on rollout "
@@ -235,7 +245,7 @@ def test_generation_failing_on_a_healthy_server_gives_up_after_the_retries():
 def test_timed_out_server_without_health_is_dropped_and_its_requests_move():
     """The first server hangs, /health included: it is marked dead and every request lands on the
     second; the requests that moved are counted (one request per server: a prompt's 2 samples)."""
-    with FlakyServer(stalls=100, health_status=None, stall_s=2.0) as hung, FlakyServer(stalls=0) as good:
+    with FlakyServer(stalls=100, health_status=None) as hung, FlakyServer(stalls=0) as good:
         mgr = _manager([hung.url, good.url])
         try:
             out = mgr.generate([[10], [20]], n=2, sampling={"max_new_tokens": 3})

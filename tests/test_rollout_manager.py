@@ -1,5 +1,6 @@
 """RolloutManager over real embedded servers: spread, n samples, batching, streaming, a dying server's
 requests retried."""
+import signal
 import threading
 import time
 
@@ -36,11 +37,15 @@ def test_spread_and_server_death(model_dir):
                 assert o.output_ids == o2.output_ids  # per-sample seeds: reproducible across servers
         assert mgr.dead == set()
 
-        # kill server 2 while a long batch is in flight: everything still comes back, from s1
+        # kill server 2 while a long batch is in flight: everything still comes back, from s1. s2 is
+        # stopped (SIGSTOP) first, so whatever it was sent is still unanswered when it dies, however
+        # fast the machine (a sleep before the kill let a fast box finish s2's share first)
+        s2.proc.send_signal(signal.SIGSTOP)
+
         def kill_when_busy():
-            while mgr.outstanding[1] == 0:
+            deadline = time.time() + 300   # a hang guard
+            while mgr.outstanding[1] == 0 and time.time() < deadline:
                 time.sleep(0.01)
-            time.sleep(0.2)
             s2.proc.kill()
         killer = threading.Thread(target=kill_when_busy)
         killer.start()

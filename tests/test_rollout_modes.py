@@ -122,7 +122,7 @@ def test_sync_source_equals_the_loop_before_sources(model, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 class PushMidGeneration(Trainer):
-    """Test instrumentation: a push first waits (up to 30 s) until some group is generating, and
+    """Test instrumentation: a push first waits (up to 300 s, a hang guard) until some group is generating, and
     records whether one was, so that the pause is known to have met requests in flight."""
 
     def make_source(self):
@@ -133,7 +133,7 @@ class PushMidGeneration(Trainer):
         @contextlib.contextmanager
         def weight_update(version: int) -> Iterator[dict[str, float]]:
             with source.buffer.cond:
-                self.pushed_mid_generation.append(bool(source.buffer.cond.wait_for(lambda: source.buffer.inflight, 30)))
+                self.pushed_mid_generation.append(bool(source.buffer.cond.wait_for(lambda: source.buffer.inflight, 300)))
             with inner(version) as stats:
                 yield stats
         source.weight_update = weight_update
@@ -209,7 +209,9 @@ def test_async_run_killed_with_sigkill_resumes_without_losing_or_repeating_promp
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     ledger, ckpt = out / "rollout_ledger.jsonl", out / "checkpoints" / "step_000002"
-    deadline = time.time() + 240
+    # a hang guard (a dead run fails at once, below): the loop ends as soon as step 2 is reached; with
+    # the cores hogged and other jobs on the box the whole test took 859 s (240 s was not enough)
+    deadline = time.time() + 1800
     try:   # kill once step 2's batch was taken after the step-2 checkpoint: that batch is redone
         while not (ckpt.is_dir() and ledger.is_file() and '"step": 2' in ledger.read_text()):
             assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]

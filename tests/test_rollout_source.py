@@ -200,7 +200,7 @@ def test_state_snapshot_restores_pending_prompts_and_loader_position():
     source, recs = make_source("async", io, fleet, max_staleness=2)
     try:
         train(source, fleet, 3, rng, lambda *a: None)
-        deadline = time.time() + 10
+        deadline = time.time() + 120   # a hang guard: the loop ends as soon as the budget is full
         while source.buffer.pending < source.buffer.budget() and time.time() < deadline:
             time.sleep(0.01)   # the producer fills its budget: the next batch can only come from these
         state = source.state_dict()

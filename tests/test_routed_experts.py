@@ -230,6 +230,7 @@ def test_an_aborted_request_answers_with_the_routes_of_what_it_ran(moe_server):
     through its decode path, routed experts included, and so must the embedded server (a continued
     request's routes would have a hole otherwise)."""
     from megarl.rollout.client import SGLangClient, sampling_params
+    from tests.helpers.inflight import until_generating
 
     hf, server = moe_server
     prompt = [5, 17, 42, 99, 3, 250, 7]
@@ -240,7 +241,9 @@ def test_an_aborted_request_answers_with_the_routes_of_what_it_ran(moe_server):
                 sp = sampling_params(max_new_tokens=480, temperature=1.0, sampling_seed=attempt, ignore_eos=True)
                 req = asyncio.ensure_future(c.generate(prompt, sp, rid=f"r{attempt}", return_routed_experts=True,
                                                        routed_experts_start_len=2))
-                await asyncio.sleep(0.05 * (attempt + 1))
+                # abort once the server reports it generating (not after a guessed sleep); a retry only
+                # if a machine made all 480 tokens in the round trip between that report and the abort
+                await until_generating(server.url, f"r{attempt}", tasks=[req])
                 await c.abort_request(f"r{attempt}")
                 (out,) = await req
                 if out.finish_reason == "abort" and out.output_ids:

@@ -223,7 +223,7 @@ def test_refused_pushes_fail_fast_with_the_servers_words(model, servers):
     t0 = time.time()
     with pytest.raises(SyncError, match="must run between begin_weight_update"):
         pusher.push(named)  # no session: SGLang answers 400 without joining the broadcast
-    assert time.time() - t0 < 15, "no hang until the process-group timeout"
+    assert time.time() - t0 < 60, "no hang until the process-group timeout (120 s)"
     pusher.close()
 
     # inside a session, a name the model lacks: SGLang's own load error, naming server and tensor
@@ -233,7 +233,7 @@ def test_refused_pushes_fail_fast_with_the_servers_words(model, servers):
     with pytest.raises(SyncError, match=r"not_a_weight") as err, pusher.session():
         pusher.push([("model.layers.0.mlp.not_a_weight", torch.ones(3))])
     assert url in str(err.value) and "Failed to update parameter online" in str(err.value)
-    assert time.time() - t0 < 15
+    assert time.time() - t0 < 60, "no hang until the process-group timeout (120 s)"
     # the failed push's session was ended: a new one opens, and a good push goes through
     with pusher.session():
         assert pusher.push(named, weight_version="after_refusal").tensors == 1

@@ -116,10 +116,11 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
     @routes.get("/server_info")
     async def server_info(request):
         eng = engine()
+        held = await asyncio.wrap_future(eng.control(eng.requests, new_epoch=False))
         return web.json_response({"model_path": state.model_path, "tp_size": state.tp_size,
                                   "max_running_requests": eng.max_running, "context_length": eng.max_len,
                                   "device": str(eng.model.device), "megarl_stats": dict(eng.stats),
-                                  "version": "megarl-embedded"})
+                                  "megarl_requests": held, "version": "megarl-embedded"})
 
     @routes.route("*", "/generate")
     async def generate(request):

@@ -17,7 +17,8 @@ Logprobs are computed from the same fp32 logits the token is sampled from:
 filtering -- the same convention as sglang's default `output_token_logprobs`.
 
 Prefix sharing reuses KV only within one weight epoch: every control op (a weight update among
-them) starts a new epoch, and a prompt's KV computed before it is never copied after it.
+them; read-only ones excepted) starts a new epoch, and a prompt's KV computed before it is never
+copied after it.
 """
 from __future__ import annotations
 
@@ -128,10 +129,11 @@ class Engine:
         self._wake.set()
         return [r.done for r in reqs]
 
-    def control(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run fn on the engine thread between steps; returns a future of its result."""
+    def control(self, fn: Callable[[], Any], new_epoch: bool = True) -> concurrent.futures.Future:
+        """Run fn on the engine thread between steps; returns a future of its result. ``new_epoch``
+        False: fn only reads (``requests``), so prefixes computed before it stay shareable."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.controls.put((fn, fut))
+        self.controls.put((fn, fut, new_epoch))
         self._wake.set()
         return fut
 
@@ -186,6 +188,16 @@ class Engine:
             if src:
                 self.model.copy_rows(src, dst, length)
         return len(rows) + len(queued)
+
+    def requests(self) -> Dict[str, Any]:
+        """The requests the engine holds: ``running`` (rid -> output tokens so far; a running request
+        has been prefilled and has at least its first token) and ``queued`` (rids waiting for a row,
+        or retracted). Read on the engine thread (``control(engine.requests, new_epoch=False)``);
+        tests wait on it for a request to be generating instead of sleeping."""
+        self._drain_waiting()
+        b = self.batch
+        running = {r.rid: int(b.n[i]) for i, r in enumerate(b.reqs[:b.size]) if r is not None}
+        return {"running": running, "queued": [r.rid for r in self._backlog]}
 
     def has_request(self, rid: str) -> bool:
         """Is a request with exactly this rid running or queued?"""
@@ -247,10 +259,11 @@ class Engine:
     def _run_controls(self):
         while True:
             try:
-                fn, fut = self.controls.get_nowait()
+                fn, fut, new_epoch = self.controls.get_nowait()
             except queue.Empty:
                 return
-            self.epoch += 1   # weights may change: no prefix computed before is shared after
+            if new_epoch:
+                self.epoch += 1   # weights may change: no prefix computed before is shared after
             if not fut.set_running_or_notify_cancel():
                 continue
             try:

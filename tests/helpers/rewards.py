@@ -1,5 +1,6 @@
 """A deterministic, non-constant reward for trainer tests on random tiny models (whose answers are
 never right, so task rewards would be all zero and every advantage zero)."""
+import threading
 
 
 def distinct_token_reward(text: str, record) -> float:
@@ -7,8 +8,20 @@ def distinct_token_reward(text: str, record) -> float:
 
 
 def slow_length_reward(text: str, record) -> float:
-    """A reward that takes a while (a stand-in for a sandboxed verifier): the pool must overlap calls."""
+    """A reward that takes a while (a stand-in for a sandboxed verifier)."""
     import time
 
     time.sleep(0.3)
+    return float(len(text)) + 0.001 * float(record)
+
+
+OVERLAP = 4   # calls that must be running at once before any of them returns
+_overlap = threading.Barrier(OVERLAP)
+
+
+def overlapping_length_reward(text: str, record) -> float:
+    """A reward that returns only once OVERLAP calls are running at the same time (a stand-in for
+    slow verifiers that the pool must overlap): a pool that serialised its calls never gets past the
+    barrier (BrokenBarrierError after 300 s, a hang guard). Proves overlap without timing it."""
+    _overlap.wait(timeout=300)
     return float(len(text)) + 0.001 * float(record)

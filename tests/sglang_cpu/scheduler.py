@@ -79,6 +79,7 @@ class CpuScheduler:
         from sglang.srt.managers.io_struct import (
             AbortReq, BatchTokenizedGenerateReqInput, BeginWeightUpdateReqInput, ContinueGenerationReqInput,
             DestroyWeightsUpdateGroupReqInput, EndWeightUpdateReqInput, FlushCacheReqInput, FlushCacheReqOutput, FreezeGCReq,
+            GetInternalStateReq, GetInternalStateReqOutput,
             InitWeightsUpdateGroupReqInput, PauseGenerationReqInput, ReleaseMemoryOccupationReqInput,
             ResumeMemoryOccupationReqInput, TokenizedGenerateReqInput, UpdateWeightFromDiskReqInput,
             UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput)
@@ -138,6 +139,7 @@ class CpuScheduler:
             (PauseGenerationReqInput, self.pause),
             (ContinueGenerationReqInput, self.resume),
             (FreezeGCReq, lambda req: None),
+            (GetInternalStateReq, lambda req: GetInternalStateReqOutput(internal_state=self.internal_state())),
         ])
         self.dispatch.add_fallback_fn(lambda req: log.warning("CPU scheduler ignores %s", type(req).__name__))
 
@@ -174,6 +176,14 @@ class CpuScheduler:
         if self.engine is not None:
             self._on_engine(self.engine.unpause)
         self._engine_paused = False
+
+    def internal_state(self) -> dict:
+        """SGLang's scheduler answers ``GetInternalStateReq`` (``/server_info``'s ``internal_states``)
+        with its state; this one's is the requests its engine holds (``Engine.requests``), which
+        tests wait on instead of sleeping."""
+        if self.engine is None:
+            return {}
+        return {"megarl_requests": self.engine.control(self.engine.requests, new_epoch=False).result(timeout=60)}
 
     def init_info(self) -> dict:
         return {"status": "ready", "max_total_num_tokens": 1 << 20,
