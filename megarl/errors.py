@@ -1,0 +1,83 @@
+"""Whose fault an error is, and the one line the ``megarl`` command prints for it.
+
+Errors the user can fix from the message alone -- a config field, a data row, a missing file, an
+API key a server refuses, a server that cannot be reached, a model that does not fit its memory --
+end a command with one line naming the field, file:line or server and exit status 2. Anything else
+is megarl's own fault and keeps its traceback (``megarl --debug`` shows tracebacks for all).
+
+Error classes mark themselves by deriving from :class:`UserError`. This module imports nothing
+from megarl (nor torch or ray), so any module can do that without an import cycle, and the CLI can
+classify an exception that crossed a process boundary (Ray wraps a worker's exception in a
+``RayTaskError`` whose ``.cause`` is the original) without importing what raised it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+USER_EXIT = 2
+
+# OS errors about a path the user gave: a missing recipe, data file, model directory, output dir.
+PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+# Out of device/host memory in torch (torch.OutOfMemoryError, torch.cuda.OutOfMemoryError): the
+# model, batch or parallel layout does not fit, which `megarl plan` estimates before a launch.
+OOM_NAMES = ("OutOfMemoryError",)
+
+
+class UserError(Exception):
+    """Marker base: caused by the user's input or setup, fixable from the message alone.
+
+    Subclasses keep their usual base too (``class DataError(UserError, ValueError)``) so existing
+    ``except ValueError`` handlers still catch them."""
+
+
+def _wrapped(exc: BaseException) -> Optional[BaseException]:
+    """The exception ``exc`` wraps: a Ray task error's ``.cause`` (the worker's exception, also when
+    Ray made the wrapper an instance of the cause's class), else ``raise ... from`` (``__cause__``)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        return cause
+    return exc.__cause__
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    if getattr(exc, "cause", None) is not None and isinstance(getattr(exc, "cause"), BaseException):
+        return False                        # a wrapper: judge what it wraps, print its words
+    if isinstance(exc, UserError):
+        return True
+    if isinstance(exc, PATH_ERRORS) and exc.filename is not None:
+        return True
+    return type(exc).__name__ in OOM_NAMES and type(exc).__module__.split(".")[0] == "torch"
+
+
+def find_user_error(exc: BaseException) -> Optional[BaseException]:
+    """The user error behind ``exc`` -- ``exc`` itself or one it wraps -- or None (an internal error)."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if _is_user_error(current):
+            return current
+        current = _wrapped(current)
+    return None
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line: ``"head: a; b"`` for a ``"head:\\n  a\\n  b"`` list (ConfigError),
+    ``"PATH: reason"`` for an OS error about a path, the first line of an out-of-memory message."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if type(exc).__name__ in OOM_NAMES:
+        return f"out of memory: {lines[0]} (`megarl plan RECIPE` estimates the memory of a run)"
+    head, rest = lines[0], lines[1:]
+    if rest and head.endswith(":"):
+        return f"{head} {'; '.join(rest)}"
+    return "; ".join(lines)
+
+
+def user_error_line(exc: BaseException) -> Optional[str]:
+    """The one line to print for ``exc`` when it is (or wraps) a user error, else None."""
+    found = find_user_error(exc)
+    return None if found is None else one_line(found)
