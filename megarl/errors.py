@@ -16,8 +16,10 @@ from typing import Optional
 
 USER_EXIT = 2
 
-# OS errors about a path the user gave: a missing recipe, data file, model directory, output dir.
-PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+# A missing file is the user's (a recipe, data file, model folder without weights: megarl raises
+# FileNotFoundError naming the field or folder); the others only when they name a path.
+MISSING = (FileNotFoundError,)
+PATH_ERRORS = (NotADirectoryError, IsADirectoryError, PermissionError)
 # Out of device/host memory in torch (torch.OutOfMemoryError, torch.cuda.OutOfMemoryError): the
 # model, batch or parallel layout does not fit, which `megarl plan` estimates before a launch.
 OOM_NAMES = ("OutOfMemoryError",)
@@ -40,9 +42,9 @@ def _wrapped(exc: BaseException) -> Optional[BaseException]:
 
 
 def _is_user_error(exc: BaseException) -> bool:
-    if getattr(exc, "cause", None) is not None and isinstance(getattr(exc, "cause"), BaseException):
+    if isinstance(getattr(exc, "cause", None), BaseException):
         return False                        # a wrapper: judge what it wraps, print its words
-    if isinstance(exc, UserError):
+    if isinstance(exc, (UserError, *MISSING)):
         return True
     if isinstance(exc, PATH_ERRORS) and exc.filename is not None:
         return True

@@ -26,7 +26,8 @@ def test_sandbox_runs_code_and_writes_only_its_tmp():
     assert r.exit_code == 0 and r.stdout.strip() == f"hi {2**70}" and r.killed is None
     for path in ("/etc/megarl_pwned", "/root/megarl_pwned", "/work/megarl_pwned"):
         r = run_python(f"open({path!r}, 'w').write('x')", LIMITS)
-        assert r.exit_code != 0 and ("Read-only file system" in r.stderr or "Permission denied" in r.stderr), r.stderr
+        assert r.exit_code != 0 and any(why in r.stderr for why in (
+            "Read-only file system", "Permission denied", "No such file or directory")), r.stderr  # or not there at all
     import os
 
     assert not any(os.path.exists(p) for p in ("/etc/megarl_pwned", "/root/megarl_pwned", "/work/megarl_pwned"))
