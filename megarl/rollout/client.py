@@ -346,3 +346,5 @@ class LoopThread:
     def close(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._t.join(timeout=5)
+        if not self._t.is_alive():   # closed here, not by the garbage collector at interpreter exit
+            self.loop.close()        # (which then prints "Exception ignored in BaseEventLoop.__del__")
