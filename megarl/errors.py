@@ -2,8 +2,9 @@
 
 Errors the user can fix from the message alone -- a config field, a data row, a missing file, an
 API key a server refuses, a server that cannot be reached, a model that does not fit its memory --
-end a command with one line naming the field, file:line or server and exit status 2. Anything else
-is megarl's own fault and keeps its traceback (``megarl --debug`` shows tracebacks for all).
+end a command with one line naming the field, file:line or server and exit status 2 (a config
+with several wrong fields: one line per field under one header). Anything else is megarl's own
+fault and keeps its traceback (``megarl --debug`` shows tracebacks for all).
 
 Error classes mark themselves by deriving from :class:`UserError`. This module imports nothing
 from megarl (nor torch or ray), so any module can do that without an import cycle, and the CLI can
@@ -63,9 +64,10 @@ def find_user_error(exc: BaseException) -> Optional[BaseException]:
     return None
 
 
-def one_line(exc: BaseException) -> str:
-    """``exc``'s message on one line: ``"head: a; b"`` for a ``"head:\\n  a\\n  b"`` list (ConfigError),
-    ``"PATH: reason"`` for an OS error about a path, the first line of an out-of-memory message."""
+def describe(exc: BaseException) -> str:
+    """``exc``'s message for the user: one line -- ``"head: a"`` for a one-item ``"head:\\n  a"`` list
+    (a ConfigError of one field), ``"PATH: reason"`` for an OS error about a path, the first line of
+    an out-of-memory message -- except a list of several items, one per line under its head."""
     if isinstance(exc, OSError) and exc.filename is not None:
         return f"{exc.filename}: {exc.strerror or exc}"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -74,12 +76,14 @@ def one_line(exc: BaseException) -> str:
     if type(exc).__name__ in OOM_NAMES:
         return f"out of memory: {lines[0]} (`megarl plan RECIPE` estimates the memory of a run)"
     head, rest = lines[0], lines[1:]
+    if len(rest) == 1 and head.endswith(":"):
+        return f"{head} {rest[0]}"
     if rest and head.endswith(":"):
-        return f"{head} {'; '.join(rest)}"
+        return "\n  ".join(lines)
     return "; ".join(lines)
 
 
 def user_error_line(exc: BaseException) -> Optional[str]:
-    """The one line to print for ``exc`` when it is (or wraps) a user error, else None."""
+    """What to print for ``exc`` when it is (or wraps) a user error, else None."""
     found = find_user_error(exc)
-    return None if found is None else one_line(found)
+    return None if found is None else describe(found)

@@ -73,7 +73,8 @@ def test_classifier_unwraps_ray_and_chained_errors():
     except SyncError as e:
         assert find_user_error(e) is refused
         assert user_error_line(e).startswith("http://10.0.0.7:30000/begin_weight_update: HTTP 401 unauthorized")
-    assert user_error_line(ConfigError(["a.b: bad", "c.d: worse"])) == "invalid config: a.b: bad; c.d: worse"
+    assert user_error_line(ConfigError(["a.b: bad"])) == "invalid config: a.b: bad"
+    assert user_error_line(ConfigError(["a.b: bad", "c.d: worse"])) == "invalid config:\n  a.b: bad\n  c.d: worse"
     assert user_error_line(FileNotFoundError(2, "No such file or directory", "/x/y.yaml")) == \
         "/x/y.yaml: No such file or directory"
     assert user_error_line(ServerDown("http://h:1", "unreachable")) == "http://h:1: unreachable"
@@ -93,9 +94,14 @@ def test_classifier_unwraps_ray_and_chained_errors():
 
 # ---------------------------------------------------------------------------- CLI, no run
 def test_config_errors_missing_recipe_and_planner_are_one_line():
-    line = one_error_line(megarl("config", str(DEFAULT), "rollout.n_per_prompt=1", "checkpoint.keep_last=-1"),
-                          "config", "rollout.n_per_prompt:", "checkpoint.keep_last:")
-    assert line.startswith("megarl config: invalid config: ")
+    line = one_error_line(megarl("config", str(DEFAULT), "rollout.n_per_prompt=1"), "config", "rollout.n_per_prompt:")
+    assert line.startswith("megarl config: invalid config: rollout.n_per_prompt: 1;")
+    # several wrong fields: one line each, under one header
+    r = megarl("config", str(DEFAULT), "rollout.n_per_prompt=1", "checkpoint.keep_last=-1")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.rstrip("\n").splitlines()[-3:]
+    assert lines[0] == "megarl config: invalid config:" and lines[1].startswith("  rollout.n_per_prompt:") and \
+        lines[2].startswith("  checkpoint.keep_last:"), r.stderr
     one_error_line(megarl("train", "recipes/no-such-recipe.yaml"), "train", "recipe 'recipes/no-such-recipe.yaml'",
                    "no such file")
     one_error_line(megarl("train", str(DEFAULT), "actor.gpus=two"), "train", "actor.gpus:")

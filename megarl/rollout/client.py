@@ -67,7 +67,7 @@ class RequestFailed(ServerError):
 
 
 class Unauthorized(RequestFailed, UserError):
-    """401/403: the server requires another API key (`rollout.api_key`, sent as
+    """401/403: the server requires another API key (the one `rollout.api_key_env` names, sent as
     `Authorization: Bearer`). Raised at once, never retried."""
 
     def __init__(self, url: str, status: int, body: Any, key_sent: bool):

@@ -14,7 +14,7 @@ that ended the push is the one reported.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from megarl.rollout.client import LoopThread, RequestFailed, SGLangClient
 
