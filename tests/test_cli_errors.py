@@ -94,14 +94,14 @@ def test_classifier_unwraps_ray_and_chained_errors():
 
 # ---------------------------------------------------------------------------- CLI, no run
 def test_config_errors_missing_recipe_and_planner_are_one_line():
-    line = one_error_line(megarl("config", str(DEFAULT), "rollout.n_per_prompt=1"), "config", "rollout.n_per_prompt:")
-    assert line.startswith("megarl config: invalid config: rollout.n_per_prompt: 1;")
+    line = one_error_line(megarl("config", str(DEFAULT), "checkpoint.keep_last=-1"), "config")
+    assert line == "megarl config: invalid config: checkpoint.keep_last: must be >= 0 (0 keeps all), got -1"
     # several wrong fields: one line each, under one header
-    r = megarl("config", str(DEFAULT), "rollout.n_per_prompt=1", "checkpoint.keep_last=-1")
+    r = megarl("config", str(DEFAULT), "rollout.request_retries=-1", "checkpoint.keep_last=-1")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    lines = r.stderr.rstrip("\n").splitlines()[-3:]
-    assert lines[0] == "megarl config: invalid config:" and lines[1].startswith("  rollout.n_per_prompt:") and \
-        lines[2].startswith("  checkpoint.keep_last:"), r.stderr
+    assert r.stderr.rstrip("\n").splitlines()[-3:] == [
+        "megarl config: invalid config:", "  rollout.request_retries: must be >= 0, got -1",
+        "  checkpoint.keep_last: must be >= 0 (0 keeps all), got -1"], r.stderr
     one_error_line(megarl("train", "recipes/no-such-recipe.yaml"), "train", "recipe 'recipes/no-such-recipe.yaml'",
                    "no such file")
     one_error_line(megarl("train", str(DEFAULT), "actor.gpus=two"), "train", "actor.gpus:")
