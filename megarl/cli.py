@@ -88,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if not debug:
         # Ray prints every failed rank's task error that nobody fetched ("Unhandled error ...") on
-        # the driver's stderr; the first one, which the driver did fetch, is reported below.
+        # the driver's stderr, whenever its reference is freed (also after this function): the
+        # first one, which the driver did fetch, is reported below. Set for the whole process.
         os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     try:
         if command == "config":

@@ -113,7 +113,7 @@ SANDBOX_ENV = {"HOME": SANDBOX_HOME, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "OMP_N
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SYSTEM_FILES = ("/etc/ld.so.cache",)
 # Asked of the interpreter once (python -I, as the tool code will run): where it lives, what it imports.
-_PROBE = ("import json, site, sys; print(json.dumps({'executable': sys.executable, 'prefix': sys.prefix, "
+_PROBE = ("import json, sys; print(json.dumps({'executable': sys.executable, 'prefix': sys.prefix, "
           "'base_prefix': sys.base_prefix, 'path': sys.path}))")
 
 
