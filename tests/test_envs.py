@@ -75,7 +75,8 @@ def test_python_env_runs_code_through_the_pool():
 
     async def go():
         pool = ToolPool(2)
-        env = PythonEnv(EnvContext(pool, {"cpu_s": 1, "wall_s": 2.0}, tool_timeout_s=5.0))
+        # a wall-clock limit far above the CPU limit: on a loaded machine the loop still reaches 1 CPU-second first
+        env = PythonEnv(EnvContext(pool, {"cpu_s": 1, "wall_s": 60.0}, tool_timeout_s=120.0))
         await env.reset(PromptRecord("What is 2**20?", answer="1048576"))
         res = await env.step(Action("", [ToolCall("python", {"code": "print(2**20)"}),
                                           ToolCall("python", {"code": "while True: pass"})]))
