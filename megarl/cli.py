@@ -3,16 +3,25 @@
 Subcommands import their heavy machinery (megatron, ray, torch.distributed) lazily so that
 ``megarl config`` and ``--help`` answer in a fraction of a second and config errors surface before
 anything heavy starts.
+
+Errors have one path, here: an error the user caused (``megarl.errors``: a config field, a data
+row, a missing file, a refused API key, an unreachable server, a model that does not fit) is one
+line on stderr and exit status 2 -- also when it happened on a worker process and reached the
+driver wrapped (once, by the driver, never once per rank); anything else keeps its traceback.
+``megarl --debug COMMAND ...`` shows the traceback of every error.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import os
 import sys
+import traceback
 from typing import Callable, Sequence
 
-from megarl.config import ConfigError, dump_config, field_help, load_config, validate_config
+from megarl.config import dump_config, field_help, load_config, validate_config
+from megarl.errors import USER_EXIT, user_error_line
 
 # Subcommands implemented in their own modules: name -> "module:function(argv) -> int".
 DELEGATED = {
@@ -85,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Megatron-native RL post-training (PPO, GRPO, DAPO) with SGLang-API rollout.",
         epilog="Run `megarl COMMAND --help` for a command's options.",
     )
+    parser.add_argument("--debug", action="store_true", help="print the traceback of every error, also of "
+                        "errors caused by the input (config, data, files, servers), which are otherwise one line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in {**LOCAL, **DELEGATED}.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -94,10 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    debug = False
+    while argv and argv[0] == "--debug":                    # global options come before the command
+        debug, argv = True, argv[1:]
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if not debug:
+        # Ray prints every failed rank's task error that nobody fetched ("Unhandled error ...") on
+        # the driver's stderr, whenever its reference is freed (also after this function): the
+        # first one, which the driver did fetch, is reported below. Set for the whole process.
+        os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     try:
         if command in LOCAL:
             return int(LOCAL[command][0](rest) or 0)
@@ -106,11 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         func = _resolve(DELEGATED[command][0])
         if func is None:
             print(f"megarl {command}: not available yet in this version", file=sys.stderr)
-            return 2
+            return USER_EXIT
         return int(func(rest) or 0)
-    except ConfigError as err:
-        print(f"megarl {command}: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:  # noqa: BLE001 - the one place errors reach the user
+        line = user_error_line(err)
+        if line is None:
+            raise                                            # megarl's own fault: the traceback
+        if debug:
+            traceback.print_exc()
+        print(f"megarl {command}: {line}", file=sys.stderr)
+        return USER_EXIT
 
 
 if __name__ == "__main__":

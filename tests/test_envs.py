@@ -28,7 +28,8 @@ def test_sandbox_runs_code_and_writes_only_its_tmp():
     assert r.exit_code == 0 and r.stdout.strip() == f"hi {2**70}" and r.killed is None
     for path in ("/etc/megarl_pwned", "/root/megarl_pwned", "/work/megarl_pwned"):
         r = run_python(f"open({path!r}, 'w').write('x')", LIMITS)
-        assert r.exit_code != 0 and ("Read-only file system" in r.stderr or "Permission denied" in r.stderr), r.stderr
+        assert r.exit_code != 0 and any(why in r.stderr for why in (
+            "Read-only file system", "Permission denied", "No such file or directory")), r.stderr  # or not there at all
     import os
 
     assert not any(os.path.exists(p) for p in ("/etc/megarl_pwned", "/root/megarl_pwned", "/work/megarl_pwned"))
@@ -76,7 +77,8 @@ def test_python_env_runs_code_through_the_pool():
 
     async def go():
         pool = ToolPool(2)
-        env = PythonEnv(EnvContext(pool, {"cpu_s": 1, "wall_s": 20.0}, tool_timeout_s=60.0))   # limits, not speeds
+        # a wall-clock limit far above the CPU limit: on a loaded machine the loop still reaches 1 CPU-second first
+        env = PythonEnv(EnvContext(pool, {"cpu_s": 1, "wall_s": 60.0}, tool_timeout_s=120.0))
         await env.reset(PromptRecord("What is 2**20?", answer="1048576"))
         res = await env.step(Action("", [ToolCall("python", {"code": "print(2**20)"}),
                                           ToolCall("python", {"code": "while True: pass"})]))

@@ -140,8 +140,11 @@ def test_too_few_nodes_is_refused():
 
 
 def test_unknown_gpu_is_a_config_error(capsys):
-    assert plan_main([CPU_RECIPE, "cluster.gpu_type=Z100-1GB"]) == 2
-    assert "H100-80GB" in capsys.readouterr().err
+    from megarl.cli import main
+
+    assert main(["plan", CPU_RECIPE, "cluster.gpu_type=Z100-1GB"]) == 2   # one line via the CLI's error path
+    err = capsys.readouterr().err
+    assert "cluster.gpu_type: unknown GPU 'Z100-1GB'" in err and "H100-80GB" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("recipe", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")),

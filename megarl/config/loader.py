@@ -17,12 +17,13 @@ from typing import Any, Literal, Union
 import yaml
 
 from megarl.config.schema import RunConfig
+from megarl.errors import UserError
 
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A recipe or override is wrong; ``problems`` holds one line per field."""
 
     def __init__(self, problems: list[str]):

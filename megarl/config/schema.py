@@ -282,7 +282,10 @@ class AgentConfig:
                         "environment's reward replaces reward.*")
     env: str = opt("calculator", "environment: calculator | python | search, or a dotted module:Class")
     env_args: dict[str, Any] = opt({}, "keyword options of the environment (python: sandbox limits cpu_s, wall_s, "
-                                   "memory_mb, output_bytes, nproc, tmp_mb; search: corpus, top_k)")
+                                   "memory_mb, output_bytes, nproc, tmp_mb; mounts: absolute host paths tool code may "
+                                   "read, read-only (fixtures, never answers; nothing else of the host is visible); "
+                                   "python: interpreter of the tool code (default: the trainer's); "
+                                   "search: corpus, top_k)")
     tool_parser: str = opt("hermes", "tool-call format of the chat template: hermes (Qwen/Hermes <tool_call>), "
                            "llama3_json, or a dotted module:function")
     max_turns: int = opt(4, "model turns per trajectory at most")

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from megarl.config.loader import ConfigError
-from megarl.config.schema import ModelArch, ParallelConfig, RoleConfig, RunConfig
+from megarl.config.schema import ModelArch, ParallelConfig, RoleConfig, RolloutConfig, RunConfig
 
 GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"}
 ROLES = ("actor", "critic", "ref", "reward_model")
@@ -422,11 +423,21 @@ def api_key_problem(key: str) -> str | None:
     return None
 
 
+DEFAULT_API_KEY_ENV = RolloutConfig.__dataclass_fields__["api_key_env"].default
+
+
 def api_key_env_problem(cfg: RunConfig) -> str | None:
-    """The problem line for the key in ``rollout.api_key_env``'s variable, or None (unset is fine)."""
-    key = os.environ.get(cfg.rollout.api_key_env) if cfg.rollout.api_key_env else None
+    """The problem line for the key in ``rollout.api_key_env``'s variable, or None. Unset is fine
+    only for the default variable (a fresh key for the servers megarl starts, none for
+    ``rollout.server_urls``): a variable the recipe names was meant to hold the key, and without
+    it a run against servers started with a key would die at its first weight push (401)."""
+    name = cfg.rollout.api_key_env
+    key = os.environ.get(name) if name else None
+    if name and not key and name != DEFAULT_API_KEY_ENV:
+        return (f"rollout.api_key_env: ${name} is not set; export {name}=<the servers' API key>, or leave "
+                f"rollout.api_key_env at its default ({DEFAULT_API_KEY_ENV})")
     problem = api_key_problem(key) if key else None
-    return f"rollout.api_key_env: ${cfg.rollout.api_key_env}: {problem}" if problem else None
+    return f"rollout.api_key_env: ${name}: {problem}" if problem else None
 
 
 def _check_paths(cfg: RunConfig, problems: list[str]) -> None:
@@ -450,6 +461,13 @@ def _check_paths(cfg: RunConfig, problems: list[str]) -> None:
         path = getattr(cfg, name).model_path
         if getattr(cfg, name).enabled and path and not path.startswith("builtin:") and hf_config_path(path) is None:
             problems.append(f"{name}.model_path: no config.json in {path!r}")
+    if cfg.agent.enabled:
+        for mount in sandbox_mounts(cfg.agent.env_args):
+            if os.path.isabs(mount) and not os.path.exists(mount):
+                problems.append(f"agent.env_args.mounts: {mount!r} does not exist")
+        python = cfg.agent.env_args.get("python")
+        if isinstance(python, str) and python and shutil.which(python) is None:
+            problems.append(f"agent.env_args.python: no interpreter {python!r}")
 
 
 def collect_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
@@ -497,8 +515,39 @@ def _check_agent(cfg: RunConfig, problems: list[str]) -> None:
     if a.env == "python" and float(a.env_args.get("wall_s", 10.0)) >= a.tool_timeout_s:
         problems.append(f"agent.env_args.wall_s ({a.env_args.get('wall_s', 10.0)}) must be below agent.tool_timeout_s "
                         f"({a.tool_timeout_s}): the sandbox, not the pool, must stop runaway code")
+    _check_sandbox_mounts(cfg, problems)
     if a.env == "search" and "corpus" not in a.env_args:
         problems.append("agent.env_args.corpus: the search environment needs a corpus (JSONL file or list of passages)")
+
+
+def sandbox_mounts(env_args: dict[str, Any]) -> list[str]:
+    """``agent.env_args.mounts`` as a list of strings (what is not a string is reported by
+    ``_check_sandbox_mounts``)."""
+    mounts = env_args.get("mounts") or []
+    return [m for m in mounts if isinstance(m, str)] if isinstance(mounts, list) else []
+
+
+def _check_sandbox_mounts(cfg: RunConfig, problems: list[str]) -> None:
+    """Tool code sees only the host paths named here: absolute paths, none holding the run's data,
+    outputs, checkpoints or a home directory (a mount is an environment's fixtures, never its answers)."""
+    mounts = cfg.agent.env_args.get("mounts")
+    if mounts is None:
+        return
+    if not isinstance(mounts, list) or not all(isinstance(m, str) and m for m in mounts):
+        problems.append(f"agent.env_args.mounts: must be a list of absolute paths, got {mounts!r}")
+        return
+    secret = [("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path), ("output_dir", cfg.output_dir),
+              ("checkpoint.dir", cfg.checkpoint.dir)] + [("a home directory", h) for h in ("~", "/home", "/root")]
+    for mount in mounts:
+        if not os.path.isabs(mount):
+            problems.append(f"agent.env_args.mounts: {mount!r} is not an absolute path")
+            continue
+        real = os.path.realpath(mount)
+        for what, path in secret:
+            held = os.path.realpath(os.path.abspath(os.path.expanduser(path))) if path else None
+            if held and (held == real or held.startswith(real.rstrip("/") + "/")):
+                problems.append(f"agent.env_args.mounts: {mount!r} would show tool code {what} ({path}); mount "
+                                f"only the fixtures the environment needs")
 
 
 def validate_config(cfg: RunConfig, check_paths: bool = False) -> RunConfig:

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from megarl.data.records import PromptRecord
+from megarl.errors import UserError
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data file or task cannot be read; the message names the file and line or field."""
 
 

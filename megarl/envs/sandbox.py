@@ -1,32 +1,51 @@
 """Run untrusted Python in a real sandbox: bubblewrap namespaces plus kernel resource limits.
 
-Isolation (``bwrap``, Debian ``bubblewrap``): new user, PID, network, IPC and UTS namespaces
-(``--unshare-all``: no network at all, only a loopback device that reaches nothing), the host
-filesystem mounted read-only (``--ro-bind / /``), a private size-capped tmpfs at ``/tmp`` (the
-only writable place, also the working directory), a fresh ``/dev`` and ``/proc``, its own session
-(no terminal injection) and death with its parent.
+Isolation (``bwrap``, Debian ``bubblewrap``): new PID, network, IPC and UTS namespaces (no network
+at all, only a loopback device that reaches nothing), its own session (no terminal injection),
+death with its parent, a fresh ``/dev`` and a fresh ``/proc`` of its own PID namespace (not the
+host's processes), and an environment of a fixed minimal set (``SANDBOX_ENV``, ``--clearenv``).
+
+Filesystem: only what the interpreter needs, read-only -- ``/usr`` and the ``/bin``, ``/lib*``
+links or directories, the dynamic linker's cache, the interpreter's prefix (a venv, pyenv or conda
+directory; the stdlib lives there or under ``/usr``) and the site-packages directories on its
+``sys.path`` (``python -I``: no user site), found by asking the interpreter once. When those live
+in a home directory (a venv in ``~/venv``, pyenv in ``/root/.pyenv``) exactly those directories are
+mounted, never the home itself. Extra read-only mounts are only the ones named in config
+(``agent.env_args.mounts``: an environment's fixtures, never its answers). Everything else --
+``/home``, ``/root``, ``/etc``, the project, data, checkpoints, outputs -- does not exist inside.
+The only writable places are a private size-capped tmpfs at ``/tmp`` (the working directory) and
+the empty home ``/tmp/home`` in it. Model-written code cannot read a credential (``~/.netrc``,
+``~/.ssh``), a data file with the answers, or a checkpoint, whatever user the trainer runs as.
 
 Limits (``setrlimit`` in the child before ``bwrap`` starts, inherited by everything inside):
 CPU seconds (``RLIMIT_CPU``: SIGXCPU), address space (``RLIMIT_AS``: allocations fail with
 MemoryError), processes (``RLIMIT_NPROC``: a fork bomb gets EAGAIN), file size (``RLIMIT_FSIZE``:
 caps every file the code writes *and* its stdout/stderr, which go to files, so output cannot
 flood the trainer's memory), and a wall-clock limit enforced from outside (the whole process
-group is killed). As root, the sandbox runs under an unused uid of its own per concurrent slot:
-the kernel does not apply ``RLIMIT_NPROC`` to root, and a per-slot uid keeps one sandbox's
-processes from counting against another's.
+group is killed).
+
+Users: an ordinary user runs ``bwrap`` unprivileged (a user namespace) and the code runs as that
+user, who can see nothing but the mounts above. As root, ``bwrap`` mounts as root (so an
+interpreter under ``/root`` can be mounted) and the code then drops to an unused uid of its own
+per concurrent slot (``setpriv``, no new privileges): the kernel does not apply ``RLIMIT_NPROC``
+to root, and a per-slot uid keeps one sandbox's processes from counting against another's.
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
+import pwd
 import resource
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 SANDBOX_UID_BASE = 61000
 
@@ -85,6 +104,19 @@ class _UidSlots:
 _SLOTS = _UidSlots()
 
 
+# The environment inside, and nothing else. One BLAS/OpenMP thread: numpy's thread pool would
+# otherwise start one thread per host core and run into RLIMIT_NPROC and RLIMIT_AS.
+SANDBOX_HOME = "/tmp/home"
+SANDBOX_ENV = {"HOME": SANDBOX_HOME, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# Host paths every interpreter needs; a symlink (merged /usr: /bin -> usr/bin) stays a symlink.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+SYSTEM_FILES = ("/etc/ld.so.cache",)
+# Asked of the interpreter once (python -I, as the tool code will run): where it lives, what it imports.
+_PROBE = ("import json, sys; print(json.dumps({'executable': sys.executable, 'prefix': sys.prefix, "
+          "'base_prefix': sys.base_prefix, 'path': sys.path}))")
+
+
 def bwrap_path() -> str:
     path = shutil.which("bwrap")
     if path is None:
@@ -92,19 +124,125 @@ def bwrap_path() -> str:
     return path
 
 
-def bwrap_command(argv: list[str], tmp_mb: int) -> list[str]:
-    return [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/", "/",
-            "--dev", "/dev", "--proc", "/proc", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp",
-            "--chdir", "/tmp", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp", "--", *argv]
+@dataclass(frozen=True)
+class Interpreter:
+    """A Python as the sandbox runs it: the path to execute and the host directories it needs."""
+
+    executable: str
+    mounts: tuple[str, ...]
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits(), python: str = "python3") -> SandboxResult:
-    """Run ``code`` with ``python -I`` in the sandbox; blocks up to ``limits.wall_s`` (+ teardown)."""
+def _under(path: str, parents: Sequence[str]) -> bool:
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in parents)
+
+
+def _homes() -> list[str]:
+    """The home directories of people on this host (root, uids >= 1000), /home and /root: never
+    mounted whole (system accounts' "homes" such as /usr/sbin are not homes)."""
+    homes = {"/home", "/root", os.path.expanduser("~")}
+    homes.update(u.pw_dir for u in pwd.getpwall() if (u.pw_uid == 0 or u.pw_uid >= 1000) and u.pw_dir not in ("", "/"))
+    return sorted(os.path.realpath(h) for h in homes)
+
+
+def interpreter_mounts(executable: str, prefix: str, base_prefix: str, path: Sequence[str]) -> tuple[str, ...]:
+    """The read-only mounts of an interpreter: its prefixes (venv and base) and every site-packages
+    directory on its ``sys.path`` (a .pth may add another environment's), real paths, outermost
+    only, nothing under the system dirs (mounted anyway). A prefix that is a home directory or holds
+    one is never mounted whole; then only its stdlib and site-packages entries are."""
+    homes = _homes()
+    candidates = []
+    for prefix_dir in (base_prefix, prefix):
+        real = os.path.realpath(prefix_dir)
+        if not any(_under(h, [real]) for h in homes) and real != "/":
+            candidates.append(real)
+    for entry in path:
+        real = os.path.realpath(entry) if entry else ""
+        if real and os.path.isdir(real) and (real.endswith(("site-packages", "dist-packages")) or
+                                             _under(real, [os.path.realpath(base_prefix)])):
+            candidates.append(real)
+    candidates.append(os.path.realpath(executable))
+    out: list[str] = []
+    for c in sorted(set(candidates), key=len):           # parents sort before their children
+        if os.path.exists(c) and not _under(c, list(SYSTEM_DIRS) + out):
+            out.append(c)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter(python: str) -> Interpreter:
+    """What ``python`` needs inside the sandbox (asked once per interpreter and process)."""
+    try:
+        r = subprocess.run([python, "-I", "-c", _PROBE], capture_output=True, text=True, timeout=60,
+                           stdin=subprocess.DEVNULL)
+    except OSError as e:
+        raise FileNotFoundError(f"sandbox interpreter {python!r}: {e.strerror or e}") from None
+    if r.returncode != 0:
+        raise RuntimeError(f"sandbox interpreter {python!r} failed: {r.stderr.strip()[-500:]}")
+    info = json.loads(r.stdout)
+    return Interpreter(info["executable"],
+                       interpreter_mounts(info["executable"], info["prefix"], info["base_prefix"], info["path"]))
+
+
+def _parents(path: str) -> list[str]:
+    """``/a``, ``/a/b`` for ``/a/b/c``: created 0755 in the sandbox before ``path`` is mounted."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[:i + 1]) for i in range(len(parts))]
+
+
+def filesystem_args(mounts: Sequence[str], tmp_mb: int) -> list[str]:
+    """bwrap arguments of the sandbox's filesystem: system dirs, ``mounts`` (read-only, same path
+    inside), a fresh /dev and /proc, the private /tmp with the empty home, the rest read-only."""
+    args: list[str] = []
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    for f in SYSTEM_FILES:
+        args += ["--ro-bind-try", f, f]
+    made: set[str] = set()
+    for m in mounts:
+        for parent in _parents(m):
+            if parent not in made and not _under(parent, SYSTEM_DIRS):
+                made.add(parent)
+                args += ["--perms", "0755", "--dir", parent]
+        args += ["--ro-bind", m, m]
+    return args + ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--size", str(tmp_mb << 20), "--tmpfs",
+                   "/tmp", "--perms", "1777", "--dir", SANDBOX_HOME, "--chdir", "/tmp", "--remount-ro", "/"]
+
+
+def bwrap_command(argv: list[str], tmp_mb: int, mounts: Sequence[str] = (), run_as: Optional[int] = None) -> list[str]:
+    """The full command: namespaces, environment, filesystem, then ``argv`` -- as uid ``run_as``
+    (root only: bwrap mounts as root, then ``setpriv`` drops every privilege before ``argv``)."""
+    env = [a for k, v in SANDBOX_ENV.items() for a in ("--setenv", k, v)]
+    path = os.pathsep.join(dict.fromkeys([os.path.dirname(argv[0]), "/usr/bin", "/bin"]))
+    head = [bwrap_path(), "--die-with-parent", "--new-session", "--clearenv", *env, "--setenv", "PATH", path]
+    fs = filesystem_args(mounts, tmp_mb)
+    if run_as is None:
+        return [*head, "--unshare-all", *fs, "--", *argv]
+    setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
+    if setpriv is None:
+        raise FileNotFoundError("the python sandbox run as root needs setpriv (util-linux)")
+    return [*head, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+            "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", *fs, "--",
+            setpriv, f"--reuid={run_as}", f"--regid={run_as}", "--clear-groups", "--no-new-privs", "--", *argv]
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), python: Optional[str] = None,
+               mounts: Sequence[str] = ()) -> SandboxResult:
+    """Run ``code`` with ``python -I`` (default: this process's interpreter) in the sandbox, with
+    ``mounts`` (host paths) also visible read-only; blocks up to ``limits.wall_s`` (+ teardown)."""
+    interp = interpreter(python or sys.executable)
+    extra = tuple(os.path.abspath(m) for m in mounts)
+    for m in extra:
+        if any(_under(home, [os.path.realpath(m)]) for home in _homes()):
+            raise ValueError(f"sandbox mount {m!r} would show tool code a home directory")
     uid = _SLOTS.take() if os.geteuid() == 0 else None
     out_dir = tempfile.mkdtemp(prefix="megarl-sandbox-")
     t0 = time.perf_counter()
     try:
         out_path, err_path = os.path.join(out_dir, "stdout"), os.path.join(out_dir, "stderr")
+        command = bwrap_command([interp.executable, "-I", "-c", code], limits.tmp_mb, interp.mounts + extra, uid)
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             def child() -> None:
                 cap = limits.output_bytes
@@ -114,11 +252,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), python: str =
                 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
                 if uid is not None:
                     resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
-                    os.setgroups([])
-                    os.setgid(uid)
-                    os.setuid(uid)
-            proc = subprocess.Popen(bwrap_command([python, "-I", "-c", code], limits.tmp_mb), stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=err, preexec_fn=child, start_new_session=True, close_fds=True,
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, preexec_fn=child,
+                                    start_new_session=True, close_fds=True,
                                     env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"})
             killed = None
             try:

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from megarl.config import ConfigError, load_config
+from megarl.config import load_config
 from megarl.planning.memory import GIB, Plan, make_plan
 
 
@@ -71,16 +71,9 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="memory of one GPU, for GPU types not in the table")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.recipe, args.overrides)
-        override = int(args.gpu_memory_gib * GIB) if args.gpu_memory_gib else None
-        plan = make_plan(cfg, args.recipe, override)
-    except ConfigError as err:
-        print(f"megarl plan: {err}", file=sys.stderr)
-        return 2
-    except (KeyError, ValueError) as err:
-        print(f"megarl plan: {err.args[0] if err.args else err}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.recipe, args.overrides)      # a ConfigError is printed in one line by megarl.cli
+    override = int(args.gpu_memory_gib * GIB) if args.gpu_memory_gib else None
+    plan = make_plan(cfg, args.recipe, override)
     if args.json:
         json.dump(plan.to_json(), sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -70,6 +70,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from megarl.config.loader import ConfigError
 from megarl.config.schema import ModelArch, RoleConfig, RunConfig
 from megarl.config.validate import dp_size, max_sequence_len
 from megarl.planning.params import (MLA_QK_NOPE, MLA_QK_ROPE, MLA_V, ModelParams, head_dim, is_mla,
@@ -98,14 +99,14 @@ CPU_RUNTIME_PER_PROCESS = int(0.5 * GIB)   # python + torch + megatron imports, 
 
 
 def gpu_memory(gpu_type: str) -> Optional[int]:
-    """Bytes of one GPU, None for CPU runs; raises KeyError naming the known types."""
+    """Bytes of one GPU, None for CPU runs; raises ConfigError naming the known types."""
     name = gpu_type.strip().upper()
     if name in ("", "NONE", "CPU"):
         return None
     for key, mib in GPU_MIB.items():
         if name == key.upper() or name == key.split("-")[0].upper():
             return mib * MIB
-    raise KeyError(f"cluster.gpu_type: unknown GPU {gpu_type!r}; known: {', '.join(GPU_MIB)}, none")
+    raise ConfigError([f"cluster.gpu_type: unknown GPU {gpu_type!r}; known: {', '.join(GPU_MIB)}, none"])
 
 
 def host_memory() -> int:
@@ -358,8 +359,8 @@ def plan_rollout(cfg: RunConfig, mp: ModelParams, device: Optional[int]) -> Roll
 def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[int] = None) -> Plan:
     arch = cfg.model.arch
     if not arch.num_layers or not arch.hidden_size or not arch.vocab_size:
-        raise ValueError("model.arch: num_layers, hidden_size and vocab_size are needed to plan "
-                         "(state them in the recipe or point model.hf_path at a config.json)")
+        raise ConfigError(["model.arch: num_layers, hidden_size and vocab_size are needed to plan "
+                           "(state them in the recipe or point model.hf_path at a config.json)"])
     device = gpu_memory_override if gpu_memory_override is not None else gpu_memory(cfg.cluster.gpu_type)
     cpu = device is None
     capacity = host_memory() if cpu else device

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import aiohttp
 
+from megarl.errors import UserError
 from megarl.wire.protocol import CHECKSUM_FIELD, ENDPOINTS
 
 
@@ -39,8 +40,9 @@ class ServerError(RuntimeError):
         self.url = url
 
 
-class ServerDown(ServerError, ConnectionError):
-    """The server cannot be reached (refused, reset, DNS, timeout) after all retries."""
+class ServerDown(ServerError, ConnectionError, UserError):
+    """The server cannot be reached (refused, reset, DNS, timeout) after all retries (a user
+    error: the message names the server, nothing in megarl's traceback would help)."""
 
 
 class RequestFailed(ServerError):
@@ -63,15 +65,15 @@ class RequestFailed(ServerError):
         return str(body)
 
 
-class Unauthorized(RequestFailed):
-    """401/403: the server requires another API key (`rollout.api_key`, sent as
+class Unauthorized(RequestFailed, UserError):
+    """401/403: the server requires another API key (the one `rollout.api_key_env` names, sent as
     `Authorization: Bearer`). Raised at once, never retried."""
 
     def __init__(self, url: str, status: int, body: Any, key_sent: bool):
         super().__init__(url, status, body)
         hint = ("the API key sent was refused" if key_sent else "no API key was sent")
-        self.args = (f"{url}: HTTP {status} unauthorized: {hint} (rollout.api_key / MEGARL_API_KEY must match "
-                     f"the server's --api-key)",)
+        self.args = (f"{url}: HTTP {status} unauthorized: {hint} (the variable rollout.api_key_env names, "
+                     f"MEGARL_API_KEY by default, must hold the server's --api-key)",)
 
 
 def sampling_params(max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
@@ -343,3 +345,5 @@ class LoopThread:
     def close(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._t.join(timeout=5)
+        if not self._t.is_alive():   # closed here, not by the garbage collector at interpreter exit
+            self.loop.close()        # (which then prints "Exception ignored in BaseEventLoop.__del__")

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from megarl.config.loader import ConfigError
 from megarl.config.validate import api_key_env_problem, max_sequence_len
+from megarl.rollout.client import ServerDown
 
 API_KEY_ENV = "MEGARL_API_KEY"  # what the embedded server reads its key from (never argv)
 
@@ -56,6 +57,11 @@ def _spawner() -> concurrent.futures.ThreadPoolExecutor:
 
 _SPAWNER: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _SPAWNER_LOCK = threading.Lock()
+
+
+# Servers given by rollout.server_urls already run (nothing of theirs to wait for): one that does
+# not answer /health within this grace is unreachable, a user error naming it.
+EXTERNAL_HEALTH_S = 10.0
 
 
 def answers_health(url: str, timeout_s: float = 2.0) -> bool:
@@ -407,7 +413,8 @@ class RolloutServers:
         """Wait until every server (or those in ``only``) answers /health; a server whose process
         exits fails at once with its log's tail (one whose free port was taken meanwhile is
         started again on another port, at most 3 times)."""
-        deadline = time.time() + timeout_s
+        started = time.time()
+        deadline = started + timeout_s
         restarts = 0
         for i in (range(len(self.urls)) if only is None else only):
             while True:
@@ -424,6 +431,9 @@ class RolloutServers:
                                        f"{codes[failed]}; log {self.logs[i]}:\n{tail}")
                 if answers_health(url):
                     break
+                if not self.hosts and time.time() > started + EXTERNAL_HEALTH_S:
+                    raise ServerDown(url, f"does not answer /health within {EXTERNAL_HEALTH_S:g}s; rollout.server_urls "
+                                          f"must name servers that already run")
                 if time.time() > deadline:
                     raise TimeoutError(f"rollout server {url} not healthy after {timeout_s:.0f}s; log {self.logs[i]}")
                 time.sleep(0.2)

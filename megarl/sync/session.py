@@ -14,7 +14,7 @@ that ended the push is the one reported.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from megarl.rollout.client import LoopThread, RequestFailed, SGLangClient
 
@@ -23,15 +23,24 @@ class SyncError(RuntimeError):
     """A weight push failed; the message names the server(s) and, where known, the tensor."""
 
 
-def _failures(clients: Sequence[SGLangClient], futures, timeout_s: float) -> List[str]:
-    errors = []
+class _Failures(list):
+    """One line per failed server; ``first`` is the first exception (the cause a SyncError names,
+    so ``megarl.errors`` sees a refused key or an unreachable server behind it)."""
+
+    first: Optional[BaseException] = None
+
+
+def _failures(clients: Sequence[SGLangClient], futures, timeout_s: float) -> _Failures:
+    errors = _Failures()
     for client, fut in zip(clients, futures):
         try:
             fut.result(timeout_s)
         except RequestFailed as e:
             errors.append(f"{client.url}: {e.message}")
+            errors.first = errors.first or e
         except Exception as e:  # noqa: BLE001 - connection errors, timeouts: name the server
             errors.append(f"{client.url}: {type(e).__name__}: {e}")
+            errors.first = errors.first or e
     return errors
 
 
@@ -39,13 +48,14 @@ def _failures(clients: Sequence[SGLangClient], futures, timeout_s: float) -> Lis
 def session_on(clients: Sequence[SGLangClient], io: LoopThread, timeout_s: float = 120.0) -> Iterator[None]:
     """begin on every server (concurrently) -> body -> end on every server that began."""
     begun_futures = [io.submit(c.begin_weight_update()) for c in clients]
-    errors, begun = [], []
+    errors, begun = _Failures(), []
     for client, fut in zip(clients, begun_futures):
         failure = _failures([client], [fut], timeout_s)
         (errors.extend(failure) if failure else begun.append(client))
+        errors.first = errors.first or failure.first
     if errors:
         _end(begun, io, timeout_s)
-        raise SyncError("begin_weight_update refused: " + "; ".join(errors))
+        raise SyncError("begin_weight_update refused: " + "; ".join(errors)) from errors.first
     try:
         yield
     except BaseException:
@@ -53,10 +63,10 @@ def session_on(clients: Sequence[SGLangClient], io: LoopThread, timeout_s: float
         raise
     end_errors = _end(begun, io, timeout_s)
     if end_errors:
-        raise SyncError("end_weight_update failed: " + "; ".join(end_errors))
+        raise SyncError("end_weight_update failed: " + "; ".join(end_errors)) from end_errors.first
 
 
-def _end(clients: Sequence[SGLangClient], io: LoopThread, timeout_s: float) -> List[str]:
+def _end(clients: Sequence[SGLangClient], io: LoopThread, timeout_s: float) -> _Failures:
     return _failures(clients, [io.submit(c.end_weight_update()) for c in clients], timeout_s)
 
 
