@@ -26,6 +26,7 @@ from megarl.algos.filters import group_has_signal
 from megarl.data import encode_prompt
 from megarl.metrics_log import note
 from megarl.rewards import RewardPool, build_reward_fn
+from megarl.rollout.agent import AgentRollout, AgentSettings
 from megarl.rollout.healing import ServerHealer
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.routed_experts import sample_routes
@@ -112,8 +113,6 @@ class RolloutPipeline:
 
     # ------------------------------------------------------------------ group rollouts
     def _agent_rollout(self, keep_versions: bool):
-        from megarl.rollout.agent import AgentRollout, AgentSettings
-
         a = self.cfg.agent
         settings = AgentSettings(a.env, dict(a.env_args), a.tool_parser, a.max_turns, a.max_response_tokens,
                                  a.tool_timeout_s, a.tool_workers, keep_versions, self.moe_routing,
