@@ -43,6 +43,7 @@ from megarl.rollout.source import make_source
 from megarl.sync.driver import WeightSync
 from megarl.wire.versions import version_tag
 from megarl.workers.model_source import load_tokenizer, resolve_hf_path
+from megarl.workers.residency import Residency, offload_switches
 from megarl.workers.roles import start_roles
 from megarl.workers.routing import merge_routing_stats
 
@@ -85,6 +86,7 @@ class Trainer:
         self.rollout: Optional[RolloutPipeline] = None
         self.source: Any = None                        # sync | one_step_off | async
         self.logger: Optional[MetricsLogger] = None
+        self.residency = Residency({}, {}, cuda=False)   # what each role keeps on the GPU, phase by phase
         self.stop_requested = False
 
     # ------------------------------------------------------------------ set-up
@@ -107,8 +109,7 @@ class Trainer:
     def setup_rollout(self, servers: RolloutServers) -> None:
         """The rollout pipeline over ``servers`` (restartable ones are healed through the weight sync)."""
         self.servers = servers
-        scores = lambda batch: self.groups["reward_model"].forward("compute_scores", batch)["scores"]  # noqa: E731
-        self.rollout = build_pipeline(self.cfg, self.tokenizer, servers, self.moe_routing, scores,
+        self.rollout = build_pipeline(self.cfg, self.tokenizer, servers, self.moe_routing, self.reward_model_scores,
                                       self.weights.push_to_restarted if self.weights is not None else None)
 
     def setup(self) -> None:
@@ -117,6 +118,7 @@ class Trainer:
         placement, started = RunPlacement(cfg), time.time()
         self.servers = servers = RolloutServers(cfg, self.model_dir, self.out / "logs", placement=placement.servers())
         self.groups = start_roles(cfg, placement)
+        self.residency = Residency(self.groups, offload_switches(cfg, list(self.groups)), cfg.cluster.device == "cuda")
         servers.wait_healthy()
         note(f"workers and {len(servers.urls)} rollout server(s) ready in {time.time() - started:.1f}s")
         self.weights = WeightSync(cfg, self.groups["actor"], servers, self.model_dir)
@@ -132,9 +134,20 @@ class Trainer:
         if resume is not None:
             self.checkpoints.load(resume)
             note(f"resumed from {resume} at step {self.state.step}")
+        self.residency.hold("sync", "actor", "push")
         self.weights.push(version_tag(self.state.step))
+        self.residency.release_all("rollout")
         if self.source.off_policy:
             self.source.set_version(self.state.step, taken_batches=self.state.step)
+
+    def reward_model_scores(self, batch: TokenBatch) -> Any:
+        """``reward.kind: model``: the reward model scores a rollout round where the servers' memory
+        was (colocated GPU: they release it first; the next generation takes it back)."""
+        self.rollout.server_memory("release")
+        self.residency.hold("reward", "reward_model", "forward")
+        scores = self.groups["reward_model"].forward("compute_scores", batch)["scores"]
+        self.residency.release_all("rollout")
+        return scores
 
     def make_source(self) -> Any:
         return make_source(self.cfg, self.rollout, self.train_records, self.loader, self.out / "rollout_ledger.jsonl")
@@ -157,6 +170,7 @@ class Trainer:
         fields = batch.token_fields
         actor = self.groups["actor"]
         with timer("old_logprobs"):
+            self.residency.hold("old_logprobs", "actor", "forward")
             fields["old_logprobs"] = actor.forward("compute_logprobs", batch, False, fields=tuple(batch.seq_fields))["logprobs"]
         if self.moe_routing is not None:
             metrics.update(agreement_metrics(merge_routing_stats(actor.call("routing_stats"))))
@@ -172,12 +186,14 @@ class Trainer:
         kl_tokens = values = None
         if "ref" in self.groups:
             with timer("ref_logprobs"):
+                self.residency.hold("ref_logprobs", "ref", "forward")
                 fields["ref_logprobs"] = self.groups["ref"].forward("compute_logprobs", batch, False)["logprobs"]
             if a.kl.mode == "reward":
                 kl_tokens = kl_reward_penalty(batch.padded(fields["old_logprobs"]), batch.padded(fields["ref_logprobs"]),
                                               mask, self.kl_ctl.value, a.kl.estimator)
         if "critic" in self.groups:
             with timer("values"):
+                self.residency.hold("values", "critic", "forward")
                 fields["old_values"] = self.groups["critic"].forward("compute_values", batch)["values"]
                 values = batch.padded(fields["old_values"])
 
@@ -200,11 +216,15 @@ class Trainer:
             self.kl_ctl.update(kl_now, len(batch))
             metrics.update({"kl/actor_ref_k1": kl_now, "kl/coef": self.kl_ctl.value})
 
-        with timer("sync"):
-            self.rollout.server_memory("resume")
+        with timer("sync"):   # wake order: server weights, the push, trainer state out, then the KV cache
+            self.rollout.server_memory("resume", ("weights",))
+            self.residency.hold("sync", "actor", "push")
             with self.source.weight_update(step + 1) as update:   # off-policy: pause or drain generation around it
                 metrics.update(self.weights.push(version_tag(step + 1)))
             metrics.update(update)
+            self.residency.release_all("rollout")
+            self.rollout.server_memory("resume", ("kv_cache",))
+        metrics.update(self.residency.metrics())
         metrics.update(batch_summary(rewards, torch.tensor([len(s.response_ids) for s in samples]),
                                      torch.tensor([s.finish_reason == "length" for s in samples]), adv.advantages, mask))
         metrics.update(timer.metrics(float(mask.sum())))
@@ -223,8 +243,10 @@ class Trainer:
         for epoch in range(a.ppo_epochs):
             mbs = self.groups["actor"].minibatches(batch, cfg.batch.global_batch_size, cfg.seed + step * 101 + epoch)
             dens = denominators(mask, mbs.minibatches)
+            self.residency.hold("train", "actor", "train")
             metrics.update(_prefixed(self.groups["actor"].train(batch, mbs, dens, loss, actor_fields), "actor/"))
             if "critic" in self.groups:
+                self.residency.hold("train", "critic", "train")
                 metrics.update(_prefixed(self.groups["critic"].train(batch, mbs, dens, loss, ("old_values", "returns")
                                                                      + masked), "critic/"))
         return metrics

@@ -90,7 +90,21 @@ class OptimConfig:
     warmup_steps: int = opt(0, "linear warm-up optimizer steps")
     lr_decay: Literal["constant", "cosine", "linear"] = opt("constant", "LR decay after warm-up")
     distributed_optimizer: bool = opt(True, "shard optimizer states over data-parallel ranks")
-    offload: bool = opt(False, "offload params/optimizer to host memory between phases (colocated)")
+    cpu_offload_fraction: float = opt(0.0, "fraction of the optimizer states and their update kept on the CPU "
+                                      "(megatron-core's HybridDeviceOptimizer; 1 = all, as verl's DeepSeek-V3 run); "
+                                      "0 = off. GPU runs only, uses the distributed optimizer")
+
+
+@dataclass
+class OffloadConfig:
+    """State of a Megatron role that leaves the GPU between phases (colocated runs) for pinned host
+    memory, and comes back before the role's next pass. null = decided by the memory plan at launch
+    (on only where the colocated layout needs it; `megarl train` says so in one line)."""
+
+    params: Optional[bool] = opt(None, "model weights leave the GPU while other roles or the rollout run")
+    grads: Optional[bool] = opt(None, "gradient buffers are released outside training (nothing is copied: they "
+                                      "are zeroed before every mini-batch)")
+    optimizer: Optional[bool] = opt(None, "fp32 main params and Adam moments leave the GPU outside training")
 
 
 @dataclass
@@ -101,6 +115,7 @@ class RoleConfig:
     gpus: int = opt(1, "GPUs (ranks) in this role's pool; dp = gpus / (tp*pp*cp)")
     parallel: ParallelConfig = section(ParallelConfig, "parallel layout of this role")
     optim: OptimConfig = section(OptimConfig, "optimizer (trained roles only)")
+    offload: OffloadConfig = section(OffloadConfig, "state moved to host memory between phases (colocated)")
     model_path: Optional[str] = opt(None, "weights for this role if not the policy's (critic/reward model)")
     micro_batch_size: int = opt(1, "sequences per micro-batch (when max_tokens_per_micro_batch = 0)")
     max_tokens_per_micro_batch: int = opt(0, "token budget per micro-batch (packed: tokens laid end to end; padded: "
@@ -120,6 +135,10 @@ class ClusterConfig:
     gpu_type: str = opt("none", "GPU model for planning: H100-80GB, H200-141GB, A100-80GB, none")
     cpus_per_rank: float = opt(1.0, "Ray CPUs reserved per rank")
     object_store_mb: int = opt(256, "object store of a Ray cluster that megarl starts itself")
+    host_memory_gb: float = opt(0.0, "host RAM per node (GiB) for the plan's host-memory check (offloaded state, "
+                                "CPU optimizer); 0 = this machine's")
+    host_bandwidth_gbps: float = opt(55.0, "pinned host<->device copy bandwidth per GPU (GB/s) for the plan's "
+                                     "offload/onload seconds; 55 measured on an H200 (PCIe Gen5 x16)")
 
 
 @dataclass

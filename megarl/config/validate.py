@@ -163,6 +163,28 @@ def _check_parallel(name: str, role: RoleConfig, arch: ModelArch, device: str, p
         problems.append(f"{name}.micro_batch_size: must be >= 1, got {role.micro_batch_size}")
 
 
+def _check_offload(cfg: RunConfig, problems: list[str]) -> None:
+    """Offload switches and megatron's CPU optimizer: where they can run."""
+    for name in ROLES:
+        role = getattr(cfg, name)
+        if not role.enabled:
+            continue
+        f = role.optim.cpu_offload_fraction
+        if not 0.0 <= f <= 1.0:
+            problems.append(f"{name}.optim.cpu_offload_fraction: must be in [0, 1], got {f}")
+        elif f > 0 and name in cfg.trained_roles:
+            if cfg.cluster.device != "cuda":
+                problems.append(f"{name}.optim.cpu_offload_fraction: megatron's CPU optimizer "
+                                f"(HybridDeviceOptimizer) moves states between a GPU and the host; needs cluster.device=cuda")
+            elif cfg.model.dtype != "bfloat16":
+                problems.append(f"{name}.optim.cpu_offload_fraction: needs model.dtype=bfloat16 (megatron's CPU "
+                                f"optimizer updates fp32 main copies of bf16 parameters), got {cfg.model.dtype}")
+        if name not in cfg.trained_roles:
+            for kind in ("grads", "optimizer"):
+                if getattr(role.offload, kind):
+                    problems.append(f"{name}.offload.{kind}: a frozen role holds no {kind}; only offload.params applies")
+
+
 def _check_batches(cfg: RunConfig, problems: list[str]) -> None:
     b, r = cfg.batch, cfg.rollout
     if b.prompts_per_step < 1:
@@ -450,10 +472,6 @@ def _check_paths(cfg: RunConfig, problems: list[str]) -> None:
                               ("model.megatron_checkpoint", cfg.model.megatron_checkpoint)):
         if value and not Path(value).expanduser().exists():
             problems.append(f"{field_name}: {value!r} does not exist")
-    for name in ("actor", "critic"):
-        if getattr(cfg, name).enabled and getattr(cfg, name).optim.offload:
-            problems.append(f"{name}.optim.offload: parameter/optimizer offload is modelled by `megarl plan` "
-                            f"but not implemented by the trainer in this version")
     hf = cfg.model.hf_path
     if not hf.startswith("builtin:") and hf_config_path(hf) is None:
         problems.append(f"model.hf_path: no config.json in {hf!r}")
@@ -481,6 +499,7 @@ def collect_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
             _check_parallel(name, role, cfg.model.arch, cfg.cluster.device, problems)
     _check_batches(cfg, problems)
     _check_pools(cfg, problems)
+    _check_offload(cfg, problems)
     _check_algorithm(cfg, problems)
     _check_rollout_mode(cfg, problems)
     _check_rest(cfg, problems)

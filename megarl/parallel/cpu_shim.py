@@ -1,7 +1,7 @@
 """CPU shim for megatron-core 0.16.1 (tests / CPU CI only; never applied when CUDA exists).
 
 megatron-core calls CUDA APIs directly in many places. On a machine without a CUDA device
-:func:`apply_cpu_shim` patches, in this process only, the seven things listed below
+:func:`apply_cpu_shim` patches, in this process only, the eight things listed below
 (checked against megatron-core 0.16.1's source):
 
 1. RNG tracker: ``torch.cuda.get_rng_state / set_rng_state / manual_seed(_all)`` and
@@ -15,6 +15,9 @@ megatron-core calls CUDA APIs directly in many places. On a machine without a CU
 6. ``moe_utils.te_general_gemm`` missing without Transformer Engine -> defined as ``None``.
 7. ``moe_utils.maybe_move_tensor_to_cpu(as_numpy=True)`` only converted CUDA tensors -> also
    converts CPU tensors to numpy (the alltoall split sizes must be lists, not tensors).
+8. ``Tensor.type()`` without arguments names the CUDA type of a CPU tensor
+   (``torch.cuda.FloatTensor``): the distributed and Float16 optimizers pick the fp32 main-param
+   path by comparing these strings, so the distributed optimizer runs on CPU ranks too.
 
 The shim is idempotent. Call it before building megatron models (``init_distributed`` does).
 """
@@ -64,6 +67,9 @@ class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.record_stream:
             return None
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if "device" in kwargs:
             kwargs["device"] = _fix_device(kwargs["device"])
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):

@@ -57,9 +57,14 @@ Runtime: 1 GiB per process on a GPU (CUDA context, NCCL buffers, allocator slack
     an SGLang server (CUDA graphs, forward activations of a prefill chunk) outside mem_fraction.
 
 Phases:
-    colocated (one pool; rollout memory released while training, trainer offloaded during
-    rollout only where ``optim.offload``): train:<role>, forward:<role>, rollout, sync; the GPU must
-    hold the largest.
+    colocated (one pool; rollout memory released while training; each role's state switched by
+    ``ROLE.offload.{params,grads,optimizer}`` waits on the host outside that role's passes):
+    train:<role>, forward:<role>, rollout, sync; the GPU must hold the largest.
+    Host, per node: pinned offloaded params and optimizer states (gradients are released, not
+    copied), megatron's CPU optimizer share (``optim.cpu_offload_fraction``: fp32 main params, Adam
+    moments and a pinned fp32 gradient copy), 4 GiB per GPU process, the embedded engine's
+    released weights; checked against ``cluster.host_memory_gb``. Offload seconds per step are
+    the pinned bytes over ``cluster.host_bandwidth_gbps``.
     disaggregated: trainer pool (actor + ref + reward model), critic pool, rollout pool, each its
     own peak.
 """
@@ -73,6 +78,7 @@ from typing import Optional
 from megarl.config.loader import ConfigError
 from megarl.config.schema import ModelArch, RoleConfig, RunConfig
 from megarl.config.validate import dp_size, max_sequence_len
+from megarl.planning.offload import offload_that_fits
 from megarl.planning.params import (MLA_QK_NOPE, MLA_QK_ROPE, MLA_V, ModelParams, head_dim, is_mla,
                                     is_moe_layer, model_params, stage_shards)
 
@@ -139,12 +145,23 @@ class RolePlan:
     optimizer: int
     activations: int            # training (trained roles) or forward working set (frozen roles)
     logits: int
-    offload: bool
+    offload: tuple[str, ...]    # kinds that leave the GPU between phases (colocated)
+    host_optimizer: int = 0     # megatron's CPU optimizer: states, fp32 main params and grad copies on the host
     notes: list[str] = field(default_factory=list)
 
     @property
     def static(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def resident(self) -> int:
+        """What stays on the GPU while another role or the rollout runs."""
+        return sum(getattr(self, k) for k in ("params", "grads", "optimizer") if k not in self.offload)
+
+    @property
+    def host_pinned(self) -> int:
+        """Pinned host bytes of offloaded state (gradients are released, not copied)."""
+        return sum(getattr(self, k) for k in ("params", "optimizer") if k in self.offload)
 
     @property
     def peak(self) -> int:
@@ -196,6 +213,13 @@ class Plan:
     problems: list[str]
     warnings: list[str]
     suggestions: list[str]
+    host: dict[str, int] = field(default_factory=dict)   # host bytes per node, by part
+    host_capacity: int = 0
+    offload_seconds: float = 0.0    # per GPU, each way, per step, at cluster.host_bandwidth_gbps
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
 
     @property
     def fits(self) -> bool:
@@ -294,10 +318,17 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
     shards = stage_shards(arch, mp, p)
     for sh in shards:
         params = sh.total * w
+        host_opt = 0
         if trained:
             grads = sh.total * 4
             master = 0 if w == 4 else 4
             optimizer = int(sh.dense * (master + 8) / d_dense + sh.expert * (master + 8) / d_expert)
+            f = role.optim.cpu_offload_fraction
+            if f > 0:   # HybridDeviceOptimizer: that fraction's states live (and update) on the host,
+                # with a pinned fp32 copy of their gradients
+                shard = sh.dense / d_dense + sh.expert / d_expert
+                host_opt = int(f * (optimizer + 4 * shard))
+                optimizer = int(optimizer * (1 - f))
         else:
             grads = optimizer = 0
         per_token = [_per_token_layer_bytes(arch, i, role, recompute, elem) for i in sh.layers]
@@ -318,7 +349,8 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
             + (f" ep{p.ep} etp{p.etp}" if arch.num_experts else "") + f" dp{dp}" + (" sp" if p.sequence_parallel else "")
         rp = RolePlan(role=name, layout=layout, trained=trained, gpus=role.gpus, dp=dp, expert_dp=edp,
                       stage=sh.stage, params_on_gpu=sh.total, params=params, grads=grads, optimizer=optimizer,
-                      activations=int(acts), logits=int(logits), offload=role.optim.offload)
+                      activations=int(acts), logits=int(logits), offload=offload_kinds(role, trained),
+                      host_optimizer=host_opt)
         if best is None or rp.peak > best.peak:
             best = rp
     assert best is not None
@@ -327,6 +359,12 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
     if trained:
         best.notes.append(f"{tokens} tokens per micro-batch, recompute {recompute}")
     return best
+
+
+def offload_kinds(role: RoleConfig, trained: bool) -> tuple[str, ...]:
+    """The switched-on kinds (null counts as off: `megarl train` resolves null before planning)."""
+    kinds = ("params", "grads", "optimizer") if trained else ("params",)
+    return tuple(k for k in kinds if getattr(role.offload, k))
 
 
 def plan_rollout(cfg: RunConfig, mp: ModelParams, device: Optional[int]) -> RolloutPlan:
@@ -356,7 +394,8 @@ def plan_rollout(cfg: RunConfig, mp: ModelParams, device: Optional[int]) -> Roll
 
 
 # ----------------------------------------------------------------------------- whole plan
-def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[int] = None) -> Plan:
+def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[int] = None,
+              suggest: bool = True) -> Plan:
     arch = cfg.model.arch
     if not arch.num_layers or not arch.hidden_size or not arch.vocab_size:
         raise ConfigError(["model.arch: num_layers, hidden_size and vocab_size are needed to plan "
@@ -377,8 +416,7 @@ def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[in
     phases: list[Phase] = []
 
     def resident(name: str) -> int:
-        r = roles[name]
-        return 0 if r.offload else r.static
+        return roles[name].resident
 
     if cpu:
         # One host: every rank of every role plus the embedded server share its memory.
@@ -400,7 +438,7 @@ def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[in
                                                "sglang runtime": SGLANG_EXTRA}))
         actor_params = roles["actor"].params
         sync = {**base, **res}
-        if roles["actor"].offload:
+        if "params" in roles["actor"].offload:
             sync["actor params (reloaded)"] = actor_params
         sync.update({"rollout weights": rollout.weights, "sync buckets (send+recv)": 2 * buckets})
         phases.append(Phase("sync", "gpu", sync))
@@ -422,6 +460,14 @@ def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[in
         phases.append(Phase("rollout", "rollout", {**base, "sglang mem_fraction": rollout.reserved,
                                                     "sglang runtime": SGLANG_EXTRA, "sync buckets (recv)": buckets}))
 
+    host, host_capacity, offload_seconds = _host_plan(cfg, roles, rollout, cpu)
+    if not cpu and sum(host.values()) > host_capacity:
+        biggest = max(host.items(), key=lambda kv: kv[1])
+        (problems if cfg.cluster.host_memory_gb else warnings).append(f"host: {sum(host.values()) / GIB:.1f} GiB per node of pinned/offloaded state, the node has "
+                        f"{host_capacity / GIB:.1f} GiB (cluster.host_memory_gb{'' if cfg.cluster.host_memory_gb else ' not stated: this machine'}): short by "
+                        f"{(sum(host.values()) - host_capacity) / GIB:.1f} GiB (largest part: {biggest[0]} "
+                        f"{biggest[1] / GIB:.1f} GiB)")
+
     # ---- verdicts
     unit = "host memory" if cpu else f"one {cfg.cluster.gpu_type}"
     pools = {}
@@ -437,7 +483,7 @@ def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[in
             f"{role}: phase '{ph.name}' needs {ph.total / GIB:.1f} GiB per "
             f"{'host' if cpu else 'GPU'}, {unit} has {capacity / GIB:.1f} GiB: short by "
             f"{(ph.total - capacity) / GIB:.1f} GiB (largest part: {biggest[0]} {biggest[1] / GIB:.1f} GiB)")
-    problems.sort(key=lambda p: -float(p.split("short by ")[1].split()[0]))
+    problems.sort(key=lambda p: -float(p.split("short by ")[1].split()[0]) if "short by " in p else 0.0)
     if not cpu:
         if rollout.kv_available <= 0:
             problems.append(f"rollout: weights {rollout.weights / GIB:.1f} GiB per GPU (tp{rollout.tp}) exceed "
@@ -468,10 +514,38 @@ def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[in
                 placement=cfg.placement.mode, total_params=mp.total, active_params=mp.active(arch), roles=roles,
                 rollout=rollout, sync_buckets=buckets, phases=phases, nodes_needed=nodes_needed,
                 nodes=cfg.cluster.nodes, gpus_per_node=gpn, problems=problems, warnings=warnings,
-                suggestions=suggestions)
-    if problems and not cpu:
+                suggestions=suggestions, host=host, host_capacity=host_capacity, offload_seconds=offload_seconds)
+    if problems and not cpu and suggest:
         suggestions.extend(_suggest(cfg, plan, recipe, gpu_memory_override))
     return plan
+
+
+HOST_RUNTIME_PER_GPU_PROCESS = 4 * GIB   # a CUDA process's host side: python, torch, megatron, NCCL
+
+
+def _host_plan(cfg: RunConfig, roles: dict[str, RolePlan], rollout: RolloutPlan,
+               cpu: bool) -> tuple[dict[str, int], int, float]:
+    """Host memory per node (GPU runs): every GPU of a node hosts one rank of each role (colocated;
+    disaggregated: the trainer pool's GPUs), each with its pinned offloaded state and CPU optimizer
+    share; the embedded engine keeps its weights on the host while released. Also the seconds one
+    offload (and one onload) takes per GPU at the measured pinned bandwidth."""
+    capacity = int(cfg.cluster.host_memory_gb * GIB) if cfg.cluster.host_memory_gb else host_memory()
+    if cpu:
+        return {}, capacity, 0.0
+    gpn = max(cfg.cluster.gpus_per_node, 1)
+    per_node = {}
+    for n, r in roles.items():
+        ranks = min(gpn, r.gpus)
+        if r.host_pinned:
+            per_node[f"{n} offloaded ({'+'.join(k for k in r.offload if k != 'grads')})"] = ranks * r.host_pinned
+        if r.host_optimizer:
+            per_node[f"{n} CPU optimizer"] = ranks * r.host_optimizer
+        per_node[f"{n} processes"] = ranks * HOST_RUNTIME_PER_GPU_PROCESS
+    if cfg.placement.mode == "colocated" and cfg.rollout.engine == "embedded":
+        per_node["embedded engine weights (released)"] = min(gpn, rollout.gpus) * rollout.weights
+    moved = sum(r.host_pinned for r in roles.values())
+    seconds = moved / (cfg.cluster.host_bandwidth_gbps * 1e9) if cfg.cluster.host_bandwidth_gbps > 0 else 0.0
+    return per_node, capacity, seconds
 
 
 def _suggest(cfg: RunConfig, plan: Plan, recipe: str, override: Optional[int]) -> list[str]:
@@ -494,14 +568,14 @@ def _suggest(cfg: RunConfig, plan: Plan, recipe: str, override: Optional[int]) -
                 trial.rollout.gpus *= factor
                 trial.rollout.num_servers *= factor
             trial.cluster.nodes = 10 ** 6
-            tp = make_plan(trial, recipe, override)
+            tp = make_plan(trial, recipe, override, suggest=False)
             if not any(p.startswith(name + ":") for p in tp.problems):
                 out.append(f"{name}: fits with {name}.gpus={getattr(trial, name).gpus} (dp x{factor}, "
                            f"{tp.nodes_needed} node(s) of {cfg.cluster.gpus_per_node} GPUs)")
                 break
         else:
             out.append(f"{name}: more data-parallel ranks alone do not make it fit: raise tp/pp/ep, "
-                       f"use recompute: full, or {name}.optim.offload=true (colocated)")
+                       f"use recompute: full, offload (colocated) or the CPU optimizer")
     if any(p.startswith("rollout:") for p in plan.problems):
         ro = plan.rollout
         phase = next((p for p in plan.phases if p.name == "rollout"), None)
@@ -511,9 +585,9 @@ def _suggest(cfg: RunConfig, plan: Plan, recipe: str, override: Optional[int]) -
             allowed = math.floor((capacity - others) / device * 20) / 20
             if allowed * device > ro.weights + ro.kv_per_token * ro.seq_len:
                 out.append(f"rollout: rollout.mem_fraction={allowed:.2f} fits next to what stays resident")
-            resident = [k.split()[0] for k, v in phase.parts.items() if k.endswith("resident") and v]
-            if resident:
-                out.append("rollout: or offload the trainer during rollout: "
-                           + " ".join(f"{r}.optim.offload=true" for r in resident))
+
         out.append("rollout: raise rollout.tp (weights / tp) or rollout.mem_fraction if the weights do not fit")
+    switch = offload_that_fits(cfg, lambda c: make_plan(c, recipe, override, suggest=False))
+    if switch is not None:
+        out.insert(0, f"offload: fits with {switch.describe()}")
     return out

@@ -86,6 +86,7 @@ class RolloutPipeline:
         self.moe_routing = moe_routing            # MoE (layers, top_k) when the rollout records routes
         self.replay_routes = cfg.algorithm.routing_replay == "rollout"
         self.agent = self._agent_rollout(keep_versions=cfg.rollout.mode != "sync") if cfg.agent.enabled else None
+        self.released: set[str] = set()           # memory the servers gave back (colocated GPU)
 
     # ------------------------------------------------------------------ settings
     def prompt_ids(self, rec: Any) -> Optional[list[int]]:
@@ -131,7 +132,10 @@ class RolloutPipeline:
     def generate(self, records: list[Any], n: int, greedy: bool = False, seed_base: int = 0,
                  on_group: Optional[Callable[[list[Sample]], None]] = None) -> list[Sample]:
         """``n`` samples per record, in record order. ``on_group`` (e.g. the scorer) is called on
-        each group as soon as its request completes, while the rest still generate."""
+        each group as soon as its request completes, while the rest still generate. Servers that
+        gave their memory back take it again first (a dynamic-sampling round after a reward-model
+        pass, eval)."""
+        self.server_memory("resume")
         if self.agent is not None:
             return self.agent.generate(records, n, None if greedy else seed_base, greedy, on_group)
         prompts, kept = [], []
@@ -211,12 +215,22 @@ class RolloutPipeline:
                 "eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
                 "eval/response_length": sum(len(s.response_ids) for s in samples) / len(samples)}
 
-    def server_memory(self, action: str) -> None:
+    def server_memory(self, action: str, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
         """Colocated on GPU: the servers give their KV cache and weights back while the trainer
-        trains (SGLang's release/resume_memory_occupation, ``action`` release | resume) and take
-        them back before the push. Disaggregated or CPU runs keep the servers as they are."""
-        if self.cfg.placement.mode == "colocated" and self.cfg.cluster.device == "cuda":
-            self.manager.call_all(f"{action}_memory_occupation")
+        works (SGLang's release/resume_memory_occupation with tags, ``action`` release | resume).
+        Wake order before a push (slime's): weights, the push, then the KV cache, so the push's
+        buckets never meet a full KV pool. Only what changes is sent (SGLang refuses to release
+        twice). Disaggregated or CPU runs keep the servers as they are."""
+        if not (self.cfg.placement.mode == "colocated" and self.cfg.cluster.device == "cuda"):
+            return
+        todo = [t for t in tags if (t in self.released) == (action == "resume")]
+        if not todo:
+            return
+        self.manager.call_all(f"{action}_memory_occupation", todo)
+        if action == "release":
+            self.released.update(todo)
+        else:
+            self.released.difference_update(todo)
 
     def close(self) -> None:
         if self.agent is not None:

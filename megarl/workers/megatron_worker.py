@@ -36,10 +36,23 @@ from megarl.sync.rank import PushTarget, RankSender
 from megarl.workers.batch import MicroInputs, common_shape, micro_inputs
 from megarl.workers.dispatch import Shard
 from megarl.workers.hf_export import write_hf_shard
+from megarl.workers.offload import StateOffloader
 from megarl.workers.routing import collect_routing_stats, routing_flags, set_batch_routes, trainer_fp32_lm_head
 from megarl.workers.vocab_parallel import logprobs_and_entropy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _all_params_in(chunks: list[torch.nn.Module], dtype: torch.dtype) -> None:
+    """Every parameter in the model dtype (megatron's Float16Module convention; the norm weights are
+    built fp32 otherwise). Needed by megatron's CPU optimizer: the distributed optimizer hands it
+    fp32 parameters as views, which a torch optimizer refuses ("can't optimize a non-leaf
+    Tensor"); bf16 parameters get fp32 main copies, so the update stays fp32 either way, and
+    served bf16 checkpoints hold bf16 norm weights too."""
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 @dataclass
@@ -66,6 +79,7 @@ class MegatronWorker:
         self.scheduler = None
         self.steps = 0
         self.sender = RankSender()     # this rank's weight pushes (actor): pusher / IPC fan-in between pushes
+        self.offloader: Optional[StateOffloader] = None   # colocated: state moved to host between phases
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> dict[str, Any]:
@@ -106,9 +120,11 @@ class MegatronWorker:
             load_hf_weights(self.chunks, str(path))
         if self.spec.trainable:
             self._setup_optimizer()
-        else:
+        else:   # frozen (reference, reward model): no gradients, so no gradient or optimizer memory
             for chunk in self.chunks:
                 chunk.eval()
+                chunk.requires_grad_(False)
+        self.offloader = StateOffloader(self.chunks, self.optimizer, self._device())
         return {"rank": spec.rank, "role": spec.role, "params": sum(x.numel() for c in self.chunks for x in c.parameters())}
 
     def _model_path(self) -> Path:
@@ -127,14 +143,16 @@ class MegatronWorker:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o = self.role_cfg.optim
-        # megatron's DistributedOptimizer type-checks for torch.cuda tensors; on CPU (tests, CI)
-        # the plain optimizer is used: same math, optimizer states not sharded over dp. With one
-        # data-parallel rank there is nothing to shard either (and its checkpoint path failed on
-        # one GPU: "Param id ... does not match any model sharded param"; see the closing note).
+        # The distributed optimizer shards states over data-parallel ranks (on CPU too, through the
+        # CPU shim). With one data-parallel rank there is nothing to shard and the plain optimizer
+        # is used (its checkpoint path failed on one GPU: "Param id ... does not match any model
+        # sharded param"), except under the CPU optimizer, which megatron builds inside it.
         from megatron.core import parallel_state as mpu
 
-        use_dist_opt = (o.distributed_optimizer and self.cfg.cluster.device == "cuda"
-                        and mpu.get_data_parallel_world_size() > 1)
+        cpu_optimizer = o.cpu_offload_fraction > 0
+        use_dist_opt = cpu_optimizer or (o.distributed_optimizer and mpu.get_data_parallel_world_size() > 1)
+        if cpu_optimizer:
+            _all_params_in(self.chunks, DTYPES[self.cfg.model.dtype])
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=use_dist_opt)
         self.chunks = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c) for c in self.chunks]
@@ -145,7 +163,11 @@ class MegatronWorker:
         opt_cfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                                   adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                                   clip_grad=o.clip_grad, use_distributed_optimizer=use_dist_opt,
-                                  bf16=bf16, params_dtype=DTYPES[self.cfg.model.dtype])
+                                  bf16=bf16, params_dtype=DTYPES[self.cfg.model.dtype],
+                                  # megatron-core's own CPU optimizer (HybridDeviceOptimizer), as verl uses it
+                                  optimizer_cpu_offload=cpu_optimizer,
+                                  optimizer_offload_fraction=o.cpu_offload_fraction,
+                                  overlap_cpu_optimizer_d2h_h2d=cpu_optimizer)
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
         total = max(1, self.cfg.trainer.total_steps * self._optimizer_steps_per_rl_step())
         self.scheduler = OptimizerParamScheduler(
@@ -387,21 +409,25 @@ class MegatronWorker:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Full HF-named tensors this rank yields (tests, export of small models)."""
-        return {name: t.cpu().clone() for name, t in self.iter_hf_weights()}
+        with self.offloader.resident_for(("params",)):
+            return {name: t.cpu().clone() for name, t in self.iter_hf_weights()}
 
     def export_hf(self, out_dir: str) -> dict[str, str]:
         """Write the HF tensors this rank owns into its own safetensors file in ``out_dir``;
         returns {name: file} for the index (empty on ranks that own none)."""
-        return write_hf_shard(self.iter_hf_weights(), out_dir, self.spec.rank)
+        with self.offloader.resident_for(("params",)):
+            return write_hf_shard(self.iter_hf_weights(), out_dir, self.spec.rank)
 
     def push_weights(self, target: PushTarget, version: str) -> dict[str, Any]:
         """Every actor rank: this rank's part of one weight push to all servers (the driver holds
         the weight-update session around it)."""
-        return self.sender.push(self.chunks, target, version)
+        with self.offloader.resident_for(("params",)):
+            return self.sender.push(self.chunks, target, version)
 
     def push_to_server(self, target: PushTarget, version: str, server: int, tag: str) -> dict[str, Any]:
         """Every actor rank: the current weights to one (restarted) server alone."""
-        return self.sender.push_to_server(self.chunks, target, version, server, tag)
+        with self.offloader.resident_for(("params",)):   # mid-rollout: the trainer's weights are on the host
+            return self.sender.push_to_server(self.chunks, target, version, server, tag)
 
     def close_pusher(self) -> None:
         """Leave the weight-update groups (before shutdown, or when a server's URL changed)."""
@@ -416,16 +442,39 @@ class MegatronWorker:
         tests and debugging sessions (megarl itself calls only named methods)."""
         return fn(self, *args, **kwargs)
 
+    # ------------------------------------------------------------------ memory between phases
+    def offload(self, kinds: list[str]) -> dict[str, float]:
+        """Move these kinds of state (params, grads, optimizer) to host memory; the device memory
+        goes back to the driver for the colocated rollout server or another role."""
+        return self.offloader.offload(kinds).metrics("offload")
+
+    def onload(self, kinds: list[str]) -> dict[str, float]:
+        """Bring them back (bit for bit; gradients zero-filled) before this role's next pass."""
+        return self.offloader.onload(kinds).metrics("onload")
+
+    def memory_stats(self, reset_peak: bool = True) -> dict[str, float]:
+        """This rank's device memory: allocated now, peak since the last call, host bytes held for
+        offloaded state."""
+        out = {"host_offload_bytes": float(self.offloader.host_bytes() if self.offloader else 0)}
+        if self.cfg.cluster.device == "cuda":
+            out.update(allocated=float(torch.cuda.memory_allocated()), peak=float(torch.cuda.max_memory_allocated()),
+                       reserved=float(torch.cuda.memory_reserved()))
+            if reset_peak:
+                torch.cuda.reset_peak_memory_stats()
+        return out
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:
         from megarl.workers.train_state import save_train_state
 
-        save_train_state(self, path)
+        with self.offloader.resident_for(("params", "optimizer")):
+            save_train_state(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         from megarl.workers.train_state import load_train_state
 
-        load_train_state(self, path)
+        with self.offloader.resident_for(("params", "optimizer")):
+            load_train_state(self, path)
 
     def shutdown(self) -> None:
         from megarl.parallel import destroy_distributed, destroy_model_parallel

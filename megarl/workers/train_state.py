@@ -35,7 +35,10 @@ def _sharded_state(worker: Any, is_loading: bool = False) -> dict[str, Any]:
         state = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
     if worker.optimizer is not None and _sharded_optimizer(worker):
         # is_loading creates the Adam moments of a fresh optimizer so there is something to load into
-        state["optimizer"] = worker.optimizer.sharded_state_dict(state, is_loading=is_loading)
+        # dp_reshardable: every rank writes its own buffers (no gather); megatron-core 0.16.1's default
+        # (fully_sharded_model_space) builds flattened ranges its own validation refuses
+        state["optimizer"] = worker.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     return state
 
 
