@@ -69,6 +69,7 @@ def train_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
     validate_config(cfg, check_paths=True)
+    _offload_from_plan(cfg, args.recipe)
     if cfg.trainer.mode == "reward_model":
         from megarl.reward_model_trainer import RewardModelTrainer
 
@@ -81,6 +82,18 @@ def train_main(argv: list[str]) -> int:
     summary["final_step"] = results["steps"][-1] if results["steps"] else {}
     print(json.dumps(summary, default=float))
     return 0
+
+
+def _offload_from_plan(cfg, recipe: str) -> None:
+    """Offload switches left null: on where the colocated layout needs them (the memory plan),
+    said in one line; off otherwise."""
+    from megarl.metrics_log import note
+    from megarl.planning.memory import make_plan
+    from megarl.planning.offload import resolve_offload
+
+    line = resolve_offload(cfg, lambda c: make_plan(c, recipe, suggest=False))
+    if line:
+        note(line)
 
 
 # Subcommands implemented in this module

@@ -111,7 +111,7 @@ def test_cpu_recipe_fits_and_json(capsys):
 def test_refuses_recipe_that_cannot_fit_naming_role_and_shortfall():
     """Qwen3-235B colocated on 64 H100s without offload: the actor's training phase does not fit."""
     recipe = str(ROOT / "recipes/qwen3-235b-a22b-dapo.yaml")
-    over = ["cluster.gpu_type=H100-80GB", "actor.optim.offload=false", "placement.mode=colocated", "actor.gpus=64",
+    over = ["cluster.gpu_type=H100-80GB", "actor.offload.params=false", "actor.offload.grads=false", "actor.offload.optimizer=false", "placement.mode=colocated", "actor.gpus=64",
             "rollout.gpus=64", "rollout.num_servers=8", "rollout.mem_fraction=0.6", "sync.transport=ipc"]
     proc = subprocess.run([sys.executable, "-m", "megarl", "plan", recipe, *over, "--json"],
                           capture_output=True, text=True, cwd=ROOT)
@@ -153,3 +153,72 @@ def test_every_recipe_fits_its_gpus(recipe):
     out = subprocess.run([sys.executable, "-m", "megarl", "plan", str(recipe), "--json"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- offload (issue 24)
+SEVEN_B = str(ROOT / "recipes/qwen2.5-7b-grpo-1gpu.yaml")
+NO_OFFLOAD = ["actor.offload.params=false", "actor.offload.grads=false", "actor.offload.optimizer=false",
+              "actor.optim.cpu_offload_fraction=0"]
+
+
+def test_7b_on_one_h200_is_refused_without_offload_and_the_verdict_names_the_switch():
+    """Full-parameter 7B on one H200: bf16 params 2 B + fp32 grads 4 B + fp32 master and Adam 12 B
+    per parameter = 18 B x 7.6B = 127.7 GiB before activations; the plan refuses it and names the
+    switches that make it fit, and that combination's own plan fits."""
+    plan = make_plan(load_config(SEVEN_B, NO_OFFLOAD), SEVEN_B)
+    a = plan.roles["actor"]
+    assert a.static == pytest.approx(18 * a.params_on_gpu, rel=1e-6)
+    assert not plan.fits
+    assert any(p.startswith("actor: phase 'train:actor'") and "short by" in p for p in plan.problems)
+    named = [s for s in plan.suggestions if s.startswith("offload: fits with ")]
+    assert named, plan.suggestions
+    switches = named[0][len("offload: fits with "):].split()
+    assert make_plan(load_config(SEVEN_B, NO_OFFLOAD + switches), SEVEN_B).fits
+
+
+def test_offload_moves_state_from_gpu_phases_to_host_memory():
+    """Each switch takes its bytes out of the phases other than the role's own pass and puts the
+    copied ones (params, optimizer; not grads) into the host column; the CPU optimizer moves its
+    fraction of the optimizer (plus a pinned fp32 grad copy) to the host for good."""
+    base = make_plan(load_config(SEVEN_B, NO_OFFLOAD), SEVEN_B)
+    on = make_plan(load_config(SEVEN_B, NO_OFFLOAD[3:] + ["actor.offload.params=true", "actor.offload.grads=true",
+                                                          "actor.offload.optimizer=true"]), SEVEN_B)
+    a = base.roles["actor"]
+    rollout = {p.name: p for p in on.phases}["rollout"]
+    assert "actor resident" not in rollout.parts                     # nothing of the actor stays
+    assert {p.name: p for p in base.phases}["rollout"].parts["actor resident"] == a.static
+    host = on.host["actor offloaded (params+optimizer)"]
+    assert host == a.params + a.optimizer                            # grads are released, not copied
+    assert on.offload_seconds == pytest.approx(host / 55e9)
+    half = make_plan(load_config(SEVEN_B, NO_OFFLOAD[:3] + ["actor.optim.cpu_offload_fraction=0.5"]), SEVEN_B)
+    h = half.roles["actor"]
+    assert h.optimizer == pytest.approx(a.optimizer / 2, abs=1)
+    assert h.host_optimizer == pytest.approx(0.5 * (a.optimizer + 4 * a.params_on_gpu), abs=1)
+
+
+def test_host_memory_of_a_node_is_checked():
+    plan = make_plan(load_config(SEVEN_B, ["cluster.host_memory_gb=48"]), SEVEN_B)
+    assert not plan.fits
+    (problem,) = [p for p in plan.problems if p.startswith("host:")]
+    assert "the node has 48.0 GiB (cluster.host_memory_gb)" in problem and "short by" in problem
+    assert "host memory per node" in subprocess.run(
+        [sys.executable, "-m", "megarl", "plan", SEVEN_B], capture_output=True, text=True, cwd=ROOT).stdout.lower()
+
+
+def test_train_switches_on_what_the_plan_needs_and_says_so():
+    """Switches left null: `megarl train` turns on the cheapest combination that fits a colocated
+    GPU layout (one line), and leaves CPU runs and explicit settings alone."""
+    from megarl.planning.offload import resolve_offload
+
+    cfg = load_config(SEVEN_B, ["actor.offload.params=null", "actor.offload.grads=null",
+                                "actor.offload.optimizer=null", "actor.optim.cpu_offload_fraction=0"])
+    line = resolve_offload(cfg, lambda c: make_plan(c, SEVEN_B, suggest=False))
+    assert line is not None and line.startswith("offload: the colocated layout needs it, switched on ")
+    assert make_plan(cfg, SEVEN_B).fits
+    assert all(getattr(cfg.actor.offload, k) is not None for k in ("params", "grads", "optimizer"))
+    fits_already = load_config(SEVEN_B, ["actor.offload.params=null", "actor.offload.grads=null",
+                                         "actor.offload.optimizer=null"])
+    assert resolve_offload(fits_already, lambda c: make_plan(c, SEVEN_B, suggest=False)) is None
+    cpu = load_config(CPU_RECIPE)
+    assert resolve_offload(cpu, lambda c: make_plan(c, CPU_RECIPE, suggest=False)) is None
+    assert (cpu.actor.offload.params, cpu.actor.offload.grads, cpu.actor.offload.optimizer) == (False, False, False)

@@ -23,11 +23,12 @@ def format_plan(plan: Plan) -> str:
     lines.append("")
     per = "per rank" if plan.cpu else "per GPU"
     lines.append(f"  Megatron roles, GiB {per} (largest pipeline stage):")
-    lines.append(f"    {'role':<13}{'layout':<30}{'params':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'logits':>8} {'peak':>8}")
+    lines.append(f"    {'role':<13}{'layout':<30}{'params':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'logits':>8} "
+                 f"{'peak':>8} {'host':>8}   offload")
     for r in plan.roles.values():
-        tag = r.role + (" (offl)" if r.offload else "")
-        lines.append(f"    {tag:<13}{r.layout:<30}{_g(r.params)} {_g(r.grads)} {_g(r.optimizer)} "
-                     f"{_g(r.activations)} {_g(r.logits)} {_g(r.peak)}")
+        lines.append(f"    {r.role:<13}{r.layout:<30}{_g(r.params)} {_g(r.grads)} {_g(r.optimizer)} "
+                     f"{_g(r.activations)} {_g(r.logits)} {_g(r.peak)} {_g(r.host_pinned + r.host_optimizer)}   "
+                     f"{'+'.join(r.offload) or '-'}")
         for note in r.notes:
             lines.append(f"    {'':<13}stage {r.stage}, {r.params_on_gpu / 1e9:.3f}B params on it; {note}")
     ro = plan.rollout
@@ -43,6 +44,13 @@ def format_plan(plan: Plan) -> str:
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in ph.parts.items() if v)
         lines.append(f"    [{ph.pool}] {ph.name:<20}{_g(ph.total)}   = {parts}")
     lines.append("")
+    if plan.host:
+        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in plan.host.items() if v)
+        lines.append(f"  Host memory per node: {plan.host_total / GIB:.1f} GiB of {plan.host_capacity / GIB:.1f} GiB = {parts}")
+        if plan.offload_seconds:
+            lines.append(f"  Offload per step: {plan.offload_seconds:.2f} s out and {plan.offload_seconds:.2f} s back per GPU "
+                         f"(pinned bytes / cluster.host_bandwidth_gbps)")
+        lines.append("")
     for pool, v in plan.pool_peaks().items():
         ok = "fits" if v["headroom"] >= 0 else "DOES NOT FIT"
         lines.append(f"  {pool} pool peak: {v['total'] / GIB:.1f} GiB in '{v['phase']}' of {v['capacity'] / GIB:.1f} GiB "

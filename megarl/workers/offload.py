@@ -209,9 +209,12 @@ def _bytes_view(storage: Any, device: torch.device) -> torch.Tensor:
 
 
 def _buffers(chunks: list[torch.nn.Module]) -> Iterator[Any]:
+    """megatron DDP's ``_ParamAndGradBuffer`` lists (a plain module's ``buffers`` is nn.Module's method)."""
     for c in chunks:
         for name in ("buffers", "expert_parallel_buffers"):
-            yield from getattr(c, name, None) or ()
+            found = getattr(c, name, None)
+            if isinstance(found, (list, tuple)):
+                yield from found
 
 
 def _param_buffers(chunks: list[torch.nn.Module]) -> Iterator[torch.Tensor]:
