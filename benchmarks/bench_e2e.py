@@ -49,6 +49,9 @@ SHAPES = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    # Qwen/Qwen2.5-7B config.json (its own vocabulary; SmolLM2's tokenizer covers the first 49152 ids)
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, rope_theta=1000000.0),
 }
 RECIPE = ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml"
 
@@ -60,11 +63,15 @@ def make_model(out: Path, shape: str, tokenizer_dir: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     base = json.loads((tokenizer_dir / "config.json").read_text())
-    cfg = LlamaConfig(vocab_size=base["vocab_size"], max_position_embeddings=2048, tie_word_embeddings=True,
-                      bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"), **SHAPES[shape])
+    shape_cfg = {"vocab_size": base["vocab_size"], "tie_word_embeddings": True, **SHAPES[shape]}
+    cfg = LlamaConfig(max_position_embeddings=4096, bos_token_id=base.get("bos_token_id"),
+                      eos_token_id=base.get("eos_token_id"), **shape_cfg)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    # initialised on the GPU when there is one (a 7B random init takes minutes on CPU cores)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out)
+    del model
     for f in tokenizer_dir.iterdir():
         if f.name != "config.json":
             shutil.copy(f, out / f.name)
@@ -110,6 +117,7 @@ def overrides_for(args: argparse.Namespace) -> list[str]:
                 f"rollout.sampling.max_new_tokens={args.new_tokens}",
                 f"rollout.max_running_requests={args.max_running or args.prompts * args.n}",
                 "actor.max_tokens_per_micro_batch=16384", "actor.optim.lr=1e-6"]  # step-0 bound: calibrated
+    out += list(args.set)
     if not args.model and not recipe_model:   # a random shape: the architecture comes from the HF config
         out += [f"model.arch.{k}=0" for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                               "num_kv_heads", "vocab_size")] + ["model.arch.tie_word_embeddings=false"]
@@ -250,7 +258,9 @@ def full(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> dict:
 
     t0 = time.time()
     trainer = Trainer(cfg)
-    results = trainer.run()
+    device_peak = _DevicePeak(args.device == "cuda")
+    with device_peak:
+        results = trainer.run()
     steps = results["steps"][1:] or results["steps"]  # step 1 includes CUDA-graph capture and warm-up
     mean = lambda k: sum(s[k] for s in steps) / len(steps)  # noqa: E731
     phases = {k[len("time/"):-2]: round(mean(k), 3) for k in steps[0] if k.startswith("time/")}
@@ -267,6 +277,13 @@ def full(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> dict:
            "sync_s": round(mean("sync/seconds"), 3), "sync_GBps": round(mean("sync/bytes_per_s") / 1e9, 2),
            "reward_curve": [round(s["reward/mean"], 3) for s in results["steps"]],
            "wall_s": round(time.time() - t0, 1)}
+    memory = {k[len("memory/"):]: round(max(s.get(k, 0.0) for s in results["steps"]), 3)
+              for k in sorted({k for s in results["steps"] for k in s if k.startswith("memory/")})}
+    if memory or device_peak.peak:
+        out["memory"] = memory    # per-phase allocator peaks (GiB) of the trainer, offload/onload bytes and s
+        out["device_used_GiB_max"] = round(device_peak.peak / 2 ** 30, 2)   # the whole GPU: trainer + engine
+        out["actor_losses"] = [round(s["actor/pg_loss"], 6) for s in results["steps"]]
+        out["actor_grad_norms"] = [round(s["actor/grad_norm"], 6) for s in results["steps"]]
     # the end-of-run checkpoint (model + optimizer state); --resume-check loads it in a new trainer
     # and runs one more step from it
     ckpt = latest_checkpoint(trainer.ckpt_dir)
@@ -278,6 +295,34 @@ def full(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> dict:
         out["resume_check"] = {"steps_run_after_resume": len(resumed),  # 1 = it went on from step `steps`
                                "reward": [round(s["reward/mean"], 3) for s in resumed]}
     return out
+
+
+class _DevicePeak:
+    """The GPU's used memory (every process: trainer and engine), polled at 20 Hz in a thread."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.peak, self._stop = cuda, 0, None
+
+    def __enter__(self) -> "_DevicePeak":
+        if self.cuda:
+            import threading
+
+            import torch
+
+            self._stop = threading.Event()
+
+            def poll() -> None:
+                while not self._stop.wait(0.05):
+                    free, total = torch.cuda.mem_get_info()
+                    self.peak = max(self.peak, total - free)
+            self._thread = threading.Thread(target=poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join()
 
 
 def main() -> None:
@@ -298,6 +343,8 @@ def main() -> None:
     ap.add_argument("--baseline-code", type=Path, default=None,
                     help="--rollout-only: the 'before' server runs this checkout's megarl (e.g. main)")
     ap.add_argument("--resume-check", action="store_true", help="afterwards resume from the final checkpoint for one step")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="more recipe overrides, e.g. --set actor.offload.params=true (repeatable)")
     args = ap.parse_args()
 
     from megarl.config import load_config

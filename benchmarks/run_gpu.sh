@@ -38,6 +38,12 @@ real_rollout) run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-13
 real_e2e) run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 ;;
 real_async) run 590 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps ${ASYNC_STEPS:-12} --prompts 64 --n 8 --new-tokens 40 --recipe-data --lr 5e-6 --eval-prompts 64 --work /tmp/bench_async ;;
 agent) run 200 python3 benchmarks/bench_agent.py --model smollm2 --device cuda --trajectories 128 --new 64 --turns 1,4,8 ;;
+offload) run 240 python3 benchmarks/bench_offload.py --shape qwen2.5-1.5b --cycles 20 ;;
+mem7b) # issue 24: a Qwen2.5-7B-shaped GRPO on one H200, colocated with the embedded engine, as recipes/qwen2.5-7b-grpo-1gpu.yaml
+       run 500 python3 benchmarks/bench_e2e.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --device cuda --steps 3 --prompts 8 --n 8 --new-tokens 64 --work /tmp/b7 \
+         --set actor.optim.cpu_offload_fraction=0.5 --set actor.offload.params=true --set actor.offload.grads=true --set actor.offload.optimizer=false \
+         --set batch.global_batch_size=64 --set rollout.mem_fraction=0.3 --set actor.max_tokens_per_micro_batch=8192 --set model.recompute=full \
+         --set checkpoint.final=false --set rollout.max_running_requests=64 ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20

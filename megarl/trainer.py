@@ -304,6 +304,8 @@ class Trainer:
         return found
 
     def _final_checkpoint(self) -> None:
+        if not self.cfg.checkpoint.final:
+            return
         if not self.cfg.checkpoint.interval or self.state.step % self.cfg.checkpoint.interval:
             self.save_checkpoint()
 

@@ -330,6 +330,7 @@ class CheckpointConfig:
     resume: str = opt("auto", "auto: latest in dir if any; none; or a checkpoint path")
     keep_last: int = opt(2, "newest checkpoints kept, older ones deleted (0 = keep all)")
     export_hf: bool = opt(True, "export the final actor as an HF folder")
+    final: bool = opt(True, "write a checkpoint when the run ends (false: benchmarks, runs too large for the disk)")
 
 
 @dataclass
