@@ -479,5 +479,7 @@ class MegatronWorker:
     def shutdown(self) -> None:
         from megarl.parallel import destroy_distributed, destroy_model_parallel
 
+        if self.offloader is not None:
+            self.offloader.close()
         destroy_model_parallel()
         destroy_distributed()

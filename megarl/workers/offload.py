@@ -15,9 +15,10 @@ Kinds (each switched on per role, ``ROLE.offload.{params,grads,optimizer}``):
 - ``optimizer``: the fp32 main parameters and Adam moments (whatever tensors the optimizer
   holds on the device; a CPU optimizer's host-side state is left alone).
 
-On CUDA the host side is pinned memory, allocated on the first offload and reused (pinning is
-slow and the same sizes come back every step), and the copies run on a side stream; the caller's
-stream waits for an onload before it uses the tensors.
+On CUDA the host side is one page-locked buffer per kind (cudaHostRegister at its exact size),
+allocated on the first offload and reused (pinning is slow and the same sizes come back every
+step), and the copies run on a side stream; the caller's stream waits for an onload before it
+uses the tensors.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class StateOffloader:
     device: torch.device
     slots: dict[str, list[_Slot]] = field(default_factory=dict)
     resident: set[str] = field(default_factory=lambda: set(KINDS))
-    _hosts: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    _hosts: dict[str, torch.Tensor] = field(default_factory=dict)   # kind -> host buffer
     _stream: Any = None
 
     def collect(self) -> dict[str, list[_Slot]]:
@@ -107,9 +108,7 @@ class StateOffloader:
         found = self.collect()
         for k in todo:
             self.slots[k] = found[k]
-            for i, s in enumerate(found[k]):
-                if s.copy_back:
-                    s.host = self._host_buffer(k, i, s.nbytes)
+            self._assign_host(k, [s for s in found[k] if s.copy_back])
         slots = [s for k in todo for s in self.slots[k]]
         with self._side_stream():
             for s in slots:
@@ -164,12 +163,37 @@ class StateOffloader:
         finally:
             self.offload(back)
 
-    def _host_buffer(self, kind: str, index: int, nbytes: int) -> torch.Tensor:
-        host = self._hosts.get((kind, index))
-        if host is None or host.numel() != nbytes:
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned())
-            self._hosts[(kind, index)] = host
-        return host
+    def _assign_host(self, kind: str, slots: list[_Slot]) -> None:
+        """One host buffer per kind, each storage a 512-byte aligned slice of it. On CUDA it is
+        page-locked with cudaHostRegister at its exact size (torch's pinned allocator rounds every
+        block up to a power of two, up to twice the host memory), allocated on the first offload
+        and kept while the sizes stay the same."""
+        offsets, total = [], 0
+        for s in slots:
+            offsets.append(total)
+            total += -(-s.nbytes // 512) * 512
+        buf = self._hosts.get(kind)
+        if buf is None or buf.numel() != total:
+            if buf is not None:
+                self._unregister(buf)
+            buf = torch.zeros(total, dtype=torch.uint8)   # zeros: pages faulted in by torch's parallel fill
+            if self._pinned() and total:
+                err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), total, 0)
+                if int(err) != 0:
+                    raise RuntimeError(f"offload: cudaHostRegister of {total} bytes of host memory failed ({err})")
+            self._hosts[kind] = buf
+        for s, off in zip(slots, offsets):
+            s.host = buf[off:off + s.nbytes]
+
+    def _unregister(self, buf: torch.Tensor) -> None:
+        if self._pinned() and buf.numel():
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+    def close(self) -> None:
+        """Unpin and drop the host buffers (the state must be resident)."""
+        for buf in self._hosts.values():
+            self._unregister(buf)
+        self._hosts.clear()
 
     def host_bytes(self) -> int:
         """Host memory this rank holds for offloaded state (pinned on CUDA)."""
