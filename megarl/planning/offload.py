@@ -12,7 +12,10 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-KIND_ORDER = (("optimizer",), ("optimizer", "grads"), ("optimizer", "grads", "params"))
+# cheapest first, by bytes copied per step: gradients are released (nothing copied), parameters
+# are 2 bytes per parameter, the optimizer 12
+KIND_ORDER = ((), ("grads",), ("params",), ("grads", "params"), ("optimizer",), ("grads", "optimizer"),
+              ("params", "optimizer"), ("grads", "params", "optimizer"))
 CPU_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 
 
@@ -35,22 +38,27 @@ class OffloadChoice:
 
 
 def _candidates(cfg: Any, only_unset: bool) -> list[OffloadChoice]:
+    """Switch combinations, cheapest first: without a new CPU-optimizer fraction, then with each
+    larger fraction (GPU bf16 runs); within each, by bytes copied. Frozen roles offload their
+    parameters whenever trained roles do."""
     roles = [r for r in ("actor", "critic", "ref", "reward_model") if getattr(cfg, r).enabled]
     trained = [r for r in roles if r in cfg.trained_roles]
 
     def free(role: str, kind: str) -> bool:
         return not only_unset or getattr(getattr(cfg, role).offload, kind) is None
 
-    out = []
-    for kinds in KIND_ORDER:
-        sw = {r: tuple(k for k in (kinds if r in trained else ("params",)) if free(r, k)) for r in roles}
-        out.append(OffloadChoice({r: k for r, k in sw.items() if k}))
+    fractions: list[dict[str, float]] = [{}]
     if cfg.cluster.device == "cuda" and cfg.model.dtype == "bfloat16":
-        last = out[-1]
         for f in CPU_FRACTIONS:
-            fractions = {r: f for r in trained if getattr(cfg, r).optim.cpu_offload_fraction < f}
-            if fractions:
-                out.append(OffloadChoice(dict(last.switches), fractions))
+            more = {r: f for r in trained if getattr(cfg, r).optim.cpu_offload_fraction < f}
+            if more:
+                fractions.append(more)
+    out = []
+    for fraction in fractions:
+        for kinds in KIND_ORDER:
+            sw = {r: tuple(k for k in (kinds if r in trained else ("params",) if "params" in kinds else ())
+                           if free(r, k)) for r in roles}
+            out.append(OffloadChoice({r: k for r, k in sw.items() if k}, dict(fraction)))
     return out
 
 

@@ -57,14 +57,15 @@ class Residency:
             if back:
                 self._add(self.groups[role].call("onload", back))
                 self.resident[role].update(back)
+        self._start_phase()
 
     def release_all(self, phase: str) -> None:
         """Every switched state to host (rollout, or after the push)."""
         self.hold(phase, None)
 
     def metrics(self) -> dict[str, float]:
-        """Bytes and seconds moved since the last call (summed over roles, slowest rank), and
-        the peak GPU memory per phase (largest rank of each role)."""
+        """Bytes and seconds moved since the last call (summed over roles, slowest rank), and per
+        phase and role (largest rank) the GPU memory held during the phase and its peak."""
         self._record_peaks()
         out = dict(self._moves)
         for direction in ("offload", "onload"):
@@ -82,6 +83,16 @@ class Residency:
                 self._moves[f"memory/{key}_s"] = self._moves.get(f"memory/{key}_s", 0.0) + max(seconds)
                 self._moves[f"memory/{key}_bytes"] = (self._moves.get(f"memory/{key}_bytes", 0.0)
                                                       + sum(m.get(f"memory/{key}_bytes", 0.0) for m in per_rank))
+
+    def _start_phase(self) -> None:
+        """After the moves: what each role holds during the phase, and a fresh peak counter (the
+        peak of a phase is its own work's, not the moves into it)."""
+        if not self.cuda:
+            return
+        for role, group in self.groups.items():
+            held = max(s.get("allocated", 0.0) for s in group.call("memory_stats"))
+            key = f"memory/resident_gib/{self.phase}/{role}"
+            self._peaks[key] = max(self._peaks.get(key, 0.0), held / GIB)
 
     def _record_peaks(self) -> None:
         if not self.cuda or self.phase is None:
