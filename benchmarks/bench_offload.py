@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_train import hf_config  # noqa: E402
+from benchmarks.bench_train import hf_config, init_one_rank  # noqa: E402
 
 
 def progress(msg: str, t0: float = time.perf_counter()) -> None:
@@ -68,16 +68,7 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     shape = a.shape or ("qwen2.5-1.5b" if cuda else "tiny")
     dtype = torch.bfloat16 if cuda else torch.float32
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-        from megarl.wire.addresses import free_port
-        os.environ["MASTER_PORT"] = str(free_port())
-    if cuda:
-        torch.cuda.set_device(0)
-    from megarl.parallel import init_distributed, init_model_parallel
-    init_distributed()
-    init_model_parallel(tp=1, pp=1, seed=1234)
+    init_one_rank(cuda)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

@@ -59,6 +59,20 @@ def hf_config(shape: str):
                        **SHAPES[shape])
 
 
+def init_one_rank(cuda: bool) -> None:
+    """torch.distributed and megatron's parallel state for one rank in this process (benchmarks)."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        from megarl.wire.addresses import free_port
+        os.environ["MASTER_PORT"] = str(free_port())
+    if cuda:
+        torch.cuda.set_device(0)
+    from megarl.parallel import init_distributed, init_model_parallel
+    init_distributed()
+    init_model_parallel(tp=1, pp=1, seed=1234)
+
+
 def model_flops_per_token(c, seq: int) -> float:
     h, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
     nq, nk = c.num_attention_heads, c.num_key_value_heads
@@ -142,18 +156,9 @@ def main():
     seq = a.seq or (4096 if cuda else 128)
     dtype = torch.bfloat16 if cuda else torch.float32
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-        from megarl.parallel import free_port
-        os.environ["MASTER_PORT"] = str(free_port())
-    if cuda:
-        torch.cuda.set_device(0)
-    else:
+    if not cuda:
         torch.set_num_threads(2)
-    from megarl.parallel import init_distributed, init_model_parallel
-    init_distributed()
-    init_model_parallel(tp=1, pp=1, seed=1234)
+    init_one_rank(cuda)
     peak = a.peak or measure_matmul_peak(device, dtype)
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
