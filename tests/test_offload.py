@@ -154,3 +154,49 @@ def _cycle(worker, n: int) -> dict:
     restored = all(torch.equal(before[i], p.detach()) for i, p in enumerate(after))
     off.offload(kinds)
     return {"restored": restored, "empty_between": empty, "host_bytes": host_bytes, "host_ids": host_ids}
+
+
+def test_phase_order_servers_sleep_and_wake_around_the_trainer(dense, tmp_path, monkeypatch):
+    """The order of a colocated step against the real embedded engine (its release/resume endpoints
+    run on CPU too; the GPU condition is forced): servers release after the rollout; the reward
+    model scores only after they did; before the push the servers take their weights back, the push
+    runs, the trainer's state leaves, and only then the KV cache comes back."""
+    from megarl.rollout.pipeline import RolloutPipeline
+
+    monkeypatch.setattr(RolloutPipeline, "shares_gpus", lambda self: True)
+    events: list[str] = []
+
+    class Recorded(Trainer):
+        def setup(self):
+            super().setup()
+            manager, residency, weights, rm = (self.rollout.manager, self.residency, self.weights,
+                                               self.groups["reward_model"])
+            call_all, hold, push, forward = manager.call_all, residency.hold, weights.push, rm.forward
+
+            def rec_call(method, tags=None, *a, **k):
+                events.append(f"{method.split('_')[0]}:{','.join(tags or ())}")
+                return call_all(method, tags, *a, **k)
+
+            def rec_hold(phase, role=None, need="forward"):
+                events.append(f"hold:{phase}:{role}")
+                return hold(phase, role, need)
+
+            monkeypatch.setattr(manager, "call_all", rec_call)
+            monkeypatch.setattr(residency, "hold", rec_hold)
+            monkeypatch.setattr(weights, "push", lambda *a, **k: (events.append("push"), push(*a, **k))[1])
+            monkeypatch.setattr(rm, "forward", lambda *a, **k: (events.append("rm_forward"), forward(*a, **k))[1])
+
+    cfg = tiny_run_config(dense, tmp_path / "order", "trainer.eval_before_after=false", "trainer.total_steps=2",
+                          "checkpoint.export_hf=false", "reward.kind=model", "reward_model.enabled=true",
+                          *switches("actor"), "reward_model.offload.params=true")
+    steps = Recorded(cfg).run()["steps"]
+    assert len(steps) == 2
+    for step in range(2):   # each step: from its rollout's reward pass to the end of its sync phase
+        start = [i for i, e in enumerate(events) if e == "rm_forward"][step]
+        end = [i for i, e in enumerate(events) if e == "resume:kv_cache"][step]
+        seq = events[start - 2:end + 1]
+        assert seq[:3] == ["release:weights,kv_cache", "hold:reward:reward_model", "rm_forward"], seq
+        i = seq.index("resume:weights")
+        assert seq[i:] == ["resume:weights", "hold:sync:actor", "push", "hold:rollout:None", "resume:kv_cache"], seq
+        assert seq.index("hold:old_logprobs:actor") < seq.index("hold:train:actor") < i
+        assert "resume:weights,kv_cache" not in seq     # never both at once before a push

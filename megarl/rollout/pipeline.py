@@ -215,13 +215,17 @@ class RolloutPipeline:
                 "eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
                 "eval/response_length": sum(len(s.response_ids) for s in samples) / len(samples)}
 
+    def shares_gpus(self) -> bool:
+        """Servers and Megatron roles on the same GPUs (colocated on CUDA)."""
+        return self.cfg.placement.mode == "colocated" and self.cfg.cluster.device == "cuda"
+
     def server_memory(self, action: str, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
         """Colocated on GPU: the servers give their KV cache and weights back while the trainer
         works (SGLang's release/resume_memory_occupation with tags, ``action`` release | resume).
         Wake order before a push (slime's): weights, the push, then the KV cache, so the push's
         buckets never meet a full KV pool. Only what changes is sent (SGLang refuses to release
         twice). Disaggregated or CPU runs keep the servers as they are."""
-        if not (self.cfg.placement.mode == "colocated" and self.cfg.cluster.device == "cuda"):
+        if not self.shares_gpus():
             return
         todo = [t for t in tags if (t in self.released) == (action == "resume")]
         if not todo:
