@@ -97,8 +97,7 @@ def test_lora_actor_trains_adapters_only_refs_the_base_merges_like_peft_and_resu
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from megarl.models.lora import peft_config
-    from megarl.workers.lora import lora_spec
+    from megarl.models.lora import peft_config, spec_from_config
 
     hf_dir = tmp_path / "hf"
     make_tiny_hf("qwen2", hf_dir)   # tied embeddings: the frozen embedding is shared by both PP stages
@@ -123,7 +122,7 @@ def test_lora_actor_trains_adapters_only_refs_the_base_merges_like_peft_and_resu
     adapter_dir.mkdir()
     save_file({k: v for r in res for k, v in r["adapters"].items()}, str(adapter_dir / "adapter_model.safetensors"))
     import json
-    (adapter_dir / "adapter_config.json").write_text(json.dumps(peft_config(lora_spec(_cfg(str(hf_dir), 2)))))
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(peft_config(spec_from_config(_cfg(str(hf_dir), 2).actor.lora))))
     merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
                                        adapter_dir).merge_and_unload().state_dict()
     ours = {k: v for r in res for k, v in r["merged"].items()}

@@ -282,6 +282,14 @@ def is_adapter_param(name: str) -> bool:
     return ".lora.adapters." in name
 
 
+def spec_from_config(lora_cfg, seed: int = 0) -> Optional[LoRASpec]:
+    """``actor.lora`` (rank, alpha, dropout, target_modules) as a :class:`LoRASpec`; None when rank 0."""
+    if not lora_cfg.rank:
+        return None
+    return LoRASpec(rank=lora_cfg.rank, alpha=lora_cfg.alpha, dropout=lora_cfg.dropout,
+                    targets=tuple(lora_cfg.target_modules), seed=seed)
+
+
 def peft_state_dict(chunks: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
     """This rank's adapters under PEFT's saved names (``base_model.model.<hf module>.lora_A.weight``),
     full tensors; every TP rank must call it (shards are gathered), PP stages return their layers."""

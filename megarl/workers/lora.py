@@ -13,23 +13,14 @@ from typing import Any
 import torch
 
 
-def lora_spec(cfg: Any):
-    """The actor's :class:`~megarl.models.lora.LoRASpec` from ``actor.lora``, or None when off."""
-    from megarl.models.lora import LoRASpec
-
-    lo = cfg.actor.lora
-    if not lo.rank:
-        return None
-    return LoRASpec(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=tuple(lo.target_modules), seed=cfg.seed)
-
-
 def attach_adapters(worker: Any) -> int:
     """Freeze the loaded base and attach adapters (actor with ``actor.lora.rank > 0``); returns this
     rank's trainable parameter count (0 when LoRA is off)."""
-    spec = lora_spec(worker.cfg)
+    from megarl.models.lora import apply_lora, spec_from_config
+
+    spec = spec_from_config(worker.cfg.actor.lora, worker.cfg.seed)
     if spec is None or worker.spec.role != "actor":
         return 0
-    from megarl.models.lora import apply_lora
 
     return apply_lora(worker.chunks, spec)
 
