@@ -41,3 +41,18 @@ def test_lora_grpo_refs_the_base_pushes_merged_and_exports_peft(model, tmp_path)
         start = AutoModelForCausalLM.from_pretrained(str(model)).eval()(ids).logits
     assert (m - start).abs().max() > 1e-4, "the export is the untrained model"
     assert (a - m).abs().max() < 1e-4
+    # the final checkpoint holds the adapters only; `megarl convert lora-to-peft` rebuilds both exports
+    from safetensors.torch import load_file
+
+    from megarl.checkpoint.cli import convert_main
+
+    ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1]
+    assert convert_main(["lora-to-peft", "--ckpt", str(ckpt), "--out", str(tmp_path / "peft"),
+                         "--merged", str(tmp_path / "merged")]) == 0
+    exported = load_file(str(tmp_path / "run" / "hf_adapter" / "adapter_model.safetensors"))
+    converted = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert exported.keys() == converted.keys() and all(torch.equal(exported[k], converted[k]) for k in exported)
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, m)
+    assert convert_main(["lora-to-peft", "--ckpt", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 1

@@ -282,6 +282,24 @@ def is_adapter_param(name: str) -> bool:
     return ".lora.adapters." in name
 
 
+def checkpoint_sharded_state(chunk: nn.Module) -> dict:
+    """The chunk's megatron sharded state; with LoRA the adapters only (the frozen base is the HF
+    model a run starts from, so a checkpoint is megabytes, not the model)."""
+    state = chunk.sharded_state_dict()
+    return {k: v for k, v in state.items() if is_adapter_param(k)} if has_lora([chunk]) else state
+
+
+def load_checkpoint_state(chunk: nn.Module, state: dict) -> None:
+    """Load what :func:`checkpoint_sharded_state` saved (all of it without LoRA); a missing adapter is an
+    error naming it."""
+    if not has_lora([chunk]):
+        chunk.load_state_dict(state)
+        return
+    missing = [k for k in chunk.load_state_dict(state, strict=False).missing_keys if is_adapter_param(k)]
+    if missing:
+        raise KeyError(f"checkpoint has no LoRA adapter {missing[0]} (was it written with the same actor.lora?)")
+
+
 def spec_from_config(lora_cfg, seed: int = 0) -> Optional[LoRASpec]:
     """``actor.lora`` (rank, alpha, dropout, target_modules) as a :class:`LoRASpec`; None when rank 0."""
     if not lora_cfg.rank:

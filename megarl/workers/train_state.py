@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megarl.models.builder import unwrap
+from megarl.models.lora import checkpoint_sharded_state, load_checkpoint_state   # LoRA: adapters only
 
 
 def _sharded_optimizer(worker: Any) -> bool:
@@ -27,32 +28,12 @@ def _sharded_optimizer(worker: Any) -> bool:
     return any(isinstance(o, DistributedOptimizer) for o in optimizers)
 
 
-def _model_state(chunk: Any) -> dict[str, Any]:
-    """The chunk's sharded state; with LoRA the adapters only (the frozen base is the HF model the
-    run starts from, reloaded at set-up, so a checkpoint is megabytes, not the model)."""
-    from megarl.models.lora import has_lora, is_adapter_param
-
-    state = chunk.sharded_state_dict()
-    return {k: v for k, v in state.items() if is_adapter_param(k)} if has_lora([chunk]) else state
-
-
-def _load_model_state(chunk: Any, state: dict[str, Any]) -> None:
-    from megarl.models.lora import has_lora, is_adapter_param
-
-    if not has_lora([chunk]):
-        chunk.load_state_dict(state)
-        return
-    missing = [k for k in chunk.load_state_dict(state, strict=False).missing_keys if is_adapter_param(k)]
-    if missing:
-        raise KeyError(f"checkpoint has no LoRA adapter {missing[0]} (was it written with the same actor.lora?)")
-
-
 def _sharded_state(worker: Any, is_loading: bool = False) -> dict[str, Any]:
     chunks = [unwrap(c) for c in worker.chunks]
     if len(chunks) == 1:
-        state = {"model": _model_state(chunks[0])}
+        state = {"model": checkpoint_sharded_state(chunks[0])}
     else:
-        state = {f"model{i}": _model_state(c) for i, c in enumerate(chunks)}
+        state = {f"model{i}": checkpoint_sharded_state(c) for i, c in enumerate(chunks)}
     if worker.optimizer is not None and _sharded_optimizer(worker):
         # is_loading creates the Adam moments of a fresh optimizer so there is something to load into
         state["optimizer"] = worker.optimizer.sharded_state_dict(state, is_loading=is_loading)
@@ -92,10 +73,10 @@ def load_train_state(worker: Any, path: str | Path) -> None:
     loaded = dist_checkpointing.load(_sharded_state(worker, is_loading=True), str(path))
     chunks = [unwrap(c) for c in worker.chunks]
     if len(chunks) == 1:
-        _load_model_state(chunks[0], loaded["model"])
+        load_checkpoint_state(chunks[0], loaded["model"])
     else:
         for i, chunk in enumerate(chunks):
-            _load_model_state(chunk, loaded[f"model{i}"])
+            load_checkpoint_state(chunk, loaded[f"model{i}"])
     if worker.optimizer is not None and _sharded_optimizer(worker):
         worker.optimizer.load_state_dict(loaded["optimizer"])
     elif worker.optimizer is not None:
