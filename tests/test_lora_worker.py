@@ -9,17 +9,18 @@ import torch
 
 from megarl.parallel import spawn
 from tests.dist_utils import make_tiny_hf
-from tests.test_packing import ALGO, ROOT, random_batch
+from tests.test_packing import ALGO, ROOT, _hf_logprobs, random_batch
 
 RANK, ALPHA = 4, 16.0
 
 
-def _cfg(hf_dir: str, world: int):
+def _cfg(hf_dir: str, world: int, parallel: dict | None = None):
     from megarl.config import load_config
 
-    over = [f"model.hf_path={hf_dir}", "cluster.backend=local", f"actor.gpus={world}", "actor.parallel.pp=2",
+    over = [f"model.hf_path={hf_dir}", "cluster.backend=local", f"actor.gpus={world}",
             "actor.optim.lr=5e-2", "actor.optim.clip_grad=1.0", "trainer.total_steps=2", "batch.global_batch_size=8",
             f"actor.lora.rank={RANK}", f"actor.lora.alpha={ALPHA}", "actor.max_tokens_per_micro_batch=40"]
+    over += [f"actor.parallel.{k}={v}" for k, v in ({"pp": 2} if parallel is None else parallel).items()]
     over += [f"model.arch.{k}=0" for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                            "num_kv_heads", "vocab_size", "head_dim")]
     return load_config(ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml", over)
@@ -123,9 +124,49 @@ def test_lora_actor_trains_adapters_only_refs_the_base_merges_like_peft_and_resu
     save_file({k: v for r in res for k, v in r["adapters"].items()}, str(adapter_dir / "adapter_model.safetensors"))
     import json
     (adapter_dir / "adapter_config.json").write_text(json.dumps(peft_config(spec_from_config(_cfg(str(hf_dir), 2).actor.lora))))
-    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
-                                       adapter_dir).merge_and_unload().state_dict()
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                                           adapter_dir).eval()
+    # the trained actor's logprobs == HF + peft with the exported adapter
+    assert (_hf_logprobs(peft_model, batch) - torch.as_tensor(after)).abs().max() < 1e-4
+    merged = peft_model.merge_and_unload().state_dict()
     ours = {k: v for r in res for k, v in r["merged"].items()}
     assert set(ours) == set(load_file(str(hf_dir / "model.safetensors")))
     for name, t in ours.items():
         torch.testing.assert_close(t, merged[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+
+def _train_only(rank, world, hf_dir, batch, parallel):
+    from megarl.models.lora import peft_state_dict
+    from megarl.parallel import destroy_model_parallel
+
+    # Adam's eps well above the smallest gradients: the update is then a continuous function of the
+    # gradient, so summation-order noise stays noise (at eps 1e-8 a near-zero gradient's sign is the update)
+    cfg = _cfg(hf_dir, world, parallel)
+    cfg.actor.optim.adam_eps = 1e-3
+    worker, _ = _worker(cfg, rank, world)
+    mask = batch.response_mask()
+    dens = [{"num_tokens": float(mask.sum()), "num_seqs": float(len(batch))}]
+    metrics = [worker.train_batch(_shard(worker, batch, ("old_logprobs", "advantages", "rollout_logprobs"), dens), ALGO)
+               for _ in range(2)]
+    adapters = peft_state_dict(worker.chunks)
+    destroy_model_parallel()
+    return {"adapters": adapters, "grad_norm": [m.get("grad_norm") for m in metrics]}
+
+
+def test_lora_training_at_tp2_equals_one_rank(tmp_path):
+    """Two optimizer steps (grad-norm clipping on): TP2's adapters and grad norms equal one rank's
+    (the TP reductions of the adapters, and each replicated adapter counted once in the norm)."""
+    make_tiny_hf("qwen2", tmp_path)
+    batch = random_batch(8, seed=6)
+    one = spawn(_train_only, 1, str(tmp_path), batch, {})[0]
+    two = spawn(_train_only, 2, str(tmp_path), batch, {"tp": 2})
+    assert one["grad_norm"][0] > 0
+    assert max(float(v.abs().max()) for k, v in one["adapters"].items() if "lora_B" in k) > 1e-3   # they trained
+    for r in two:
+        if r["grad_norm"][0] is not None:
+            for a, b in zip(one["grad_norm"], r["grad_norm"]):
+                assert abs(a - b) < 1e-5 * max(1.0, a), (one["grad_norm"], r["grad_norm"])
+        assert r["adapters"].keys() == one["adapters"].keys()
+        for k, v in one["adapters"].items():
+            torch.testing.assert_close(r["adapters"][k], v, rtol=0, atol=2e-5, msg=k)
