@@ -121,3 +121,38 @@ def test_adapter_gradients_equal_peft_at_tp2(tmp_path):
         mine = res[0]["grads"][key]
         assert g.abs().max() > 0, key
         torch.testing.assert_close(mine, g, rtol=1e-4, atol=1e-7, msg=key)
+
+
+def _dropout(rank, world, hf_dir, ids):
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from megarl.models import build_model, load_hf_weights
+    from megarl.models.lora import LoRASpec, apply_lora
+    from megarl.parallel import init_model_parallel
+
+    init_model_parallel(tp=2)
+    chunks = build_model(hf_dir)
+    load_hf_weights(chunks, hf_dir)
+    apply_lora(chunks, LoRASpec(RANK, ALPHA, dropout=0.5, targets=TARGETS))
+    _nonzero_b(chunks)
+    model = chunks[0]
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    out = {}
+    for mode in ("train", "eval", "train2"):
+        model.train(mode != "eval")
+        with torch.no_grad():
+            out[mode] = gather_from_tensor_model_parallel_region(model(ids, pos, None))
+    return out
+
+
+def test_dropout_acts_only_while_training_at_tp2(tmp_path):
+    """Dropout acts on the adapter input in training mode only (a fresh mask each forward); in eval
+    mode the adapted model is exactly the dropout-free one."""
+    make_tiny_hf("qwen2", tmp_path)
+    ids = sample_ids()
+    res = spawn(_dropout, 2, str(tmp_path), ids)
+    ref = spawn(_b_zero_then_adapted, 2, str(tmp_path), ids, dict(tp=2))[0]["adapted"]
+    for r in res:
+        assert torch.allclose(r["eval"][..., :ref.shape[-1]], ref, atol=1e-5, rtol=0)
+        assert not torch.allclose(r["train"], r["eval"], atol=1e-3)
+        assert not torch.equal(r["train"], r["train2"])   # a fresh mask each forward
