@@ -40,8 +40,8 @@ real_async) run 590 python3 benchmarks/bench_async.py --model builtin:smollm2-13
 agent) run 200 python3 benchmarks/bench_agent.py --model smollm2 --device cuda --trajectories 128 --new 64 --turns 1,4,8 ;;
 lora) # issue 28: Qwen2.5-7B-shaped GRPO on one H200 colocated with the embedded engine, LoRA rank 64 vs
       # full parameter (expected to run out of memory): peak memory per phase, merged vs adapter-only push
-      run 590 python3 benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 64 --steps 3
-      run 590 python3 benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 0 --steps 2 ;;
+      run 590 python3 benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 64 --steps 3 --prompts 8
+      run 590 python3 benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 0 --steps 2 --prompts 8 ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20
