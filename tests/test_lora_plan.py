@@ -62,7 +62,8 @@ def test_bad_lora_fields_are_refused_naming_the_field():
 
     cases = {"actor.lora.rank=-1": "actor.lora.rank:", "actor.lora.target_modules=[q_proj,qkv]":
              "actor.lora.target_modules: ['qkv']", "actor.lora.dropout=1.5": "actor.lora.dropout:",
-             "critic.lora.rank=4": "critic.lora.rank:", "actor.lora.alpha=0": "actor.lora.alpha:"}
+             "critic.lora.rank=4": "critic.lora.rank:", "actor.lora.alpha=0": "actor.lora.alpha:",
+             "ref.model_path=/elsewhere": "ref.model_path:"}
     for override, field in cases.items():
         extra = [] if override.startswith("actor.lora.rank") or override.startswith("critic") else ["actor.lora.rank=8"]
         with pytest.raises(ConfigError) as e:

@@ -508,6 +508,9 @@ def _check_lora(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"actor.lora.target_modules: {unknown or 'empty'} not among {known}")
     if cfg.actor.parallel.sequence_parallel:
         problems.append("actor.lora.rank: LoRA with actor.parallel.sequence_parallel is not supported")
+    if cfg.ref.model_path:
+        problems.append(f"ref.model_path: with actor.lora.rank > 0 the reference is the actor's base model; "
+                        f"unset ref.model_path (got {cfg.ref.model_path!r})")
 
 
 def _check_agent(cfg: RunConfig, problems: list[str]) -> None:
