@@ -142,6 +142,8 @@ def _dropout(rank, world, hf_dir, ids):
         model.train(mode != "eval")
         with torch.no_grad():
             out[mode] = gather_from_tensor_model_parallel_region(model(ids, pos, None))
+    # column-parallel adapters draw their mask from the default generator: the same on every TP rank
+    out["default_rng"] = torch.rand(4)
     return out
 
 
@@ -156,3 +158,4 @@ def test_dropout_acts_only_while_training_at_tp2(tmp_path):
         assert torch.allclose(r["eval"][..., :ref.shape[-1]], ref, atol=1e-5, rtol=0)
         assert not torch.allclose(r["train"], r["eval"], atol=1e-3)
         assert not torch.equal(r["train"], r["train2"])   # a fresh mask each forward
+    assert torch.equal(res[0]["default_rng"], res[1]["default_rng"])

@@ -64,8 +64,8 @@ class LoRASpec:
 class LoRAAdapters(nn.Module):
     """The adapters of one megatron linear layer, one (A, B) pair per targeted HF projection.
 
-    Registered as the child ``lora`` of the layer; parameters ``lora.<hf_proj>.lora_A`` /
-    ``lora.<hf_proj>.lora_B`` hold this rank's shards."""
+    Registered as the child ``lora`` of the layer; parameters ``lora.adapters.<hf_proj>.lora_A`` /
+    ``lora.adapters.<hf_proj>.lora_B`` hold this rank's shards."""
 
     def __init__(self, layer: nn.Module, module_key: str, layer_index: int, spec: LoRASpec,
                  cfg, tp_rank: int, tp_size: int):
