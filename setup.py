@@ -34,6 +34,10 @@ EXTRAS = {
         "wandb==0.31.0",
         "mlflow-skinny==3.18.0",
         "bm25s==0.3.16",    # agent.env=search (BM25 over a local corpus); needs only numpy + scipy
+        # LoRA's independent reference: peft loads megarl's exported adapters onto the HF model
+        # (tests/test_lora*.py); peft imports accelerate. Neither pulls torch past the pinned one.
+        "peft==0.21.2",
+        "accelerate==1.16.0",
     ],
     # Agentic RL environments: BM25 retrieval for agent.env=search. The python sandbox needs
     # Debian's bubblewrap (apt-get install bubblewrap; launch/install.sh does it), not a wheel.

@@ -44,6 +44,10 @@ mem7b) # issue 24: a Qwen2.5-7B-shaped GRPO on one H200, colocated with the embe
          --set actor.optim.cpu_offload_fraction=0.5 --set actor.offload.params=true --set actor.offload.grads=true --set actor.offload.optimizer=false \
          --set batch.global_batch_size=64 --set rollout.mem_fraction=0.3 --set actor.max_tokens_per_micro_batch=8192 --set model.recompute=full \
          --set checkpoint.final=false --set rollout.max_running_requests=64 ;;
+lora) # issue 28: Qwen2.5-7B-shaped GRPO on one H200 colocated with the embedded engine, LoRA rank 64 vs
+      # full parameter (expected to run out of memory): peak memory per phase, merged vs adapter-only push
+      run 590 python3 benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 64 --steps 3 --prompts 8
+      run 590 python3 benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 0 --steps 2 --prompts 8 ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20

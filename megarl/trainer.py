@@ -23,7 +23,7 @@ import torch
 from megarl.algos import LossSettings, get_advantage_estimator, kl_reward_penalty, make_kl_controller
 from megarl.algos.fidelity import LogprobMismatch, logprob_bound, rollout_logprob_check
 from megarl.algos.metrics import batch_summary
-from megarl.checkpoint.hf_export import export_hf_folder
+from megarl.checkpoint.hf_export import export_hf_folder, export_peft_adapter
 from megarl.checkpoint.manager import CheckpointManager
 from megarl.config import RunConfig
 from megarl.data import PromptLoader, load_split
@@ -261,8 +261,11 @@ class Trainer:
         return path
 
     def export_hf(self) -> Path:
-        out = export_hf_folder(self.groups["actor"], self.model_dir, self.out / "hf_export")
+        out = export_hf_folder(self.groups["actor"], self.model_dir, self.out / "hf_export")   # LoRA: merged
         note(f"exported HF model to {out}")
+        if self.cfg.actor.lora.rank:
+            adapter = export_peft_adapter(self.groups["actor"], self.cfg.actor.lora, self.model_dir, self.out / "hf_adapter")
+            note(f"exported PEFT adapter to {adapter}")
         return out
 
     # ------------------------------------------------------------------ run

@@ -2,6 +2,7 @@
 
     megarl convert hf-to-megatron --hf DIR --out DIR [--tp 2 --pp 1 --ep 1 --etp 1 --vpp N --dtype bf16]
     megarl convert megatron-to-hf --ckpt DIR --out DIR [--hf-config DIR --tp 1 --pp 1 --ep 1]
+    megarl convert lora-to-peft --ckpt RUN/checkpoints/step_N --out DIR [--merged DIR] [--run-config FILE]
 """
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-config", default=None,
                    help="folder with config.json/tokenizer files (default: the checkpoint's hf/)")
     b.add_argument("--max-shard-gb", type=float, default=4.0)
+    c = sub.add_parser("lora-to-peft", help="LoRA training checkpoint -> PEFT adapter (+ merged HF model)")
+    c.add_argument("--ckpt", required=True, help="a LoRA run's checkpoint folder (RUN/checkpoints/step_N)")
+    c.add_argument("--out", required=True, help="output PEFT adapter folder")
+    c.add_argument("--merged", default=None, help="also write the merged HF model here")
+    c.add_argument("--run-config", default=None, help="the run's config.json (default: RUN/config.json)")
     for s in (a, b):
         s.add_argument("--tp", type=int, default=1, help="tensor parallel ranks used to convert")
         s.add_argument("--pp", type=int, default=1, help="pipeline stages used to convert")
@@ -42,7 +48,13 @@ def convert_main(argv: Optional[List[str]] = None) -> int:
     from .convert import convert_hf_to_megatron, convert_megatron_to_hf
     from .manifest import CheckpointVerificationError
     try:
-        if args.direction == "hf-to-megatron":
+        if args.direction == "lora-to-peft":
+            from .lora_export import convert_lora_to_peft
+
+            n = convert_lora_to_peft(args.ckpt, args.out, args.merged, args.run_config)
+            print(f"[megarl.convert] wrote {n} adapter tensors to {args.out}" +
+                  (f" and the merged model to {args.merged}" if args.merged else ""))
+        elif args.direction == "hf-to-megatron":
             convert_hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
                                    etp=args.etp, vpp=args.vpp, dtype=args.dtype, verbose=not args.quiet)
         else:

@@ -34,3 +34,26 @@ def export_hf_folder(group: Any, model_dir: Path, out: Path, config_updates: Opt
             shutil.copy(f, tmp / f.name)
     replace_dir(tmp, out)
     return out
+
+
+def export_peft_adapter(group: Any, lora_cfg: Any, model_dir: Path, out: Path) -> Path:
+    """A LoRA actor's adapters as a PEFT adapter folder (``adapter_config.json`` +
+    ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the HF base
+    model; the adapters are megabytes, so the driver gathers them and writes one file."""
+    from safetensors.torch import save_file
+
+    from megarl.models.lora import peft_config, spec_from_config
+
+    out = Path(out)
+    tmp = out.with_name("." + out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors: dict = {}
+    for part in group.call("adapter_tensors"):
+        tensors.update(part)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    config = peft_config(spec_from_config(lora_cfg), base_model=str(model_dir))
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    replace_dir(tmp, out)
+    return out

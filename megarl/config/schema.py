@@ -108,6 +108,19 @@ class OffloadConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on the actor's linear layers (base frozen; the reference is the base)."""
+
+    rank: int = opt(0, "adapter rank r (0 = full-parameter training)")
+    alpha: float = opt(16.0, "scaling numerator: the update is (alpha / rank) * B A")
+    dropout: float = opt(0.0, "dropout on the adapter input while training")
+    target_modules: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                    "HF projections that get an adapter (PEFT's target_modules; dense attention "
+                                    "and MLP)")
+    push: Literal["merged"] = opt("merged", "weight push: merged = W + (alpha/r) B A under the HF names, any server")
+
+
+@dataclass
 class RoleConfig:
     """One Megatron role (actor, critic, reference, reward model): its GPUs and parallel layout."""
 
@@ -123,6 +136,7 @@ class RoleConfig:
                                              "max_new_tokens), padded: micro_batch_size samples")
     packing: bool = opt(True, "pack whole sequences end to end into THD micro-batches (no padding compute); "
                               "false = pad each micro-batch to its longest sample")
+    lora: LoRAConfig = section(LoRAConfig, "LoRA adapters (actor only; rank 0 = off)")
 
 
 @dataclass
@@ -385,4 +399,6 @@ class RunConfig:
 
     @property
     def megatron_roles(self) -> list[str]:
-        return [r for r in ("actor", "critic", "ref", "reward_model") if getattr(self, r).enabled]
+        """Roles that build a megatron model (with LoRA the reference is the actor's base: no role)."""
+        return [r for r in ("actor", "critic", "ref", "reward_model") if getattr(self, r).enabled
+                and not (r == "ref" and self.actor.lora.rank > 0)]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config.loader import ConfigError
-from megarl.config.schema import ModelArch, ParallelConfig, RoleConfig, RolloutConfig, RunConfig
+from megarl.config.schema import LoRAConfig, ModelArch, ParallelConfig, RoleConfig, RolloutConfig, RunConfig
 
 GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"}
 ROLES = ("actor", "critic", "ref", "reward_model")
@@ -504,7 +504,32 @@ def collect_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
     _check_rollout_mode(cfg, problems)
     _check_rest(cfg, problems)
     _check_agent(cfg, problems)
+    _check_lora(cfg, problems)
     return problems
+
+
+def _check_lora(cfg: RunConfig, problems: list[str]) -> None:
+    known = LoRAConfig().target_modules   # the default targets every supported projection
+    for name in ("critic", "ref", "reward_model"):
+        if getattr(cfg, name).lora.rank:
+            problems.append(f"{name}.lora.rank: LoRA is for the actor only, got {getattr(cfg, name).lora.rank}")
+    lo = cfg.actor.lora
+    if lo.rank < 0:
+        problems.append(f"actor.lora.rank: must be >= 0 (0 = off), got {lo.rank}")
+    if not lo.rank:
+        return
+    if lo.alpha <= 0:
+        problems.append(f"actor.lora.alpha: must be > 0, got {lo.alpha}")
+    if not 0.0 <= lo.dropout < 1.0:
+        problems.append(f"actor.lora.dropout: must be in [0, 1), got {lo.dropout}")
+    unknown = sorted(set(lo.target_modules) - set(known))
+    if unknown or not lo.target_modules:
+        problems.append(f"actor.lora.target_modules: {unknown or 'empty'} not among {known}")
+    if cfg.actor.parallel.sequence_parallel:
+        problems.append("actor.lora.rank: LoRA with actor.parallel.sequence_parallel is not supported")
+    if cfg.ref.model_path:
+        problems.append(f"ref.model_path: with actor.lora.rank > 0 the reference is the actor's base model; "
+                        f"unset ref.model_path (got {cfg.ref.model_path!r})")
 
 
 def _check_agent(cfg: RunConfig, problems: list[str]) -> None:

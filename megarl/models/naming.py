@@ -201,7 +201,11 @@ class ParamInfo:
 
 
 def _named_tensors(chunk):
+    from .lora import is_adapter_param
+
     for n, p in chunk.named_parameters():
+        if is_adapter_param(n):   # LoRA adapters have no HF name: they are merged into their layer's weight
+            continue
         yield n, p
     for n, b in chunk.named_buffers():
         if n.endswith("router.expert_bias"):
@@ -407,6 +411,8 @@ def iter_hf_weights(chunks, hf_config=None, *, yield_on_all_ranks: bool = False,
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
+    from .lora import effective_weight
+
     if only not in (None, "dense", "experts"):
         raise ValueError(f"only must be None, 'dense' or 'experts', got {only!r}")
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
@@ -431,7 +437,7 @@ def iter_hf_weights(chunks, hf_config=None, *, yield_on_all_ranks: bool = False,
                     continue
                 group = mpu.get_tensor_model_parallel_group()
                 rank = mpu.get_tensor_model_parallel_rank()
-            t = info.tensor.detach()
+            t = effective_weight(info.tensor)   # LoRA: W + scaling * B A
             if info.partition_dim is not None:
                 shards = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
                 dist.all_gather(shards, t.contiguous(), group=group)

@@ -42,7 +42,7 @@ def plan_pools(cfg: Any) -> dict[str, Pool]:
     """Pools by name and which roles use them (pure: no Ray)."""
     gpu = 1.0 if cfg.cluster.device == "cuda" else 0.0
     cpus = cfg.cluster.cpus_per_rank
-    enabled = [r for r in ROLES if getattr(cfg, r).enabled]
+    enabled = [r for r in ROLES if r in cfg.megatron_roles]   # a LoRA run builds no reference role
     if cfg.placement.mode == "colocated":
         return {"shared": Pool("shared", cfg.actor.gpus, enabled, gpu, cpus)}
     pools = {"actor": Pool("actor", cfg.actor.gpus, [r for r in enabled if r != "critic"], gpu, cpus, TRAIN_RESOURCE)}

@@ -79,6 +79,7 @@ from megarl.config.loader import ConfigError
 from megarl.config.schema import ModelArch, RoleConfig, RunConfig
 from megarl.config.validate import dp_size, max_sequence_len
 from megarl.planning.offload import offload_that_fits
+from megarl.planning.lora import adapter_params, lora_state_bytes
 from megarl.planning.params import (MLA_QK_NOPE, MLA_QK_ROPE, MLA_V, ModelParams, head_dim, is_mla,
                                     is_moe_layer, model_params, stage_shards)
 
@@ -333,6 +334,8 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
                 optimizer = int(shard * (4 + 8 * (1 - f)))
         else:
             grads = optimizer = 0
+        if trained and name == "actor" and role.lora.rank:   # frozen base, trained adapters
+            params, grads, optimizer, _ = lora_state_bytes(arch, role.lora, p.tp, sh.layers, sh.total, w, d_dense)
         per_token = [_per_token_layer_bytes(arch, i, role, recompute, elem) for i in sh.layers]
         if trained:
             acts = tokens * sum(per_token) * _in_flight(cfg, role, sh.stage)
@@ -360,6 +363,10 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
         best.notes.append("optimizer states replicated on every data-parallel rank (distributed_optimizer: false)")
     if trained:
         best.notes.append(f"{tokens} tokens per micro-batch, recompute {recompute}")
+    if trained and name == "actor" and role.lora.rank:
+        trainable = adapter_params(arch, role.lora, p.tp, shards[best.stage].layers)
+        best.notes.append(f"LoRA rank {role.lora.rank}: {trainable / 1e6:.2f}M trainable parameters on this GPU, "
+                          f"base frozen (no gradients or optimizer state); the reference is the base, no ref role")
     return best
 
 

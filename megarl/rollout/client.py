@@ -278,6 +278,17 @@ class SGLangClient:
             p["weight_version"] = weight_version
         return await self._call("update_weights_from_disk", p, retry=False)
 
+    async def load_lora_adapter_from_tensors(self, body: dict[str, Any]) -> Dict[str, Any]:
+        """SGLang's ``/load_lora_adapter_from_tensors`` (body from ``megarl.sync.adapter``)."""
+        return await self._call("load_lora_adapter_from_tensors", body, retry=False)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> Dict[str, Any]:
+        """SGLang's ``/load_lora_adapter``: a PEFT folder the server reads."""
+        return await self._call("load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path}, retry=False)
+
+    async def unload_lora_adapter(self, lora_name: str) -> Dict[str, Any]:
+        return await self._call("unload_lora_adapter", {"lora_name": lora_name}, retry=False)
+
     async def begin_weight_update(self, selector: str = "all") -> Dict[str, Any]:
         """Open SGLang's weight-update session (0.5.23: updates outside one answer 400)."""
         return await self._call("begin_weight_update", {"selector": selector}, retry=False)

@@ -47,6 +47,13 @@ ABORT_REQ_FIELDS = ("rid", "abort_all")
 RELEASE_MEMORY_FIELDS = ("tags",)
 RESUME_MEMORY_FIELDS = ("tags",)
 
+# LoRA serving (adapter-only pushes, megarl/sync/adapter.py); GenerateReqInput.lora_path selects one
+LOAD_LORA_ADAPTER_FIELDS = ("lora_name", "lora_path", "pinned")
+LOAD_LORA_ADAPTER_FROM_TENSORS_FIELDS = ("lora_name", "config_dict", "serialized_named_tensors", "pinned",
+                                         "load_format", "expected_checksums")
+UNLOAD_LORA_ADAPTER_FIELDS = ("lora_name",)
+GENERATE_LORA_FIELDS = ("lora_path",)
+
 # Which sglang class each request maps to (class name in io_struct.py / sampling_params.py).
 SGLANG_CLASSES = {
     "GenerateReqInput": GENERATE_REQ_FIELDS,
@@ -62,6 +69,9 @@ SGLANG_CLASSES = {
     "AbortReq": ABORT_REQ_FIELDS,
     "ReleaseMemoryOccupationReqInput": RELEASE_MEMORY_FIELDS,
     "ResumeMemoryOccupationReqInput": RESUME_MEMORY_FIELDS,
+    "LoadLoRAAdapterReqInput": LOAD_LORA_ADAPTER_FIELDS,
+    "LoadLoRAAdapterFromTensorsReqInput": LOAD_LORA_ADAPTER_FROM_TENSORS_FIELDS,
+    "UnloadLoRAAdapterReqInput": UNLOAD_LORA_ADAPTER_FIELDS,
 }
 
 # megarl's own extension fields (not in sglang; sglang ignores unknown fields).
@@ -93,6 +103,9 @@ ENDPOINTS = {
     "pause_generation": ("POST", "/pause_generation"),
     "continue_generation": ("POST", "/continue_generation"),
     "abort_request": ("POST", "/abort_request"),
+    "load_lora_adapter": ("POST", "/load_lora_adapter"),
+    "load_lora_adapter_from_tensors": ("POST", "/load_lora_adapter_from_tensors"),
+    "unload_lora_adapter": ("POST", "/unload_lora_adapter"),
 }
 
 # Response shape of /generate (tokenizer_manager.py): {"text"?, "output_ids": [...],

@@ -118,6 +118,9 @@ class MegatronWorker:
             load_megatron(self.chunks, self.cfg.model.megatron_checkpoint)
         else:
             load_hf_weights(self.chunks, str(path))
+        from megarl.workers.lora import attach_adapters
+
+        trainable = attach_adapters(self)   # LoRA: base frozen before DDP wraps the chunks
         if self.spec.trainable:
             self._setup_optimizer()
         else:   # frozen (reference, reward model): no gradients, so no gradient or optimizer memory
@@ -125,7 +128,8 @@ class MegatronWorker:
                 chunk.eval()
                 chunk.requires_grad_(False)
         self.offloader = StateOffloader(self.chunks, self.optimizer, self._device())
-        return {"rank": spec.rank, "role": spec.role, "params": sum(x.numel() for c in self.chunks for x in c.parameters())}
+        return {"rank": spec.rank, "role": spec.role, "params": sum(x.numel() for c in self.chunks for x in c.parameters()),
+                "trainable": trainable or sum(x.numel() for c in self.chunks for x in c.parameters() if x.requires_grad)}
 
     def _model_path(self) -> Path:
         from megarl.workers.model_source import resolve_hf_path
@@ -270,6 +274,13 @@ class MegatronWorker:
                 res["entropy"] = ent[keep]
             return res
         return self._forward_only(shard, fn, "token")
+
+    @torch.no_grad()
+    def compute_ref_logprobs(self, shard: Any, with_entropy: bool = False) -> Optional[dict]:
+        """LoRA actor: ``compute_logprobs`` of the base model (adapters off), the KL reference."""
+        from megarl.workers.lora import reference_logprobs
+
+        return reference_logprobs(self, shard, with_entropy)
 
     @torch.no_grad()
     def compute_values(self, shard: Any) -> Optional[dict]:
@@ -417,6 +428,12 @@ class MegatronWorker:
         returns {name: file} for the index (empty on ranks that own none)."""
         with self.offloader.resident_for(("params",)):
             return write_hf_shard(self.iter_hf_weights(), out_dir, self.spec.rank)
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """LoRA actor: this rank's adapters in PEFT's names (owner ranks only; every rank must call)."""
+        from megarl.workers.lora import adapter_tensors
+
+        return adapter_tensors(self)
 
     def push_weights(self, target: PushTarget, version: str) -> dict[str, Any]:
         """Every actor rank: this rank's part of one weight push to all servers (the driver holds

@@ -29,8 +29,10 @@ def offload_switches(cfg: Any, roles: list[str]) -> dict[str, tuple[str, ...]]:
 
 class Residency:
     def __init__(self, groups: dict[str, Any], switches: dict[str, tuple[str, ...]], cuda: bool):
-        self.groups = groups
-        self.switches = {r: k for r, k in switches.items() if k and r in groups}
+        # a role served by another role's ranks (LoRA: the reference is the actor with adapters off)
+        self.alias = {name: g.actor.role for name, g in groups.items() if hasattr(g, "actor")}
+        self.groups = {name: g for name, g in groups.items() if name not in self.alias}
+        self.switches = {r: k for r, k in switches.items() if k and r in self.groups}
         self.cuda = cuda
         self.phase: Optional[str] = None
         self.resident = {r: set(KINDS) for r in self.switches}
@@ -46,6 +48,7 @@ class Residency:
         other switched state leaves the GPU (offloads first, so the memory is free for the onload)."""
         self._record_peaks()
         self.phase = phase
+        role = self.alias.get(role, role)
         wanted = {r: (set(NEEDS[need]) if r == role else set()) for r in self.switches}
         for r, kinds in self.switches.items():
             out = [k for k in kinds if k in self.resident[r] and k not in wanted[r]]

@@ -15,18 +15,41 @@ from megarl.workers.group import WorkerGroup
 ROLES = {"actor": (True, False), "ref": (False, False), "critic": (True, True), "reward_model": (False, True)}
 
 
-def start_roles(cfg: Any, placement: Any) -> dict[str, WorkerGroup]:
-    """Every enabled role's ranks, set up (model built and loaded, optimizer for trainable roles)."""
-    groups: dict[str, WorkerGroup] = {}
+class BaseReference:
+    """The reference role of a LoRA run: the actor's own ranks with the adapters off (no second
+    copy of the model). Answers the one call the trainer makes of a reference."""
+
+    role = "ref"
+
+    def __init__(self, actor: WorkerGroup):
+        self.actor = actor
+
+    def forward(self, method: str, batch: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if method != "compute_logprobs":
+            raise ValueError(f"the LoRA reference answers compute_logprobs only, not {method!r}")
+        return self.actor.forward("compute_ref_logprobs", batch, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        """Nothing of its own to stop: the actor group owns the ranks."""
+
+
+def start_roles(cfg: Any, placement: Any) -> dict[str, Any]:
+    """Every enabled role's ranks, set up (model built and loaded, optimizer for trainable roles).
+    With LoRA (``actor.lora.rank > 0``) the reference is :class:`BaseReference` over the actor."""
+    groups: dict[str, Any] = {}
     for role, (trainable, value_head) in ROLES.items():
-        if not getattr(cfg, role).enabled:
+        if role not in cfg.megatron_roles:
             continue
         pg, share = placement.role(role)
         group = WorkerGroup(role, cfg, backend=cfg.cluster.backend, trainable=trainable, value_head=value_head,
                             placement_group=pg, share=share)
         info = group.call("setup")
-        note(f"{role}: {role_layout(getattr(cfg, role))}, {info[0]['params'] / 1e6:.1f}M params on rank 0")
+        note(f"{role}: {role_layout(getattr(cfg, role))}, {info[0]['params'] / 1e6:.1f}M params on rank 0"
+             + (f" ({info[0]['trainable'] / 1e6:.3f}M trainable)" if trainable else ""))
         groups[role] = group
+    if cfg.ref.enabled and "ref" not in groups:
+        groups["ref"] = BaseReference(groups["actor"])
+        note("ref: the actor's base model with its LoRA adapters off (no reference role built)")
     return groups
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megarl.models.builder import unwrap
+from megarl.models.lora import checkpoint_sharded_state, load_checkpoint_state   # LoRA: adapters only
 
 
 def _sharded_optimizer(worker: Any) -> bool:
@@ -30,9 +31,9 @@ def _sharded_optimizer(worker: Any) -> bool:
 def _sharded_state(worker: Any, is_loading: bool = False) -> dict[str, Any]:
     chunks = [unwrap(c) for c in worker.chunks]
     if len(chunks) == 1:
-        state = {"model": chunks[0].sharded_state_dict()}
+        state = {"model": checkpoint_sharded_state(chunks[0])}
     else:
-        state = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+        state = {f"model{i}": checkpoint_sharded_state(c) for i, c in enumerate(chunks)}
     if worker.optimizer is not None and _sharded_optimizer(worker):
         # is_loading creates the Adam moments of a fresh optimizer so there is something to load into
         # dp_reshardable: every rank writes its own buffers (no gather); megatron-core 0.16.1's default
@@ -75,10 +76,10 @@ def load_train_state(worker: Any, path: str | Path) -> None:
     loaded = dist_checkpointing.load(_sharded_state(worker, is_loading=True), str(path))
     chunks = [unwrap(c) for c in worker.chunks]
     if len(chunks) == 1:
-        chunks[0].load_state_dict(loaded["model"])
+        load_checkpoint_state(chunks[0], loaded["model"])
     else:
         for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(loaded[f"model{i}"])
+            load_checkpoint_state(chunk, loaded[f"model{i}"])
     if worker.optimizer is not None and _sharded_optimizer(worker):
         worker.optimizer.load_state_dict(loaded["optimizer"])
     elif worker.optimizer is not None:
