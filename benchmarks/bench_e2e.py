@@ -117,7 +117,7 @@ def overrides_for(args: argparse.Namespace) -> list[str]:
                 f"rollout.sampling.max_new_tokens={args.new_tokens}",
                 f"rollout.max_running_requests={args.max_running or args.prompts * args.n}",
                 "actor.max_tokens_per_micro_batch=16384", "actor.optim.lr=1e-6"]  # step-0 bound: calibrated
-    out += list(args.set)
+    out += list(getattr(args, "set", []))   # bench_lora reuses this with its own arguments
     if not args.model and not recipe_model:   # a random shape: the architecture comes from the HF config
         out += [f"model.arch.{k}=0" for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                               "num_kv_heads", "vocab_size")] + ["model.arch.tie_word_embeddings=false"]
