@@ -1,0 +1,1 @@
+"""Weight quantization formats served by rollout engines (issue 26: block FP8)."""
