@@ -99,6 +99,8 @@ class Trainer:
         (self.out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         note(f"run {cfg.name}: output in {self.out}")
         self.model_dir = resolve_hf_path(cfg.model.hf_path)
+        # what the servers serve: the same checkpoint, or a copy in another format (block FP8)
+        self.served_dir = resolve_hf_path(cfg.rollout.model_path) if cfg.rollout.model_path else self.model_dir
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_path)
         self.train_records = load_split(cfg.data, cfg.seed, "train")
         self.eval_records = load_split(cfg.data, cfg.seed, "eval")
@@ -116,12 +118,12 @@ class Trainer:
         cfg = self.cfg
         self.setup_data()
         placement, started = RunPlacement(cfg), time.time()
-        self.servers = servers = RolloutServers(cfg, self.model_dir, self.out / "logs", placement=placement.servers())
+        self.servers = servers = RolloutServers(cfg, self.served_dir, self.out / "logs", placement=placement.servers())
         self.groups = start_roles(cfg, placement)
         self.residency = Residency(self.groups, offload_switches(cfg, list(self.groups)), cfg.cluster.device == "cuda")
         servers.wait_healthy()
         note(f"workers and {len(servers.urls)} rollout server(s) ready in {time.time() - started:.1f}s")
-        self.weights = WeightSync(cfg, self.groups["actor"], servers, self.model_dir)
+        self.weights = WeightSync(cfg, self.groups["actor"], servers, self.served_dir)
         self.setup_rollout(servers)
         self.logger = MetricsLogger(None, cfg.trainer.total_steps, cfg.logging.progress_bar, sinks=build_sinks(cfg, self.out))
         self.source = self.make_source()

@@ -176,6 +176,9 @@ class RolloutConfig:
     tp: int = opt(1, "tensor-parallel size of one rollout server")
     num_servers: int = opt(1, "rollout servers; with GPUs: gpus / tp")
     server_urls: list[str] = opt([], "use already running servers instead of starting them")
+    model_path: Optional[str] = opt(None, "checkpoint the rollout servers serve, when not model.hf_path: e.g. a block "
+                                    "FP8 copy made by `megarl convert hf-to-fp8` (every push is then quantized to its "
+                                    "format, and TIS is on by default); null = model.hf_path")
     server_tp: list[int] = opt([], "per-server TP sizes, one per server (rollout.server_urls, or the num_servers "
                                "megarl starts; e.g. [1, 2]); empty: every server has rollout.tp")
     n_per_prompt: int = opt(8, "samples per prompt (group size)")
