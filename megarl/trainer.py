@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from megarl.algos import LossSettings, get_advantage_estimator, kl_reward_penalty, make_kl_controller
+from megarl.config.served import resolve_served_defaults, served_is_fp8
 from megarl.algos.fidelity import LogprobMismatch, logprob_bound, rollout_logprob_check
 from megarl.algos.metrics import batch_summary
 from megarl.checkpoint.hf_export import export_hf_folder, export_peft_adapter
@@ -101,6 +102,11 @@ class Trainer:
         self.model_dir = resolve_hf_path(cfg.model.hf_path)
         # what the servers serve: the same checkpoint, or a copy in another format (block FP8)
         self.served_dir = resolve_hf_path(cfg.rollout.model_path) if cfg.rollout.model_path else self.model_dir
+        fp8_note = resolve_served_defaults(cfg, str(self.served_dir))
+        if fp8_note:
+            note(fp8_note)
+        self.logprob_bound = logprob_bound(cfg.model.dtype, rollout_dtype(cfg, served_is_fp8(str(self.served_dir))),
+                                           cfg.rollout.logprob_diff_bound)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_path)
         self.train_records = load_split(cfg.data, cfg.seed, "train")
         self.eval_records = load_split(cfg.data, cfg.seed, "eval")

@@ -28,12 +28,17 @@ from typing import Optional
 
 import torch
 
+FP8_BLOCK_FLOOR = 0.1   # placeholder, replaced by the measurement below
+
 # mean |logprob difference| between an implementation in this dtype and an exact (fp32) one, on
 # real weights: the numbers above (benchmarks/bench_fidelity.py).
 NOISE_FLOOR: dict[str, float] = {
     "float32": 1e-5,
     "bfloat16": 3e-2,
     "float16": 3e-2 / 8,
+    # block-FP8 weights (e4m3, one scale per 128x128 block) against the exact weights, both computed
+    # in fp32: SmolLM2-135M-Instruct's real weights, tokens sampled from the FP8 model (CPU)
+    "fp8_block": FP8_BLOCK_FLOOR,
 }
 # bound = DEFAULT_MARGIN * floor: headroom over the measured floor for longer sequences, other
 # models and other kernels (SGLang's), still two orders of magnitude below a wrong weight.
@@ -59,11 +64,16 @@ class LogprobBound:
 
 
 def noise_floor(trainer_dtype: str, rollout_dtype: str) -> float:
-    """Combined mean-|logprob diff| floor of two implementations in these dtypes."""
-    for name in (trainer_dtype, rollout_dtype):
-        if name not in NOISE_FLOOR:
-            raise ValueError(f"no noise floor for dtype {name!r} (known: {sorted(NOISE_FLOOR)})")
-    return math.hypot(NOISE_FLOOR[trainer_dtype], NOISE_FLOOR[rollout_dtype])
+    """Combined mean-|logprob diff| floor of two implementations in these dtypes. A side may name
+    several independent sources joined by ``+`` (``bfloat16+fp8_block``: block-FP8 weights
+    computed in bf16)."""
+    parts = []
+    for side in (trainer_dtype, rollout_dtype):
+        for name in side.split("+"):
+            if name not in NOISE_FLOOR:
+                raise ValueError(f"no noise floor for dtype {name!r} (known: {sorted(NOISE_FLOOR)})")
+            parts.append(NOISE_FLOOR[name])
+    return math.hypot(*parts)
 
 
 def logprob_bound(trainer_dtype: str, rollout_dtype: str, explicit: Optional[float] = None,

@@ -265,7 +265,8 @@ class AlgorithmConfig:
     lam: float = opt(1.0, "GAE lambda")
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
     value_clip: float = opt(0.2, "critic value clipping range")
-    tis_cap: Optional[float] = opt(None, "truncated importance sampling cap for rollout/train mismatch (None = off)")
+    tis_cap: Optional[float] = opt(None, "truncated importance sampling cap for rollout/train mismatch; null = off, "
+                                   "or 2.0 when the servers serve block FP8 (rollout.model_path); 0 = off")
     routing_replay: Literal["none", "rollout"] = opt("none", "MoE routing replay (R3): rollout = the actor's router "
                                                     "uses the experts the rollout chose for every token, in the "
                                                     "old-logprob and training passes (gates still trained); none = "
