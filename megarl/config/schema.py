@@ -179,6 +179,9 @@ class RolloutConfig:
     model_path: Optional[str] = opt(None, "checkpoint the rollout servers serve, when not model.hf_path: e.g. a block "
                                     "FP8 copy made by `megarl convert hf-to-fp8` (every push is then quantized to its "
                                     "format, and TIS is on by default); null = model.hf_path")
+    quantization: Optional[Literal["none", "fp8"]] = opt(None, "the served checkpoint's weight format for `megarl "
+                                                         "plan` (fp8: block FP8, 1 byte per projection weight); "
+                                                         "null = read from rollout.model_path's config.json")
     server_tp: list[int] = opt([], "per-server TP sizes, one per server (rollout.server_urls, or the num_servers "
                                "megarl starts; e.g. [1, 2]); empty: every server has rollout.tp")
     n_per_prompt: int = opt(8, "samples per prompt (group size)")

@@ -47,6 +47,10 @@ def served_problems(cfg: Any, trained: Optional[dict]) -> list[str]:
         fp8 = block_fp8_settings(served)
     except ServedFormatError as e:
         return problems + [f"rollout.model_path: {path}/config.json: {e}"]
+    declared = cfg.rollout.quantization
+    if declared is not None and (declared == "fp8") != bool(fp8):
+        problems.append(f"rollout.quantization: {declared!r}, but {path}/config.json declares "
+                        f"{'block FP8' if fp8 else 'no quantization'}")
     if fp8 and cfg.rollout.engine == "sglang":
         problems += _sglang_tp_alignment(cfg, served)
     return problems
@@ -65,6 +69,13 @@ def _sglang_tp_alignment(cfg: Any, served: dict) -> list[str]:
                 return [f"rollout.tp: {key} {dim} / TP {tp} = {dim // tp} is not a multiple of {BLOCK}: SGLang's "
                         f"block-FP8 layers refuse that shard; use a TP size that divides it into 128-blocks"]
     return []
+
+
+def rollout_is_fp8(cfg: Any) -> bool:
+    """Whether the servers serve block FP8: ``rollout.quantization``, else the served config."""
+    if cfg.rollout.quantization is not None:
+        return cfg.rollout.quantization == "fp8"
+    return bool(cfg.rollout.model_path) and served_is_fp8(cfg.rollout.model_path)
 
 
 def served_is_fp8(served_dir: str) -> bool:

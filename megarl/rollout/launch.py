@@ -176,8 +176,12 @@ class LaunchSpec:
     tp_size: int = 0            # this server's TP size (0: rollout.tp)
 
 
-def served_quantization(model_dir: Path) -> Optional[str]:
-    """SGLang's ``--quantization`` for a checkpoint folder: its config.json's quant_method, if any."""
+def served_quantization(cfg: Any, model_dir: Path) -> Optional[str]:
+    """SGLang's ``--quantization`` for the served checkpoint: ``rollout.quantization`` when set, else
+    its config.json's quant_method, if any."""
+    declared = cfg.rollout.quantization
+    if declared is not None:
+        return None if declared == "none" else declared
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
@@ -211,7 +215,7 @@ def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
         args.append("--enable-fp32-lm-head")
     if wants_routed_experts(cfg):
         args.append("--enable-return-routed-experts")  # R3: meta_info.routed_experts per request
-    quantization = served_quantization(model_dir)
+    quantization = served_quantization(cfg, model_dir)
     if quantization:
         args += ["--quantization", quantization]   # the served checkpoint's own (block FP8: "fp8")
     if spec.nnodes > 1:
