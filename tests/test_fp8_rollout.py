@@ -74,18 +74,24 @@ def test_convert_loads_in_transformers_and_the_engine_serves_it(models, tmp_path
         assert (plain(torch.tensor([ids])).logits[0] - ref).abs().max().item() > 1e-4
 
 
-def test_convert_cli_refuses_in_one_line(models, tmp_path):
+def test_convert_cli_refuses_in_one_line(models, tmp_path, capsys):
+    from megarl.checkpoint.cli import convert_main
+
     _, fp8, _ = models
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("kept")
-    for args, words in ((["--hf", str(fp8), "--out", str(tmp_path / "x")], "already quantized"),
-                        (["--hf", str(models[0]), "--out", str(tmp_path / "full")], "--out"),
-                        (["--hf", str(tmp_path / "none"), "--out", str(tmp_path / "y")], "--hf")):
-        done = subprocess.run([sys.executable, "-m", "megarl", "convert", "hf-to-fp8", *args], capture_output=True,
-                              text=True, cwd=ROOT, timeout=120)
-        assert done.returncode != 0
-        lines = [x for x in done.stderr.strip().splitlines() if "Warning" not in x and "warnings.warn" not in x]
-        assert len(lines) == 1 and words in lines[0] and "Traceback" not in done.stderr, done.stderr
+    for args, words in ((["--hf", str(models[0]), "--out", str(tmp_path / "full")], "--out"),
+                        (["--hf", str(tmp_path / "none"), "--out", str(tmp_path / "y")], "--hf"),
+                        (["--hf", str(models[0]), "--out", str(models[0])], "--out")):
+        assert convert_main(["hf-to-fp8", *args]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+    # as users run it: the command line, one line, no traceback
+    done = subprocess.run([sys.executable, "-m", "megarl", "convert", "hf-to-fp8", "--hf", str(fp8), "--out",
+                           str(tmp_path / "x")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    lines = [x for x in done.stderr.strip().splitlines() if "Warning" not in x and "warnings.warn" not in x]
+    assert done.returncode != 0 and len(lines) == 1 and "already quantized" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
     assert (tmp_path / "full" / "keep.txt").read_text() == "kept" and not (tmp_path / "x").exists()
 
 
