@@ -1,0 +1,180 @@
+"""Context parallelism for packed (THD) micro-batches without Transformer Engine.
+
+Layout and positions are checked against direct definitions and megatron's own zig-zag RoPE
+slicing. The model side runs real megatron workers (MegatronWorker, megatron parallel_state with
+context_parallel_size, gloo ranks, DDP + finalize_model_grads): on packed batches of odd and uneven
+lengths, CP2, CP2xTP2, CP2xPP2 and CP2xEP2 (MoE) give the logprobs/entropy, loss terms, grad norm,
+every parameter's reduced gradient (``main_grad``) and the weights after the optimizer step of the
+same layout at CP1 (fp32, < 1e-5). All layouts share one spawned group of four processes.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dist_utils import make_tiny_hf  # noqa: E402
+from test_packing import ALGO, random_batch  # noqa: E402
+
+from megarl.models.context_parallel import CPSplit, cp_padded_len, zigzag_rows  # noqa: E402
+from megarl.models.packed import cp_positions, pack_params  # noqa: E402
+from megarl.parallel import spawn  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# layout (no ranks)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_zigzag_split_covers_every_row_once_and_balances_causal_work():
+    lens = [cp_padded_len(n, 2) for n in (5, 1, 12, 7)]
+    assert lens == [8, 4, 12, 8]
+    rows = [zigzag_rows(lens, 2, r) for r in range(2)]
+    assert sorted(torch.cat(rows).tolist()) == list(range(sum(lens)))
+    # rank 0 holds chunks 0 and 3 of the first sequence (2 tokens each), rank 1 chunks 1 and 2
+    assert rows[0][:4].tolist() == [0, 1, 6, 7] and rows[1][:4].tolist() == [2, 3, 4, 5]
+    pos = torch.cat([torch.arange(n) for n in lens])
+    assert pos[rows[0]].sum() == pos[rows[1]].sum()   # equal causal work per rank
+    split = CPSplit.build(lens, 2, 1)
+    gathered = torch.cat([pos[r] for r in rows])
+    assert torch.equal(gathered[split.global_order], pos)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_positions_equal_megatron_zigzag_rope_slicing(cp):
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    lens = [cp_padded_len(n, cp) for n in (3, 17, 9, 1)]
+    cu = pack_params(lens).cu_seqlens_q
+    freqs = torch.arange(max(lens)).float().view(-1, 1, 1, 1)
+    for r in range(cp):
+        local = sum(lens) // cp
+        mine = cp_positions(cu, local, cp, r)
+        theirs = torch.cat([_get_thd_freqs_on_this_cp_rank(r, cp, torch.zeros(n // cp), freqs) for n in lens])
+        assert mine.tolist() == theirs.view(-1).long().tolist()
+        assert mine.tolist() == torch.cat([torch.arange(n) for n in lens])[zigzag_rows(lens, cp, r)].tolist()
+
+
+def _cfg(hf_dir: str, world: int, layout: dict, **extra):
+    from megarl.config import load_config
+
+    over = [f"model.hf_path={hf_dir}", "cluster.backend=local", "actor.enabled=true", f"actor.gpus={world}",
+            "actor.packing=true", "actor.optim.lr=1e-3", "actor.optim.clip_grad=0",
+            "actor.optim.distributed_optimizer=false", "trainer.total_steps=3", "batch.global_batch_size=8",
+            "model.arch.tie_word_embeddings=false", "actor.max_tokens_per_micro_batch=40",
+            "rollout.max_prompt_len=16", "rollout.sampling.max_new_tokens=16"]
+    over += [f"actor.parallel.{k}={v}" for k, v in layout.items()]
+    over += [f"{k}={v}" for k, v in extra.items()]
+    over += [f"model.arch.{k}=0" for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                           "num_kv_heads", "vocab_size", "head_dim")]
+    return load_config(ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml", over)
+
+
+@pytest.mark.unit
+def test_validation_accepts_cp_with_packing_and_names_the_budget_field(tmp_path):
+    from megarl.config.validate import collect_problems
+    from megarl.workers.group import plan_lengths, token_budget
+
+    make_tiny_hf("llama", tmp_path)
+    cfg = _cfg(str(tmp_path), 4, {"cp": 2})
+    assert collect_problems(cfg) == []
+    assert token_budget(cfg, "actor") == 80 and plan_lengths(cfg, "actor", [5, 8, 1]) == [8, 8, 4]
+    cfg.actor.max_tokens_per_micro_batch = 15      # 30 tokens over the CP group < 32 (16 + 16)
+    problems = collect_problems(cfg)
+    assert len(problems) == 1 and "\n" not in problems[0]
+    assert problems[0].startswith("actor.max_tokens_per_micro_batch: 15 x cp 2 = 30 tokens"), problems
+    cfg.actor.max_tokens_per_micro_batch, cfg.actor.packing = 40, False
+    assert any(p.startswith("actor.packing: context parallel") for p in collect_problems(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# real megatron workers: CP2 x {-, TP2, PP2, EP2} == the same layout at CP1
+# ---------------------------------------------------------------------------------------------
+
+def _run(rank, world, hf_dir, batch, layout):
+    """One worker of ``layout``: forward (logprobs + entropy) over its data-parallel shard, one
+    optimizer step over the batch as one mini-batch; returns results, metrics, every parameter's
+    reduced gradient and its value after the step (by name: same layout, same shard per rank)."""
+    from megatron.core import parallel_state as mpu
+
+    from megarl.data.packing import plan_shards
+    from megarl.parallel import destroy_model_parallel
+    from megarl.workers import MegatronWorker, WorkerSpec
+    from megarl.workers.dispatch import make_shards
+    from megarl.workers.group import plan_lengths, token_budget
+
+    cfg = _cfg(hf_dir, world, layout)
+    worker = MegatronWorker(WorkerSpec(role="actor", cfg=cfg, rank=rank, world_size=world, master_addr="127.0.0.1",
+                                       master_port=0, trainable=True, value_head=False))
+    worker.setup()
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    lengths = plan_lengths(cfg, "actor", batch.seq_lens.tolist())
+    plan = plan_shards(lengths, [list(range(len(batch)))], dp, packed=True, max_tokens=token_budget(cfg, "actor"))
+    out = {"dp": dp, "dp_rank": dp_rank, "plan": plan}
+    out["forward"] = worker.compute_logprobs(make_shards(batch, plan)[dp_rank], True)
+    mask = batch.response_mask()
+    dens = [{"num_tokens": float(mask.sum()), "num_seqs": float(len(batch))}]
+    shard = make_shards(batch, plan, ("old_logprobs", "advantages", "rollout_logprobs"), dens)[dp_rank]
+    out["train"] = worker.train_batch(shard, ALGO)
+    out["grads"] = {n: p.main_grad.detach().clone() for c in worker.chunks for n, p in c.named_parameters()}
+    out["params"] = {n: p.detach().clone() for c in worker.chunks for n, p in c.named_parameters()}
+    destroy_model_parallel()
+    return out
+
+
+def _cp_layouts(rank, world, dirs, batch, pairs):
+    return [[_run(rank, world, dirs[family], batch, layout) for layout in pair] for family, pair in pairs]
+
+
+def _forward(results, batch):
+    from megarl.workers.dispatch import unshard
+
+    by_dp = {r["dp_rank"]: r["forward"]["token"] for r in results if r["forward"]}
+    dp = results[0]["dp"]
+    assert sorted(by_dp) == list(range(dp))
+    return {k: unshard(batch, results[0]["plan"], [torch.as_tensor(by_dp[d][k]) for d in range(dp)])
+            for k in by_dp[0]}
+
+
+PAIRS = [("llama", ({}, {"cp": 2})), ("llama", ({"tp": 2}, {"tp": 2, "cp": 2})),
+         ("llama", ({"pp": 2}, {"pp": 2, "cp": 2})), ("qwen3_moe", ({"ep": 2}, {"ep": 2, "cp": 2}))]
+
+
+def test_cp2_equals_cp1_with_tp_pp_ep_on_odd_uneven_packed_batches(tmp_path):
+    """Forward logprobs/entropy, loss terms, grad norm, every reduced gradient and the weights after
+    one step: CP2 equals CP1 in each layout (fp32, < 1e-5)."""
+    from megarl.workers.group import WorkerGroup
+
+    dirs = {}
+    for family in ("llama", "qwen3_moe"):
+        dirs[family] = str(tmp_path / family)
+        make_tiny_hf(family, tmp_path / family)
+    batch = random_batch(11, seed=7, max_len=29)     # odd count, uneven (and odd) lengths
+    assert any(n % 4 for n in batch.seq_lens.tolist())
+    per_rank = spawn(_cp_layouts, 4, dirs, batch, PAIRS, timeout_s=600)
+    for k, (family, (ref_layout, cp_layout)) in enumerate(PAIRS):
+        ref, cp = [r[k][0] for r in per_rank], [r[k][1] for r in per_rank]
+        where = f"{family} {cp_layout} vs {ref_layout}"
+        f1, f2 = _forward(ref, batch), _forward(cp, batch)
+        for key in ("logprobs", "entropy"):
+            diff = (f1[key] - f2[key]).abs().max().item()
+            assert diff < 1e-5, f"{where}: {key} differ by {diff}"
+        merge = WorkerGroup.__new__(WorkerGroup).reduce_metrics   # sums added over data-parallel output ranks
+        m1, m2 = merge([r["train"] for r in ref]), merge([r["train"] for r in cp])
+        assert m1["grad_norm"] > 0
+        for key in ("actor/pg_loss", "actor/entropy", "actor/loss", "grad_norm"):
+            assert abs(m1[key] - m2[key]) < 1e-5 * max(1.0, abs(m1[key])), f"{where}: {key} {m1[key]} {m2[key]}"
+        for rank in range(4):
+            g1, g2 = ref[rank]["grads"], cp[rank]["grads"]
+            assert g1.keys() == g2.keys() and g1
+            for name in g1:
+                diff = (g1[name] - g2[name]).abs().max().item()
+                assert diff < 1e-5, f"{where} rank {rank}: grad of {name} differs by {diff}"
+                diff = (ref[rank]["params"][name] - cp[rank]["params"][name]).abs().max().item()
+                assert diff < 1e-5, f"{where} rank {rank}: {name} after the step differs by {diff}"
