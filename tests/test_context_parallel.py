@@ -178,3 +178,39 @@ def test_cp2_equals_cp1_with_tp_pp_ep_on_odd_uneven_packed_batches(tmp_path):
                 assert diff < 1e-5, f"{where} rank {rank}: grad of {name} differs by {diff}"
                 diff = (ref[rank]["params"][name] - cp[rank]["params"][name]).abs().max().item()
                 assert diff < 1e-5, f"{where} rank {rank}: {name} after the step differs by {diff}"
+
+
+# ---------------------------------------------------------------------------------------------
+# planner and the long-reasoning recipe
+# ---------------------------------------------------------------------------------------------
+
+RECIPE = ROOT / "recipes" / "qwen3-8b-dapo-32k-cp.yaml"
+
+
+@pytest.mark.unit
+def test_planner_divides_activations_by_cp_and_counts_the_kv_exchange():
+    from megarl.config import load_config
+    from megarl.planning.memory import plan_role
+
+    one = plan_role(load_config(RECIPE, ["actor.parallel.cp=1", "actor.max_tokens_per_micro_batch=34816"]), "actor")
+    four = plan_role(load_config(RECIPE), "actor")
+    kv = 4 * 128 * 2    # Qwen3-8B: 8 KV heads / tp2, head 128, bf16
+    assert four.cp_kv_bytes_per_layer == 2 * 3 * 8704 * kv          # K and V from the 3 other ranks
+    assert abs(four.cp_kv_seconds_per_layer - 2 * four.cp_kv_bytes_per_layer / 300e9) < 1e-12
+    gathered = 36 * 2 * 4 * 8704 * kv                               # kept for attention's backward, 36 layers
+    assert four.activations == pytest.approx(one.activations / 4 + gathered, rel=1e-6)
+    assert four.logits == pytest.approx(one.logits / 4, rel=1e-6)
+    assert one.cp_kv_bytes_per_layer == 0 and any("cp4: per layer" in n for n in four.notes)
+
+
+@pytest.mark.unit
+def test_long_reasoning_recipe_fits_with_cp_and_the_plan_suggests_cp_without_it():
+    from megarl.config import load_config
+    from megarl.planning.memory import make_plan
+
+    assert make_plan(load_config(RECIPE)).fits
+    for budget in (34816, 8704):   # a 34816-token sample is one micro-batch whatever the budget
+        plan = make_plan(load_config(RECIPE, ["actor.parallel.cp=1", f"actor.max_tokens_per_micro_batch={budget}"]))
+        assert not plan.fits and plan.problems[0].startswith("actor: phase 'train:actor'")
+        assert any(s.startswith("actor: fits with actor.parallel.cp=4 and actor.gpus=16") for s in plan.suggestions), \
+            plan.suggestions
