@@ -3,7 +3,8 @@
 Layout and positions are checked against direct definitions and megatron's own zig-zag RoPE
 slicing. The model side runs real megatron workers (MegatronWorker, megatron parallel_state with
 context_parallel_size, gloo ranks, DDP + finalize_model_grads): on packed batches of odd and uneven
-lengths, CP2, CP2xTP2, CP2xPP2 and CP2xEP2 (MoE) give the logprobs/entropy, loss terms, grad norm,
+lengths, CP2, CP2xTP2, CP2xPP2 and CP2xEP2 (MoE, replaying random recorded experts: R3 routes
+sliced like the tokens) give the logprobs/entropy, loss terms, grad norm,
 every parameter's reduced gradient (``main_grad``) and the weights after the optimizer step of the
 same layout at CP1 (fp32, < 1e-5). All layouts share one spawned group of four processes.
 """
@@ -97,7 +98,15 @@ def test_validation_accepts_cp_with_packing_and_names_the_budget_field(tmp_path)
 # real megatron workers: CP2 x {-, TP2, PP2, EP2} == the same layout at CP1
 # ---------------------------------------------------------------------------------------------
 
-def _run(rank, world, hf_dir, batch, layout):
+def _with_routes(batch, layers: int = 2, top_k: int = 2, experts: int = 4):
+    """The batch with random recorded experts per token and layer (R3), unlike the router's own."""
+    g = torch.Generator().manual_seed(11)
+    routes = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(batch.num_tokens * layers)])
+    batch.seq_fields["routed_experts"] = routes.view(batch.num_tokens, layers, top_k).to(torch.int32)
+    return batch
+
+
+def _run(rank, world, hf_dir, batch, layout, r3=False):
     """One worker of ``layout``: forward (logprobs + entropy) over its data-parallel shard, one
     optimizer step over the batch as one mini-batch; returns results, metrics, every parameter's
     reduced gradient and its value after the step (by name: same layout, same shard per rank)."""
@@ -109,7 +118,8 @@ def _run(rank, world, hf_dir, batch, layout):
     from megarl.workers.dispatch import make_shards
     from megarl.workers.group import plan_lengths, token_budget
 
-    cfg = _cfg(hf_dir, world, layout)
+    extra = {"algorithm.routing_replay": "rollout", "rollout.return_routed_experts": "true"} if r3 else {}
+    cfg = _cfg(hf_dir, world, layout, **extra)
     worker = MegatronWorker(WorkerSpec(role="actor", cfg=cfg, rank=rank, world_size=world, master_addr="127.0.0.1",
                                        master_port=0, trainable=True, value_head=False))
     worker.setup()
@@ -120,7 +130,8 @@ def _run(rank, world, hf_dir, batch, layout):
     out["forward"] = worker.compute_logprobs(make_shards(batch, plan)[dp_rank], True)
     mask = batch.response_mask()
     dens = [{"num_tokens": float(mask.sum()), "num_seqs": float(len(batch))}]
-    shard = make_shards(batch, plan, ("old_logprobs", "advantages", "rollout_logprobs"), dens)[dp_rank]
+    fields = ("old_logprobs", "advantages", "rollout_logprobs") + (("routed_experts",) if r3 else ())
+    shard = make_shards(batch, plan, fields, dens)[dp_rank]
     out["train"] = worker.train_batch(shard, ALGO)
     out["grads"] = {n: p.main_grad.detach().clone() for c in worker.chunks for n, p in c.named_parameters()}
     out["params"] = {n: p.detach().clone() for c in worker.chunks for n, p in c.named_parameters()}
@@ -129,7 +140,8 @@ def _run(rank, world, hf_dir, batch, layout):
 
 
 def _cp_layouts(rank, world, dirs, batch, pairs):
-    return [[_run(rank, world, dirs[family], batch, layout) for layout in pair] for family, pair in pairs]
+    return [[_run(rank, world, dirs[family], _with_routes(batch) if r3 else batch, layout, r3) for layout in pair]
+            for family, pair, r3 in pairs]
 
 
 def _forward(results, batch):
@@ -142,8 +154,9 @@ def _forward(results, batch):
             for k in by_dp[0]}
 
 
-PAIRS = [("llama", ({}, {"cp": 2})), ("llama", ({"tp": 2}, {"tp": 2, "cp": 2})),
-         ("llama", ({"pp": 2}, {"pp": 2, "cp": 2})), ("qwen3_moe", ({"ep": 2}, {"ep": 2, "cp": 2}))]
+# (family, (CP1 layout, CP2 layout), routing replay of random recorded experts)
+PAIRS = [("llama", ({}, {"cp": 2}), False), ("llama", ({"tp": 2}, {"tp": 2, "cp": 2}), False),
+         ("llama", ({"pp": 2}, {"pp": 2, "cp": 2}), False), ("qwen3_moe", ({"ep": 2}, {"ep": 2, "cp": 2}), True)]
 
 
 def test_cp2_equals_cp1_with_tp_pp_ep_on_odd_uneven_packed_batches(tmp_path):
@@ -158,9 +171,9 @@ def test_cp2_equals_cp1_with_tp_pp_ep_on_odd_uneven_packed_batches(tmp_path):
     batch = random_batch(11, seed=7, max_len=29)     # odd count, uneven (and odd) lengths
     assert any(n % 4 for n in batch.seq_lens.tolist())
     per_rank = spawn(_cp_layouts, 4, dirs, batch, PAIRS, timeout_s=600)
-    for k, (family, (ref_layout, cp_layout)) in enumerate(PAIRS):
+    for k, (family, (ref_layout, cp_layout), r3) in enumerate(PAIRS):
         ref, cp = [r[k][0] for r in per_rank], [r[k][1] for r in per_rank]
-        where = f"{family} {cp_layout} vs {ref_layout}"
+        where = f"{family} {cp_layout} vs {ref_layout}" + (" (R3 replay)" if r3 else "")
         f1, f2 = _forward(ref, batch), _forward(cp, batch)
         for key in ("logprobs", "entropy"):
             diff = (f1[key] - f2[key]).abs().max().item()

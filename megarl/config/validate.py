@@ -357,7 +357,7 @@ def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:
 
 def _check_routing_replay(cfg: RunConfig, problems: list[str]) -> None:
     """R3 needs an MoE model, routed experts from the rollout, and a router whose token order the
-    replay knows (no context parallel; no full recompute under pipeline parallel, where megatron
+    replay knows (context parallel: routes sliced like the tokens; no full recompute under pipeline parallel, where megatron
     re-runs a micro-batch's forward after later micro-batches set their own routes)."""
     arch, p = cfg.model.arch, cfg.actor.parallel
     if hf_config_path(cfg.model.hf_path) is not None and not arch.num_experts:
@@ -365,8 +365,6 @@ def _check_routing_replay(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.rollout.return_routed_experts is False:
         problems.append("rollout.return_routed_experts: false, but algorithm.routing_replay: rollout needs the "
                         "rollout's routed experts")
-    if p.cp > 1:
-        problems.append("actor.parallel.cp: routing replay with context parallel is not implemented")
     if cfg.model.recompute == "full" and p.pp > 1:
         problems.append("model.recompute: full recompute with pp > 1 re-runs forwards out of order; routing replay "
                         "needs recompute none or selective there")
