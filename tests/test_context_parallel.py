@@ -62,6 +62,38 @@ def test_cp_positions_equal_megatron_zigzag_rope_slicing(cp):
         assert mine.tolist() == torch.cat([torch.arange(n) for n in lens])[zigzag_rows(lens, cp, r)].tolist()
 
 
+@pytest.mark.unit
+def test_varlen_chunks_attend_each_local_chunk_to_its_key_prefix(monkeypatch):
+    """The CUDA path's call layout, run here with a stand-in for the varlen kernel that does what
+    FlashAttention's varlen causal does when a query block is shorter than its keys (bottom-right
+    aligned): each rank's output equals whole-sequence causal attention at its rows."""
+    import torch.nn.functional as F
+
+    from megarl.models import context_parallel, packed_attention
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        outs = []
+        for i in range(cu_q.numel() - 1):
+            qs, ks, vs = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+            nq, nk = qs.shape[0], ks.shape[0]
+            allowed = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+            o = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (qs, ks, vs)), attn_mask=allowed,
+                                               scale=scale, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    monkeypatch.setattr(packed_attention, "_varlen", varlen)
+    cp = 2
+    lens = [cp_padded_len(n, cp) for n in (7, 1, 13)]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lens), h, 8, generator=g) for h in (4, 2, 2))
+    ref = packed_attention._per_sequence(q, k, v, lens, 0.3)
+    for r in range(cp):
+        split = CPSplit.build(lens, cp, r)
+        out = context_parallel._varlen_chunks(q[split.local_rows], k, v, split, 0.3)
+        assert (out - ref[split.local_rows]).abs().max() < 1e-6
+
+
 def _cfg(hf_dir: str, world: int, layout: dict, **extra):
     from megarl.config import load_config
 
@@ -127,10 +159,11 @@ def _run(rank, world, hf_dir, batch, layout, r3=False):
     lengths = plan_lengths(cfg, "actor", batch.seq_lens.tolist())
     plan = plan_shards(lengths, [list(range(len(batch)))], dp, packed=True, max_tokens=token_budget(cfg, "actor"))
     out = {"dp": dp, "dp_rank": dp_rank, "plan": plan}
-    out["forward"] = worker.compute_logprobs(make_shards(batch, plan)[dp_rank], True)
+    routes = ("routed_experts",) if r3 else ()
+    out["forward"] = worker.compute_logprobs(make_shards(batch, plan, routes)[dp_rank], True)
     mask = batch.response_mask()
     dens = [{"num_tokens": float(mask.sum()), "num_seqs": float(len(batch))}]
-    fields = ("old_logprobs", "advantages", "rollout_logprobs") + (("routed_experts",) if r3 else ())
+    fields = ("old_logprobs", "advantages", "rollout_logprobs") + routes
     shard = make_shards(batch, plan, fields, dens)[dp_rank]
     out["train"] = worker.train_batch(shard, ALGO)
     out["grads"] = {n: p.main_grad.detach().clone() for c in worker.chunks for n, p in c.named_parameters()}
