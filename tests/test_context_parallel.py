@@ -3,8 +3,9 @@
 Layout and positions are checked against direct definitions and megatron's own zig-zag RoPE
 slicing. The model side runs real megatron workers (MegatronWorker, megatron parallel_state with
 context_parallel_size, gloo ranks, DDP + finalize_model_grads): on packed batches of odd and uneven
-lengths, CP2, CP2xTP2, CP2xPP2 and CP2xEP2 (MoE, replaying random recorded experts: R3 routes
-sliced like the tokens) give the logprobs/entropy, loss terms, grad norm,
+lengths, CP2 (a critic: values and value loss), CP2xTP2, CP2xPP2 and CP2xEP2 (MoE, replaying random
+recorded experts: R3 routes sliced like the tokens) give the logprobs/entropy or values, loss terms,
+grad norm,
 every parameter's reduced gradient (``main_grad``) and the weights after the optimizer step of the
 same layout at CP1 (fp32, < 1e-5). All layouts share one spawned group of four processes.
 """
@@ -94,15 +95,16 @@ def test_varlen_chunks_attend_each_local_chunk_to_its_key_prefix(monkeypatch):
         assert (out - ref[split.local_rows]).abs().max() < 1e-6
 
 
-def _cfg(hf_dir: str, world: int, layout: dict, **extra):
+def _cfg(hf_dir: str, world: int, layout: dict, role: str = "actor", **extra):
     from megarl.config import load_config
 
-    over = [f"model.hf_path={hf_dir}", "cluster.backend=local", "actor.enabled=true", f"actor.gpus={world}",
-            "actor.packing=true", "actor.optim.lr=1e-3", "actor.optim.clip_grad=0",
-            "actor.optim.distributed_optimizer=false", "trainer.total_steps=3", "batch.global_batch_size=8",
-            "model.arch.tie_word_embeddings=false", "actor.max_tokens_per_micro_batch=40",
+    over = [f"model.hf_path={hf_dir}", "cluster.backend=local", f"{role}.enabled=true", f"{role}.gpus={world}",
+            f"{role}.packing=true", f"{role}.optim.lr=1e-3", f"{role}.optim.clip_grad=0",
+            f"{role}.optim.distributed_optimizer=false", "trainer.total_steps=3", "batch.global_batch_size=8",
+            "model.arch.tie_word_embeddings=false", f"{role}.max_tokens_per_micro_batch=40",
             "rollout.max_prompt_len=16", "rollout.sampling.max_new_tokens=16"]
-    over += [f"actor.parallel.{k}={v}" for k, v in layout.items()]
+    over += ["algorithm.advantage=gae", f"actor.gpus={world}"] if role == "critic" else []
+    over += [f"{role}.parallel.{k}={v}" for k, v in layout.items()]
     over += [f"{k}={v}" for k, v in extra.items()]
     over += [f"model.arch.{k}=0" for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                            "num_kv_heads", "vocab_size", "head_dim")]
@@ -138,10 +140,11 @@ def _with_routes(batch, layers: int = 2, top_k: int = 2, experts: int = 4):
     return batch
 
 
-def _run(rank, world, hf_dir, batch, layout, r3=False):
-    """One worker of ``layout``: forward (logprobs + entropy) over its data-parallel shard, one
-    optimizer step over the batch as one mini-batch; returns results, metrics, every parameter's
-    reduced gradient and its value after the step (by name: same layout, same shard per rank)."""
+def _run(rank, world, hf_dir, batch, layout, kind="actor"):
+    """One worker of ``layout`` (``kind``: actor, actor replaying R3 routes, or critic): forward
+    (logprobs + entropy, or values) over its data-parallel shard, one optimizer step over the batch
+    as one mini-batch; returns results, metrics, every parameter's reduced gradient and its value
+    after the step (by name: same layout, same shard per rank)."""
     from megatron.core import parallel_state as mpu
 
     from megarl.data.packing import plan_shards
@@ -150,20 +153,31 @@ def _run(rank, world, hf_dir, batch, layout, r3=False):
     from megarl.workers.dispatch import make_shards
     from megarl.workers.group import plan_lengths, token_budget
 
+    r3, critic = kind == "r3", kind == "critic"
+    role = "critic" if critic else "actor"
     extra = {"algorithm.routing_replay": "rollout", "rollout.return_routed_experts": "true"} if r3 else {}
-    cfg = _cfg(hf_dir, world, layout, **extra)
-    worker = MegatronWorker(WorkerSpec(role="actor", cfg=cfg, rank=rank, world_size=world, master_addr="127.0.0.1",
-                                       master_port=0, trainable=True, value_head=False))
+    cfg = _cfg(hf_dir, world, layout, role, **extra)
+    worker = MegatronWorker(WorkerSpec(role=role, cfg=cfg, rank=rank, world_size=world, master_addr="127.0.0.1",
+                                       master_port=0, trainable=True, value_head=critic))
     worker.setup()
+    if critic:   # the HF causal-LM checkpoint has no score head: give it values worth comparing
+        from megarl.models import unwrap
+
+        last = unwrap(worker.chunks[-1])
+        if last.post_process:
+            with torch.no_grad():
+                last.output_layer.weight.copy_(torch.randn(last.output_layer.weight.shape,
+                                                           generator=torch.Generator().manual_seed(0)))
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    lengths = plan_lengths(cfg, "actor", batch.seq_lens.tolist())
-    plan = plan_shards(lengths, [list(range(len(batch)))], dp, packed=True, max_tokens=token_budget(cfg, "actor"))
+    lengths = plan_lengths(cfg, role, batch.seq_lens.tolist())
+    plan = plan_shards(lengths, [list(range(len(batch)))], dp, packed=True, max_tokens=token_budget(cfg, role))
     out = {"dp": dp, "dp_rank": dp_rank, "plan": plan}
     routes = ("routed_experts",) if r3 else ()
-    out["forward"] = worker.compute_logprobs(make_shards(batch, plan, routes)[dp_rank], True)
+    forward = make_shards(batch, plan, routes)[dp_rank]
+    out["forward"] = worker.compute_values(forward) if critic else worker.compute_logprobs(forward, True)
     mask = batch.response_mask()
     dens = [{"num_tokens": float(mask.sum()), "num_seqs": float(len(batch))}]
-    fields = ("old_logprobs", "advantages", "rollout_logprobs") + routes
+    fields = ("old_values", "returns") if critic else ("old_logprobs", "advantages", "rollout_logprobs") + routes
     shard = make_shards(batch, plan, fields, dens)[dp_rank]
     out["train"] = worker.train_batch(shard, ALGO)
     out["grads"] = {n: p.main_grad.detach().clone() for c in worker.chunks for n, p in c.named_parameters()}
@@ -173,8 +187,8 @@ def _run(rank, world, hf_dir, batch, layout, r3=False):
 
 
 def _cp_layouts(rank, world, dirs, batch, pairs):
-    return [[_run(rank, world, dirs[family], _with_routes(batch) if r3 else batch, layout, r3) for layout in pair]
-            for family, pair, r3 in pairs]
+    return [[_run(rank, world, dirs[family], _with_routes(batch) if kind == "r3" else batch, layout, kind)
+             for layout in pair] for family, pair, kind in pairs]
 
 
 def _forward(results, batch):
@@ -187,9 +201,11 @@ def _forward(results, batch):
             for k in by_dp[0]}
 
 
-# (family, (CP1 layout, CP2 layout), routing replay of random recorded experts)
-PAIRS = [("llama", ({}, {"cp": 2}), False), ("llama", ({"tp": 2}, {"tp": 2, "cp": 2}), False),
-         ("llama", ({"pp": 2}, {"pp": 2, "cp": 2}), False), ("qwen3_moe", ({"ep": 2}, {"ep": 2, "cp": 2}), True)]
+# (family, (CP1 layout, CP2 layout), kind): the plain CP2 pair is a critic (value pass and value loss;
+# the actor at plain CP2 runs in test_grpo_three_steps_at_cp2_equal_cp1); the MoE actor replays random
+# recorded experts (R3)
+PAIRS = [("llama", ({}, {"cp": 2}), "critic"), ("llama", ({"tp": 2}, {"tp": 2, "cp": 2}), "actor"),
+         ("llama", ({"pp": 2}, {"pp": 2, "cp": 2}), "actor"), ("qwen3_moe", ({"ep": 2}, {"ep": 2, "cp": 2}), "r3")]
 
 
 def test_cp2_equals_cp1_with_tp_pp_ep_on_odd_uneven_packed_batches(tmp_path):
@@ -204,17 +220,20 @@ def test_cp2_equals_cp1_with_tp_pp_ep_on_odd_uneven_packed_batches(tmp_path):
     batch = random_batch(11, seed=7, max_len=29)     # odd count, uneven (and odd) lengths
     assert any(n % 4 for n in batch.seq_lens.tolist())
     per_rank = spawn(_cp_layouts, 4, dirs, batch, PAIRS, timeout_s=600)
-    for k, (family, (ref_layout, cp_layout), r3) in enumerate(PAIRS):
+    for k, (family, (ref_layout, cp_layout), kind) in enumerate(PAIRS):
         ref, cp = [r[k][0] for r in per_rank], [r[k][1] for r in per_rank]
-        where = f"{family} {cp_layout} vs {ref_layout}" + (" (R3 replay)" if r3 else "")
+        where = f"{family} {kind} {cp_layout} vs {ref_layout}"
         f1, f2 = _forward(ref, batch), _forward(cp, batch)
-        for key in ("logprobs", "entropy"):
+        assert sorted(f1) == (["values"] if kind == "critic" else ["entropy", "logprobs"])
+        for key in f1:
+            assert f1[key].abs().max() > 0
             diff = (f1[key] - f2[key]).abs().max().item()
             assert diff < 1e-5, f"{where}: {key} differ by {diff}"
         merge = WorkerGroup.__new__(WorkerGroup).reduce_metrics   # sums added over data-parallel output ranks
         m1, m2 = merge([r["train"] for r in ref]), merge([r["train"] for r in cp])
         assert m1["grad_norm"] > 0
-        for key in ("actor/pg_loss", "actor/entropy", "actor/loss", "grad_norm"):
+        keys = ("critic/vf_loss",) if kind == "critic" else ("actor/pg_loss", "actor/entropy", "actor/loss")
+        for key in keys + ("grad_norm",):
             assert abs(m1[key] - m2[key]) < 1e-5 * max(1.0, abs(m1[key])), f"{where}: {key} {m1[key]} {m2[key]}"
         for rank in range(4):
             g1, g2 = ref[rank]["grads"], cp[rank]["grads"]

@@ -108,14 +108,18 @@ def _own_slice(x: Tensor, group, size: int) -> Tensor:
     return x[r * n:(r + 1) * n]
 
 
-class _GatherKV(torch.autograd.Function):
-    """All-gather along dim 0; backward sums every rank's gradient of the gathered tensor and keeps
-    this rank's part (a reduce-scatter: the other ranks' queries also attended to our keys)."""
+class _Gather(torch.autograd.Function):
+    """All-gather along dim 0 (rank-major); the subclasses say what the backward does."""
 
     @staticmethod
     def forward(ctx, x: Tensor, group) -> Tensor:
         ctx.group, ctx.size = group, dist.get_world_size(group)
         return _all_gather(x, group, ctx.size)
+
+
+class _GatherKV(_Gather):
+    """Backward sums every rank's gradient of the gathered tensor and keeps this rank's part (a
+    reduce-scatter: the other ranks' queries also attended to our keys)."""
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -124,19 +128,15 @@ class _GatherKV(torch.autograd.Function):
             out = grad.new_empty((grad.shape[0] // ctx.size,) + tuple(grad.shape[1:]))
             dist.reduce_scatter_tensor(out, grad, group=ctx.group)
             return out, None
+        grad = grad.clone()   # reduced in place: never into a buffer autograd may hold elsewhere
         dist.all_reduce(grad, group=ctx.group)   # gloo has no reduce-scatter
         return _own_slice(grad, ctx.group, ctx.size).contiguous(), None
 
 
-class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0 for values every rank then uses identically (per-token outputs read by
-    the loss): backward keeps this rank's slice only, since every rank computes the same loss and
-    each must propagate it through its own tokens once."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group, ctx.size = group, dist.get_world_size(group)
-        return _all_gather(x, group, ctx.size)
+class _GatherRows(_Gather):
+    """For values every rank then uses identically (per-token outputs read by the loss): backward
+    keeps this rank's slice only, since every rank computes the same loss and each must propagate
+    it through its own tokens once."""
 
     @staticmethod
     def backward(ctx, grad: Tensor):
