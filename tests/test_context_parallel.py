@@ -48,6 +48,29 @@ def test_zigzag_split_covers_every_row_once_and_balances_causal_work():
 
 
 @pytest.mark.unit
+def test_cp_micro_inputs_slice_tokens_targets_and_keep_global_read_indices():
+    from megarl.workers.batch import micro_inputs, packed_inputs
+
+    batch = random_batch(5, seed=3, max_len=13)
+    whole = packed_inputs(batch)
+    parts = [micro_inputs(batch, True, pad_to_multiple=2, cp=2, cp_rank=r) for r in range(2)]
+    lens = [cp_padded_len(n, 2) for n in batch.seq_lens.tolist()]
+    total = parts[0].cp.global_order.numel()
+    assert total % 8 == 0 and total >= sum(lens) and parts[0].input_ids.numel() == total // 2
+    ids = torch.zeros(total, dtype=torch.long)
+    ids[parts[0].token_rows] = batch.tokens
+    for r, mi in enumerate(parts):
+        assert torch.equal(mi.input_ids[0], ids[mi.cp.local_rows])
+        assert torch.equal(mi.next_ids, torch.roll(ids, -1)[mi.cp.local_rows])
+        assert mi.packed.cp is mi.cp and mi.packed.max_seqlen_q == max(lens + [total - sum(lens)])
+    # pred_index reads the same tokens' predictions in the padded global layout as in the plain one
+    assert torch.equal(ids[parts[0].pred_index + 1][whole.mask.bool()],
+                       whole.input_ids[0][whole.pred_index + 1][whole.mask.bool()])
+    empty = micro_inputs(batch.select([]), True, pad_to_multiple=2, cp=2, cp_rank=1)
+    assert empty.empty and empty.input_ids.numel() == 4 and empty.cp.padded_lens == (8,)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_positions_equal_megatron_zigzag_rope_slicing(cp):
     from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
