@@ -222,7 +222,7 @@ def _group(dp, packing=True):
 
     from megarl.workers.group import WorkerGroup
 
-    role = NS(packing=packing, micro_batch_size=2, max_tokens_per_micro_batch=40, parallel=NS(pp=1, vpp=1))
+    role = NS(packing=packing, micro_batch_size=2, max_tokens_per_micro_batch=40, parallel=NS(pp=1, vpp=1, cp=1))
     group = WorkerGroup.__new__(WorkerGroup)
     group.role, group.cfg, group.role_cfg = "critic", NS(critic=role), role
     group._topology = [{"dp_rank": r, "dp": dp} for r in range(dp)]
