@@ -285,7 +285,7 @@ def test_planner_divides_activations_by_cp_and_counts_the_kv_exchange():
     kv = 4 * 128 * 2    # Qwen3-8B: 8 KV heads / tp2, head 128, bf16
     assert four.cp_kv_bytes_per_layer == 2 * 3 * 8704 * kv          # K and V from the 3 other ranks
     assert abs(four.cp_kv_seconds_per_layer - 2 * four.cp_kv_bytes_per_layer / 300e9) < 1e-12
-    gathered = 36 * 2 * 4 * 8704 * kv                               # kept for attention's backward, 36 layers
+    gathered = 36 * (2 * 4 + 1) * 8704 * kv                         # key prefixes kept for the backward, 36 layers
     assert four.activations == pytest.approx(one.activations / 4 + gathered, rel=1e-6)
     assert four.logits == pytest.approx(one.logits / 4, rel=1e-6)
     assert one.cp_kv_bytes_per_layer == 0 and any("cp4: per layer" in n for n in four.notes)

@@ -27,7 +27,7 @@ Contracts with megatron (the same as TE's THD CP):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -68,19 +68,30 @@ class CPSplit:
     padded_lens: tuple           # global per-sequence lengths, multiples of 2 * cp
     local_rows: Tensor           # [T / cp] global row of each local row
     global_order: Tensor         # [T] index into the rank-major gathered rows, in global order
+    prefix_rows: Tensor          # varlen path: global K/V rows of each local chunk's key prefix, chunk by chunk
+    cu_q: Tensor                 # varlen path: [chunks + 1] query offsets (local chunks)
+    cu_k: Tensor                 # varlen path: [chunks + 1] key offsets into ``prefix_rows``
+    max_q: int
+    max_k: int
     group: Optional[object] = None   # the CP process group (None: megatron's current one)
 
     @classmethod
     def build(cls, padded_lens: Sequence[int], cp: int, rank: int, group=None) -> "CPSplit":
+        """Index tensors made once per micro-batch on the host (no per-layer host work or copies)."""
         lens = tuple(int(n) for n in padded_lens)
         ranks = [zigzag_rows(lens, cp, r) for r in range(cp)]
         order = torch.empty(sum(lens), dtype=torch.int64)
         order[torch.cat(ranks)] = torch.arange(sum(lens))
-        return cls(cp, rank, lens, ranks[rank], order, group)
+        chunks = list(_local_chunks(lens, cp, rank))
+        prefix = torch.cat([torch.arange(g0, g0 + p + c) for _, g0, p, c in chunks])
+        q_lens = torch.tensor([c for *_, c in chunks])
+        k_lens = torch.tensor([p + c for _, _, p, c in chunks])
+        return cls(cp, rank, lens, ranks[rank], order, prefix, F.pad(q_lens.cumsum(0), (1, 0)),
+                   F.pad(k_lens.cumsum(0), (1, 0)), int(q_lens.max()), int(k_lens.max()), group)
 
     def to(self, device: torch.device) -> "CPSplit":
-        return CPSplit(self.cp, self.rank, self.padded_lens, self.local_rows.to(device),
-                       self.global_order.to(device), self.group)
+        return replace(self, local_rows=self.local_rows.to(device), global_order=self.global_order.to(device),
+                       prefix_rows=self.prefix_rows.to(device), cu_q=self.cu_q.to(device), cu_k=self.cu_k.to(device))
 
     def process_group(self):
         if self.group is not None:
@@ -156,11 +167,11 @@ def gather_kv(x: Tensor, split: CPSplit) -> Tensor:
     return gathered.index_select(0, split.global_order.to(gathered.device))
 
 
-def _local_chunks(split: CPSplit):
-    """Per local chunk: (local start, global sequence start, chunk start inside the sequence, size)."""
-    cp, r = split.cp, split.rank
+def _local_chunks(padded_lens: Sequence[int], cp: int, r: int):
+    """Per local chunk of rank ``r``: (local start, global sequence start, chunk start inside the
+    sequence, size)."""
     local = start = 0
-    for n in split.padded_lens:
+    for n in padded_lens:
         c = n // (2 * cp)
         for j in (r, 2 * cp - 1 - r):
             yield local, start, j * c, c
@@ -178,7 +189,7 @@ def cp_packed_attention(q: Tensor, k: Tensor, v: Tensor, split: CPSplit, scale: 
         return _varlen_chunks(q, kg, vg, split, scale)
     gqa = q.shape[1] != k.shape[1]
     outs = []
-    chunks = list(_local_chunks(split))
+    chunks = list(_local_chunks(split.padded_lens, split.cp, split.rank))
     for i in range(0, len(chunks), 2):   # the two chunks of one sequence share its keys
         (l0, g0, p0, c), (_, _, p1, _) = chunks[i], chunks[i + 1]
         pos = torch.cat([torch.arange(p0, p0 + c), torch.arange(p1, p1 + c)]).to(q.device)
@@ -192,17 +203,12 @@ def cp_packed_attention(q: Tensor, k: Tensor, v: Tensor, split: CPSplit, scale: 
 
 
 def _varlen_chunks(q: Tensor, kg: Tensor, vg: Tensor, split: CPSplit, scale: float) -> Tensor:
-    """One varlen call: query chunk ``j`` of a sequence against the sequence's first ``(j + 1)``
-    chunks of keys (copied per chunk: about 2x the gathered K/V for the call's duration)."""
+    """One varlen call: query chunk ``j`` of a sequence against the sequence's first ``j + 1``
+    chunks of keys, causal bottom-right aligned (FlashAttention's varlen convention when a query
+    block is shorter than its keys). The prefixes are copied out of the gathered K/V: per sequence
+    ``(2 cp + 1) / (2 cp)`` of its length, which attention keeps for its backward."""
     from .packed_attention import _varlen
 
-    idx, q_lens, k_lens = [], [], []
-    for _, g0, p, c in _local_chunks(split):
-        idx.append(torch.arange(g0, g0 + p + c))
-        q_lens.append(c)
-        k_lens.append(p + c)
-    index = torch.cat(idx).to(kg.device)
-    cu_q = F.pad(torch.tensor(q_lens).cumsum(0), (1, 0)).to(q.device)
-    cu_k = F.pad(torch.tensor(k_lens).cumsum(0), (1, 0)).to(q.device)
-    return _varlen(q, kg.index_select(0, index), vg.index_select(0, index), cu_q, cu_k,
-                   max(q_lens), max(k_lens), scale)
+    index = split.prefix_rows.to(kg.device)
+    return _varlen(q, kg.index_select(0, index), vg.index_select(0, index), split.cu_q.to(q.device),
+                   split.cu_k.to(q.device), split.max_q, split.max_k, scale)

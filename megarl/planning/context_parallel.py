@@ -7,7 +7,9 @@ the keys and values of the whole micro-batch; the backward reduce-scatters their
 layer and rank, with ``T`` tokens per rank, ``kv`` = KV heads on this TP rank x head size, ``e`` bytes
 per value:
 
-    stored: the gathered K and V, ``2 * cp * T * kv * e`` (attention's backward needs them)
+    stored: the K and V attention reads, ``(2 cp + 1) * T * kv * e`` (on GPUs each local chunk runs
+        against a copy of its key prefix, ``(2 cp + 1) / (2 cp)`` of the gathered ``2 cp T`` rows,
+        kept for attention's backward)
     received: forward all-gather ``2 * (cp - 1) * T * kv * e``; backward reduce-scatter the same
     seconds: received bytes / link bandwidth, the link being NVLink when the CP group (with its TP
     ranks inside) fits one node, else the inter-node network (:data:`INTRA_NODE_GBPS`,
@@ -37,7 +39,7 @@ class CPExchange:
     """Per layer and rank under context parallelism."""
 
     cp: int
-    gathered_kv_bytes: int        # K and V of the whole micro-batch, kept for attention's backward
+    gathered_kv_bytes: int        # K and V prefixes of the whole micro-batch, kept for attention's backward
     received_bytes: int           # forward all-gather (the backward reduce-scatter moves as many)
     seconds: float                # forward + backward exchange at the assumed link bandwidth
     link: str                     # "nvlink" | "network"
@@ -65,7 +67,7 @@ def cp_exchange(arch: ModelArch, role: RoleConfig, tokens_per_rank: int, elem: i
     if p.cp <= 1:
         return None
     kv = kv_width(arch, p.tp)
-    gathered = 2 * p.cp * tokens_per_rank * kv * elem
+    gathered = (2 * p.cp + 1) * tokens_per_rank * kv * elem
     received = 2 * (p.cp - 1) * tokens_per_rank * kv * elem
     one_node = not gpus_per_node or p.cp * p.tp <= gpus_per_node
     gbps = INTRA_NODE_GBPS if one_node else INTER_NODE_GBPS

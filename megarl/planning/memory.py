@@ -44,7 +44,8 @@ stores the s x s matrix), so the same bookkeeping gives, per layer and token (2-
     holds that x cp tokens over the CP group), else micro_batch_size * the longest sample
     (max_prompt_len + max_new_tokens, or + agent.max_response_tokens for agent trajectories) / cp.
   Context parallel (cp > 1): plus the K and V of the whole micro-batch that each layer gathers and
-    keeps for attention's backward, 2 * cp * tokens * kv * e bytes per layer; the exchange's bytes
+    keeps for attention's backward (as key prefixes per local chunk), (2 cp + 1) * tokens * kv * e
+    bytes per layer; the exchange's bytes
     and seconds per layer are in the role's notes (``planning/context_parallel.py``).
   Output layer (last stage): logits for RL log-probs/entropy: tokens * vocab/t * (2 bf16 + 4 fp32
     log-softmax + 4 fp32 gradient) bytes. Critic/reward model heads are hidden -> 1 (no logits).
