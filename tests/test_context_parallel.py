@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_utils import make_tiny_hf  # noqa: E402
-from test_packing import ALGO, random_batch  # noqa: E402
+from test_packing import ALGO, random_batch, randomize_value_head  # noqa: E402
 
 from megarl.models.context_parallel import CPSplit, cp_padded_len, zigzag_rows  # noqa: E402
 from megarl.models.packed import cp_positions, pack_params  # noqa: E402
@@ -183,14 +183,8 @@ def _run(rank, world, hf_dir, batch, layout, kind="actor"):
     worker = MegatronWorker(WorkerSpec(role=role, cfg=cfg, rank=rank, world_size=world, master_addr="127.0.0.1",
                                        master_port=0, trainable=True, value_head=critic))
     worker.setup()
-    if critic:   # the HF causal-LM checkpoint has no score head: give it values worth comparing
-        from megarl.models import unwrap
-
-        last = unwrap(worker.chunks[-1])
-        if last.post_process:
-            with torch.no_grad():
-                last.output_layer.weight.copy_(torch.randn(last.output_layer.weight.shape,
-                                                           generator=torch.Generator().manual_seed(0)))
+    if critic:
+        randomize_value_head(worker)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     lengths = plan_lengths(cfg, role, batch.seq_lens.tolist())
     plan = plan_shards(lengths, [list(range(len(batch)))], dp, packed=True, max_tokens=token_budget(cfg, role))
