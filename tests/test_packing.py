@@ -222,7 +222,7 @@ def _group(dp, packing=True):
 
     from megarl.workers.group import WorkerGroup
 
-    role = NS(packing=packing, micro_batch_size=2, max_tokens_per_micro_batch=40, parallel=NS(pp=1, vpp=1))
+    role = NS(packing=packing, micro_batch_size=2, max_tokens_per_micro_batch=40, parallel=NS(pp=1, vpp=1, cp=1))
     group = WorkerGroup.__new__(WorkerGroup)
     group.role, group.cfg, group.role_cfg = "critic", NS(critic=role), role
     group._topology = [{"dp_rank": r, "dp": dp} for r in range(dp)]
@@ -284,6 +284,17 @@ ALGO = LossSettings(policy_loss="ppo", entropy_coef=0.01, value_clip=0.2, kl_los
                                             tis_cap=None, norm_len=32.0))
 
 
+def randomize_value_head(worker) -> None:
+    """The HF causal-LM checkpoint has no score head (zeros): give a critic values worth comparing."""
+    from megarl.models import unwrap
+
+    last = unwrap(worker.chunks[-1])
+    if last.post_process:
+        with torch.no_grad():
+            last.output_layer.weight.copy_(torch.randn(last.output_layer.weight.shape,
+                                                       generator=torch.Generator().manual_seed(0)))
+
+
 def _worker_pass(rank, world, hf_dir, batch, runs, train):
     """For each (layout, packing, value_head) of ``runs``, one worker on this rank: forward over the whole batch
     (its data-parallel shard), then one optimizer step over it as one mini-batch; plans made as the
@@ -301,14 +312,8 @@ def _worker_pass(rank, world, hf_dir, batch, runs, train):
                           trainable=True, value_head=value_head)
         worker = MegatronWorker(spec)
         worker.setup()
-        if value_head:  # the HF causal-LM checkpoint has no score head: give it values worth comparing
-            from megarl.models import unwrap
-
-            last = unwrap(worker.chunks[-1])
-            if last.post_process:
-                with torch.no_grad():
-                    last.output_layer.weight.copy_(torch.randn(last.output_layer.weight.shape,
-                                                               generator=torch.Generator().manual_seed(0)))
+        if value_head:
+            randomize_value_head(worker)
         r = getattr(cfg, role)
         dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
 

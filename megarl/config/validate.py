@@ -152,11 +152,11 @@ def _check_parallel(name: str, role: RoleConfig, arch: ModelArch, device: str, p
         problems.append(f"{name}.parallel.sequence_parallel: needs tp >= 2")
     if p.sequence_parallel and device == "cpu":
         problems.append(f"{name}.parallel.sequence_parallel: not supported on CPU (torch norms refuse it)")
-    if p.cp > 1 and device == "cpu":
-        problems.append(f"{name}.parallel.cp: context parallel needs CUDA")
-    if p.cp > 1 and role.packing:
-        problems.append(f"{name}.packing: packed sequences with context parallel (cp = {p.cp}) need Transformer "
-                        f"Engine's THD attention, which megarl's SDPA attention does not replace; set packing: false")
+    if p.cp > 1 and not role.packing:
+        problems.append(f"{name}.packing: context parallel (cp = {p.cp}) splits packed (THD) micro-batches in "
+                        f"megarl's attention; set packing: true")
+    if p.cp > 1 and arch.kv_lora_rank:
+        problems.append(f"{name}.parallel.cp: context parallel with multi-latent attention (MLA) is not implemented")
     if role.max_tokens_per_micro_batch < 0:
         problems.append(f"{name}.max_tokens_per_micro_batch: must be >= 0")
     if role.micro_batch_size < 1:
@@ -183,6 +183,24 @@ def _check_offload(cfg: RunConfig, problems: list[str]) -> None:
             for kind in ("grads", "optimizer"):
                 if getattr(role.offload, kind):
                     problems.append(f"{name}.offload.{kind}: a frozen role holds no {kind}; only offload.params applies")
+
+
+def _check_cp_budget(cfg: RunConfig, problems: list[str]) -> None:
+    """Under context parallelism a packed micro-batch holds ``max_tokens_per_micro_batch x cp``
+    tokens (each CP rank ``1 / cp`` of them), every sequence padded to a multiple of ``2 cp``: the
+    longest sample must fit one, or training would fail after the rollout was paid for."""
+    longest = max_sequence_len(cfg)
+    for name in ROLES:
+        role = getattr(cfg, name)
+        p = role.parallel
+        if not role.enabled or p.cp <= 1 or not role.packing or not role.max_tokens_per_micro_batch:
+            continue
+        padded = -(-longest // (2 * p.cp)) * 2 * p.cp
+        budget = role.max_tokens_per_micro_batch * p.cp
+        if padded > budget:
+            problems.append(f"{name}.max_tokens_per_micro_batch: {role.max_tokens_per_micro_batch} x cp {p.cp} = "
+                            f"{budget} tokens is less than the longest sample (max_prompt_len + max_new_tokens = "
+                            f"{longest}, {padded} padded to a multiple of 2*cp)")
 
 
 def _check_batches(cfg: RunConfig, problems: list[str]) -> None:
@@ -339,7 +357,7 @@ def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:
 
 def _check_routing_replay(cfg: RunConfig, problems: list[str]) -> None:
     """R3 needs an MoE model, routed experts from the rollout, and a router whose token order the
-    replay knows (no context parallel; no full recompute under pipeline parallel, where megatron
+    replay knows (context parallel: routes sliced like the tokens; no full recompute under pipeline parallel, where megatron
     re-runs a micro-batch's forward after later micro-batches set their own routes)."""
     arch, p = cfg.model.arch, cfg.actor.parallel
     if hf_config_path(cfg.model.hf_path) is not None and not arch.num_experts:
@@ -347,8 +365,6 @@ def _check_routing_replay(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.rollout.return_routed_experts is False:
         problems.append("rollout.return_routed_experts: false, but algorithm.routing_replay: rollout needs the "
                         "rollout's routed experts")
-    if p.cp > 1:
-        problems.append("actor.parallel.cp: routing replay with context parallel is not implemented")
     if cfg.model.recompute == "full" and p.pp > 1:
         problems.append("model.recompute: full recompute with pp > 1 re-runs forwards out of order; routing replay "
                         "needs recompute none or selective there")
@@ -502,6 +518,7 @@ def collect_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
         if role.enabled:
             _check_parallel(name, role, cfg.model.arch, cfg.cluster.device, problems)
     _check_batches(cfg, problems)
+    _check_cp_budget(cfg, problems)
     _check_pools(cfg, problems)
     _check_offload(cfg, problems)
     _check_algorithm(cfg, problems)

@@ -11,6 +11,9 @@ Public API (others depend on these names):
   megatron ``parallel_state``; megatron's local layer spec with SDPA core attention
   (``attention_backend='te'`` = megatron's Transformer Engine spec when TE is installed).
   ``value_head=True`` builds a critic: same trunk, :class:`ValueHead` (HF name ``score.weight``).
+  The model's context-parallel size is megatron's ``parallel_state``'s; cp > 1 needs packed
+  micro-batches carrying a :class:`~megarl.models.context_parallel.CPSplit`
+  (``megarl/models/context_parallel.py``: zig-zag split, K/V all-gather attention).
 - ``forward_logits(chunks, input_ids, position_ids=None, attention_mask=None)``: full-vocab
   logits ``[b, s, V]`` (values ``[b, s]`` for critics) on the last PP stage, ``None`` elsewhere.
   pp == 1: direct call; pp > 1: megatron ``get_forward_backward_func()`` with

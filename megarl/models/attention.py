@@ -14,6 +14,9 @@ appear (those positions are padding and must be ignored by the caller).
 Packed sequences (``packed_seq_params.qkv_format == "thd"``): q/k/v arrive as ``[T, heads, dim]``
 and each token attends causally within its own sequence only
 (:func:`megarl.models.packed_attention.packed_causal_attention`); output ``[T, 1, heads * v_dim]``.
+With context parallelism the packed parameters carry the rank's zig-zag split and the queries
+attend to keys/values gathered over the CP group
+(:func:`megarl.models.context_parallel.cp_packed_attention`).
 """
 from __future__ import annotations
 
@@ -35,9 +38,7 @@ class SDPAttention(MegatronModule):
                  v_channels: Optional[int] = None, cp_comm_type: Optional[str] = None,
                  pg_collection=None, **kwargs):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not implement context parallelism; "
-                             "use Transformer Engine for cp > 1")
+        self.cp = config.context_parallel_size   # > 1: packed (THD) micro-batches only (see _packed)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -55,6 +56,9 @@ class SDPAttention(MegatronModule):
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         if packed_seq_params is not None:
             return self._packed(query, key, value, attention_mask, causal, packed_seq_params)
+        if self.cp > 1:
+            raise NotImplementedError("SDPAttention: context parallelism needs packed (THD) micro-batches "
+                                      "(packing: true)")
         sq, b, nq, _ = query.shape
         sk, nk = key.shape[0], key.shape[2]
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
@@ -95,6 +99,17 @@ class SDPAttention(MegatronModule):
             raise NotImplementedError("SDPAttention: attention dropout with packed sequences")
         if query.dim() == 4:  # [T, 1, h, d] (not squeezed by the caller)
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+        split = getattr(params, "cp", None)
+        if self.cp > 1:
+            if split is None:
+                raise ValueError("SDPAttention: context parallel size > 1 but the packed micro-batch carries "
+                                 "no CP split (megarl.workers.batch.packed_inputs with cp)")
+            from .context_parallel import cp_packed_attention
+            from .packed_attention import packed_attention_backend
+
+            out = cp_packed_attention(query, key, value, split, self.softmax_scale,
+                                      packed_attention_backend(query))
+            return out.reshape(out.shape[0], 1, -1)
         out = packed_causal_attention(query, key, value, params.cu_seqlens_q, params.cu_seqlens_kv,
                                       params.max_seqlen_q, params.max_seqlen_kv, self.softmax_scale,
                                       getattr(params, "seq_lens", None))

@@ -105,6 +105,7 @@ def build_model(hf_config, *, value_head: bool = False, params_dtype: torch.dtyp
     tconf = transformer_config_from_hf(
         cfg, tp=tp, pp=pp, ep=mpu.get_expert_model_parallel_world_size(),
         etp=mpu.get_expert_tensor_parallel_world_size(), vpp=vpp if (vpp and vpp > 1) else None,
+        cp=mpu.get_context_parallel_world_size(),
         params_dtype=params_dtype, perform_initialization=perform_initialization,
         **config_overrides)
     rp = rope_params(cfg)

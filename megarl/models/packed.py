@@ -15,8 +15,11 @@ boundary -- correct, but in megatron-core 0.16.1 it reads ``cu_seqlens`` back to
 sequence. :func:`install_thd_rope` swaps it (at run time, like
 :func:`megarl.models.fusions.install_rope_fusion`; megatron looks the function up at call time)
 for :func:`apply_rotary_pos_emb_thd`: the same per-sequence positions computed on the device
-(``searchsorted``), one gather of the frequencies, one elementwise RoPE, no sync. Context
-parallelism keeps megatron's own function (its per-rank zig-zag slicing).
+(``searchsorted``), one gather of the frequencies, one elementwise RoPE, no sync. Under context
+parallelism (:mod:`megarl.models.context_parallel`) ``cu_seqlens`` are the global padded sequences
+and the rank holds chunks ``r`` and ``2 cp - 1 - r`` of each; :func:`cp_positions` gives each local
+token its global position the same way (megatron's own function does the same slicing with a host
+sync per sequence).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class PackedSeqs(_Base):
     so attention backends that loop over sequences need no device->host copy."""
 
     seq_lens: tuple = ()
+    cp: Optional[Any] = None   # megarl.models.context_parallel.CPSplit under context parallelism
 
 
 def pack_params(seq_lens: Sequence[int], device: torch.device | str = "cpu") -> PackedSeqs:
@@ -62,6 +66,20 @@ def packed_positions(cu_seqlens: Tensor, total: int) -> Tensor:
     return idx - cu[seq.clamp(min=0)]
 
 
+def cp_positions(cu_seqlens: Tensor, total: int, cp: int, rank: int) -> Tensor:
+    """Global position inside its sequence of each of this CP rank's ``total`` local tokens, given
+    the *global* padded ``cu_seqlens`` (zig-zag: chunk ``rank`` then chunk ``2 cp - 1 - rank`` of
+    every sequence); on the device, no host sync."""
+    cu = cu_seqlens.to(torch.int64)
+    local_cu = cu // cp
+    idx = torch.arange(total, device=cu.device, dtype=torch.int64)
+    seq = (torch.searchsorted(local_cu, idx, right=True) - 1).clamp(min=0)
+    offset = idx - local_cu[seq]
+    chunk = (cu[seq + 1] - cu[seq]) // (2 * cp)
+    first = offset < chunk
+    return torch.where(first, rank * chunk + offset, (2 * cp - 1 - rank) * chunk + offset - chunk)
+
+
 def pack_sequences(sequences: Sequence[Sequence[int] | Tensor], device: torch.device | str = "cpu"
                    ) -> tuple[Tensor, Tensor, PackedSeqs]:
     """``(input_ids [1, T], position_ids [1, T], params)`` for token sequences packed end to end."""
@@ -84,14 +102,17 @@ def apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotar
     sequence) or ``[T, 1, 1, d]`` (one row per packed token, megatron's "exact mapping" case).
     ``newer``: keywords of later megatron-core versions (0.19: ``mla_rotary_interleaved``), passed on
     unchanged to megatron's own functions, which take them in those versions."""
-    if cp_group is not None and cp_group.size() > 1:
-        return _ORIGINAL_THD(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                             multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group,
-                             **newer)
     from megatron.core.models.common.embeddings import rope_utils
 
     total = t.size(0)
-    if freqs.size(0) != total:  # one row per position inside a sequence
+    cp = cp_group.size() if cp_group is not None else 1
+    if cp > 1:
+        if freqs.size(0) == total * cp:   # megatron's per-packed-token mapping: its own code
+            return _ORIGINAL_THD(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                                 multi_latent_attention=multi_latent_attention, mscale=mscale,
+                                 cp_group=cp_group, **newer)
+        freqs = freqs.index_select(0, cp_positions(cu_seqlens, total, cp, cp_group.rank()).to(freqs.device))
+    elif freqs.size(0) != total:  # one row per position inside a sequence
         freqs = freqs.index_select(0, packed_positions(cu_seqlens, total).to(freqs.device))
     # looked up at call time: the compiled copy when fusions are on (fusions.install_rope_fusion)
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs, rotary_interleaved=rotary_interleaved,

@@ -40,8 +40,13 @@ stores the s x s matrix), so the same bookkeeping gives, per layer and token (2-
   Pipeline: with 1F1B the first stage holds activations of pp micro-batches (stage s: pp - s),
     times (1 + (pp - 1) / (pp * vpp)) with interleaving (same paper, section 4.2.3); capped by
     the number of micro-batches per step.
-  Tokens per micro-batch: max_tokens_per_micro_batch, else micro_batch_size * the longest sample
-    (max_prompt_len + max_new_tokens, or + agent.max_response_tokens for agent trajectories); / cp.
+  Tokens per micro-batch and GPU: max_tokens_per_micro_batch (per CP rank: a packed micro-batch
+    holds that x cp tokens over the CP group), else micro_batch_size * the longest sample
+    (max_prompt_len + max_new_tokens, or + agent.max_response_tokens for agent trajectories) / cp.
+  Context parallel (cp > 1): plus the K and V of the whole micro-batch that each layer gathers and
+    keeps for attention's backward (as key prefixes per local chunk), (2 cp + 1) * tokens * kv * e
+    bytes per layer; the exchange's bytes
+    and seconds per layer are in the role's notes (``planning/context_parallel.py``).
   Output layer (last stage): logits for RL log-probs/entropy: tokens * vocab/t * (2 bf16 + 4 fp32
     log-softmax + 4 fp32 gradient) bytes. Critic/reward model heads are hidden -> 1 (no logits).
   fp32 models: all activation terms double (4-byte values).
@@ -79,6 +84,7 @@ from megarl.config.loader import ConfigError
 from megarl.config.served import rollout_is_fp8
 from megarl.config.schema import ModelArch, RoleConfig, RunConfig
 from megarl.config.validate import dp_size, max_sequence_len
+from megarl.planning.context_parallel import cp_exchange, suggest_cp
 from megarl.planning.offload import offload_that_fits
 from megarl.planning.lora import adapter_params, lora_state_bytes
 from megarl.planning.params import (MLA_QK_NOPE, MLA_QK_ROPE, MLA_V, ModelParams, head_dim, is_mla,
@@ -149,6 +155,8 @@ class RolePlan:
     logits: int
     offload: tuple[str, ...]    # kinds that leave the GPU between phases (colocated)
     host_optimizer: int = 0     # megatron's CPU optimizer: states, fp32 main params and grad copies on the host
+    cp_kv_bytes_per_layer: int = 0      # context parallel: K/V bytes each rank receives per layer (forward)
+    cp_kv_seconds_per_layer: float = 0.0   # forward all-gather + backward reduce-scatter, assumed bandwidth
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -281,9 +289,15 @@ def _per_token_layer_bytes(arch: ModelArch, layer: int, role: RoleConfig, recomp
 
 
 def micro_batch_tokens(cfg: RunConfig, role: RoleConfig) -> int:
+    """Tokens one GPU of ``role`` holds per micro-batch: the budget (per CP rank already), but at
+    least the longest sample split over the CP group (a longer sample is packed alone, whatever
+    the budget); without a budget ``micro_batch_size`` longest samples split over the CP group."""
     seq = max_sequence_len(cfg)
-    tokens = role.max_tokens_per_micro_batch or role.micro_batch_size * seq
-    return math.ceil(tokens / role.parallel.cp)
+    cp = role.parallel.cp
+    longest = math.ceil(seq / (2 * cp)) * 2 if cp > 1 else seq   # padded to 2 cp, one CP rank's share
+    if role.max_tokens_per_micro_batch:
+        return max(role.max_tokens_per_micro_batch, longest)
+    return math.ceil(role.micro_batch_size * seq / cp)
 
 
 def _in_flight(cfg: RunConfig, role: RoleConfig, stage: int) -> float:
@@ -293,7 +307,7 @@ def _in_flight(cfg: RunConfig, role: RoleConfig, stage: int) -> float:
     seq = max_sequence_len(cfg)
     dp = max(dp_size(role), 1)
     samples = max(cfg.batch.global_batch_size // dp, 1)
-    per_mb = role.max_tokens_per_micro_batch or role.micro_batch_size * seq
+    per_mb = role.max_tokens_per_micro_batch * p.cp if role.max_tokens_per_micro_batch else role.micro_batch_size * seq
     micro_batches = max(1, math.ceil(samples * seq / per_mb))
     n = min(p.pp - stage, micro_batches)
     if p.vpp > 1:
@@ -317,6 +331,7 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
     d_expert = edp if role.optim.distributed_optimizer else 1
     recompute = cfg.model.recompute if trained else "none"
     tokens = micro_batch_tokens(cfg, role)
+    exchange = cp_exchange(arch, role, tokens, elem, cfg.cluster.gpus_per_node)
     best: Optional[RolePlan] = None
     shards = stage_shards(arch, mp, p)
     for sh in shards:
@@ -339,6 +354,8 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
         if trained and name == "actor" and role.lora.rank:   # frozen base, trained adapters
             params, grads, optimizer, _ = lora_state_bytes(arch, role.lora, p.tp, sh.layers, sh.total, w, d_dense)
         per_token = [_per_token_layer_bytes(arch, i, role, recompute, elem) for i in sh.layers]
+        if exchange is not None and recompute != "full":   # gathered K/V kept for the backward
+            per_token = [b + exchange.gathered_kv_bytes / tokens for b in per_token]
         if trained:
             acts = tokens * sum(per_token) * _in_flight(cfg, role, sh.stage)
             if recompute == "full" and sh.layers:
@@ -365,6 +382,10 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
         best.notes.append("optimizer states replicated on every data-parallel rank (distributed_optimizer: false)")
     if trained:
         best.notes.append(f"{tokens} tokens per micro-batch, recompute {recompute}")
+    if exchange is not None:
+        best.cp_kv_bytes_per_layer = exchange.received_bytes
+        best.cp_kv_seconds_per_layer = exchange.seconds
+        best.notes.append(exchange.note(len(shards[best.stage].layers)))
     if trained and name == "actor" and role.lora.rank:
         trainable = adapter_params(arch, role.lora, p.tp, shards[best.stage].layers)
         best.notes.append(f"LoRA rank {role.lora.rank}: {trainable / 1e6:.2f}M trainable parameters on this GPU, "
@@ -568,6 +589,16 @@ def _host_plan(cfg: RunConfig, roles: dict[str, RolePlan], rollout: RolloutPlan,
     return per_node, capacity, seconds
 
 
+def _grow(cfg: RunConfig, name: str, factor: int) -> None:
+    """``factor`` times the GPUs of role ``name`` (colocated: of every role and the rollout pool,
+    which share the GPUs)."""
+    for r in (cfg.megatron_roles if cfg.placement.mode == "colocated" else [name]):
+        getattr(cfg, r).gpus *= factor
+    if cfg.placement.mode == "colocated":
+        cfg.rollout.gpus *= factor
+        cfg.rollout.num_servers *= factor
+
+
 def _suggest(cfg: RunConfig, plan: Plan, recipe: str, override: Optional[int]) -> list[str]:
     """What would make it fit: more data-parallel ranks (shards the optimizer), or offload."""
     import copy
@@ -580,13 +611,12 @@ def _suggest(cfg: RunConfig, plan: Plan, recipe: str, override: Optional[int]) -
         role = getattr(cfg, name)
         if not role.optim.distributed_optimizer and name in cfg.trained_roles:
             out.append(f"{name}: set {name}.optim.distributed_optimizer=true to shard optimizer states over dp")
+        cp = suggest_cp(cfg, name, lambda c: make_plan(c, recipe, override, suggest=False), _grow)
+        if cp is not None:
+            out.append(cp)
         for factor in (2, 4, 8, 16, 32):
             trial = copy.deepcopy(cfg)
-            for r in (trial.megatron_roles if trial.placement.mode == "colocated" else [name]):
-                getattr(trial, r).gpus *= factor
-            if trial.placement.mode == "colocated":
-                trial.rollout.gpus *= factor
-                trial.rollout.num_servers *= factor
+            _grow(trial, name, factor)
             trial.cluster.nodes = 10 ** 6
             tp = make_plan(trial, recipe, override, suggest=False)
             if not any(p.startswith(name + ":") for p in tp.problems):

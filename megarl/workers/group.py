@@ -106,7 +106,7 @@ class WorkerGroup:
         from scattered samples). ``pairs``: plan over adjacent sample pairs (2i, 2i + 1), which then
         always share a micro-batch (reward-model training)."""
         role = self.role_cfg
-        lengths = batch.seq_lens.tolist()
+        lengths = plan_lengths(self.cfg, self.role, batch.seq_lens.tolist())
         budget = dict(packed=role.packing, max_tokens=token_budget(self.cfg, self.role),
                       micro_batch_size=max(1, role.micro_batch_size // (2 if pairs else 1)),
                       micro_multiple=role.parallel.pp if role.parallel.vpp > 1 else 1)
@@ -218,14 +218,28 @@ def _read_only_tensor(value: Any) -> torch.Tensor:
         return torch.as_tensor(value)
 
 
+def plan_lengths(cfg: Any, role: str, lengths: list[int]) -> list[int]:
+    """Sample lengths as ``role``'s micro-batches hold them: packed under context parallelism each
+    sequence is padded to a multiple of ``2 cp`` (megarl.models.context_parallel), else unchanged."""
+    r = getattr(cfg, role)
+    cp = r.parallel.cp
+    if not (r.packing and cp > 1):
+        return list(lengths)
+    from megarl.models.context_parallel import cp_padded_len
+
+    return [cp_padded_len(n, cp) for n in lengths]
+
+
 def token_budget(cfg: Any, role: str) -> int:
-    """Tokens per micro-batch of ``role``: ``max_tokens_per_micro_batch``, or (0) for packed
-    micro-batches ``micro_batch_size`` longest possible samples (prompt + response), the memory a
-    padded micro-batch of that size could need at most."""
+    """Tokens per micro-batch of ``role`` (the whole packed row, over all CP ranks):
+    ``max_tokens_per_micro_batch`` per rank (x ``cp`` when packed under context parallelism, each
+    CP rank holding ``1 / cp`` of the row), or (0) for packed micro-batches ``micro_batch_size``
+    longest possible samples (prompt + response), the memory a padded micro-batch of that size
+    could need at most."""
     r = getattr(cfg, role)
     if r.max_tokens_per_micro_batch:
-        return int(r.max_tokens_per_micro_batch)
+        return int(r.max_tokens_per_micro_batch) * (r.parallel.cp if r.packing else 1)
     if not r.packing:
         return 0
-    longest = max_sequence_len(cfg)
+    longest = plan_lengths(cfg, role, [max_sequence_len(cfg)])[0]
     return max(1, r.micro_batch_size) * longest

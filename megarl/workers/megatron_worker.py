@@ -206,10 +206,13 @@ class MegatronWorker:
         """Model inputs of each micro-batch (packed row or padded block) on ``device``. megatron's
         interleaved (virtual pipeline) schedule exchanges activations of one fixed shape, so there
         every micro-batch is padded to a common one (packed: one padding sequence at the end)."""
+        from megatron.core import parallel_state as mpu
+
         config = unwrap(self.chunks[0]).config
         multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
-        length, rows = common_shape(micro, self._packed()) if len(self.chunks) > 1 else (0, 0)
-        return [micro_inputs(mb, self._packed(), multiple, length, rows).to(device) for mb in micro]
+        cp, cp_rank = mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
+        length, rows = common_shape(micro, self._packed(), cp) if len(self.chunks) > 1 else (0, 0)
+        return [micro_inputs(mb, self._packed(), multiple, length, rows, cp, cp_rank).to(device) for mb in micro]
 
     def _device(self) -> torch.device:
         return torch.device("cuda") if self.cfg.cluster.device == "cuda" else torch.device("cpu")
@@ -239,7 +242,8 @@ class MegatronWorker:
 
         chunks = self.chunks
         iters = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
-        seq_len = max(mi.input_ids.shape[1] for mi in micro)
+        # megatron's schedule divides seq_length by the context-parallel size (the rank's share)
+        seq_len = max(mi.input_ids.shape[1] * (mi.cp.cp if mi.cp is not None else 1) for mi in micro)
         rows = max(mi.input_ids.shape[0] for mi in micro)
         fb = get_forward_backward_func()
         out = fb(forward_step_func=step, data_iterator=iters, model=chunks if len(chunks) > 1 else chunks[0],
@@ -251,15 +255,15 @@ class MegatronWorker:
     def _token_outputs(self, output: torch.Tensor, mi: MicroInputs, with_entropy: bool):
         """Per response token ``[b, R]``: (logprob, entropy or None) for a policy, (value, None) for a
         critic. Computed on every output row (one fused pass, no gathered copy of the logits), then
-        read at ``pred_index``."""
+        read at ``pred_index`` (context parallel: after gathering the rows of the CP group)."""
         pred = mi.pred_index
         if self.spec.value_head:
             values = output[..., 0] if output.dim() == 3 else output
-            return values.reshape(-1)[pred].float(), None
+            return mi.global_rows(values.reshape(-1))[pred].float(), None
         vocab = unwrap(self.chunks[-1]).vocab_size
         rows = output.reshape(-1, output.shape[-1])
         lp, ent = logprobs_and_entropy(rows, mi.next_ids, vocab, with_entropy=with_entropy)
-        return lp[pred], (ent[pred] if ent is not None else None)
+        return mi.global_rows(lp)[pred], (mi.global_rows(ent)[pred] if ent is not None else None)
 
     # ------------------------------------------------------------------ forward-only
     @torch.no_grad()
@@ -296,7 +300,7 @@ class MegatronWorker:
 
     def _last_token_values(self, output: torch.Tensor, mi: MicroInputs) -> torch.Tensor:
         values = output[..., 0] if output.dim() == 3 else output
-        return values.reshape(-1)[mi.last_index].float()
+        return mi.global_rows(values.reshape(-1))[mi.last_index].float()
 
     def _forward_only(self, shard: Any, fn: Callable, per: str) -> Optional[dict]:
         for chunk in self.chunks:

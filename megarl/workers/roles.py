@@ -55,4 +55,4 @@ def start_roles(cfg: Any, placement: Any) -> dict[str, Any]:
 
 def role_layout(role_cfg: Any) -> str:
     p = role_cfg.parallel
-    return f"{role_cfg.gpus} rank(s) tp{p.tp} pp{p.pp}" + (f" ep{p.ep}" if p.ep > 1 else "")
+    return f"{role_cfg.gpus} rank(s) tp{p.tp} pp{p.pp}" + (f" cp{p.cp}" if p.cp > 1 else "") + (f" ep{p.ep}" if p.ep > 1 else "")

@@ -51,6 +51,10 @@ def batch_rows_routes(mi: Any) -> Optional[list[Optional[torch.Tensor]]]:
     routes = mi.batch.seq_fields.get(ROUTES_KEY)
     if routes is None or mi.empty:
         return None
+    if mi.cp is not None:   # context parallel: the rank's zig-zag rows of the padded sequences
+        rows = torch.full((int(mi.cp.global_order.numel()),) + tuple(routes.shape[1:]), -1, dtype=routes.dtype)
+        rows[mi.token_rows] = routes
+        return [rows[mi.cp.local_rows.cpu()]]
     if mi.packed is not None:
         return [routes]
     offs = mi.batch.seq_offsets.tolist()
