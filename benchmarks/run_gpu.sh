@@ -56,6 +56,9 @@ fp8e2e) # issue 26: GRPO on real SmolLM2 rolling out from its FP8 copy (after sm
           --work /tmp/b_fp8 --set rollout.model_path=/tmp/smol_fp8 --set checkpoint.final=false ;;
 fp8rollout) run 400 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batch 1,128 --prompt 32 --new 128 --no-hf --fp8 ;;
 fp8sync) run 400 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --fp8 ;;
+fp8gemm) run 200 python3 benchmarks/bench_fp8_gemm.py --shape qwen2.5-1.5b --tokens 1,128,4096 ;;
+cpmem) # issue 27: activation memory of one 32k-token sequence at CP=1 vs the planner's figure
+       run 400 python3 benchmarks/bench_cp_memory.py --device cuda --shape qwen3-8b --layers 4 --tokens 32768 ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20
