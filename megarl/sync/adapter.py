@@ -15,22 +15,17 @@ Tensors travel by reference (CUDA IPC on a GPU, shared memory on CPU), as with
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Optional
 
 import torch
 
+from megarl.wire.checksum import tensor_sha256  # noqa: F401  (re-exported)
 from megarl.wire.flattened import dumps_b64
 
 
 def adapter_name(version: str) -> str:
     """The served name of the adapters of one weight version."""
     return f"megarl-lora-{version}"
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """SGLang's checksum of an adapter tensor (``tp_worker.load_lora_adapter_from_tensors``)."""
-    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def load_from_tensors_request(lora_name: str, config_dict: dict[str, Any], tensors: dict[str, torch.Tensor],
