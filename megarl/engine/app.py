@@ -430,6 +430,20 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
                 return _lora_result(False, f"lora_name: no adapter named {name!r} is loaded")
         return _lora_result(True, "")
 
+    @routes.post("/update_weight_version")
+    async def update_weight_version(request):
+        """SGLang's route: names the served version without touching weights (adapter-only pushes);
+        requests in flight record the change in their version spans, as with a weight update."""
+        eng = engine()
+        b = await _body(request)
+        if not isinstance(b.get("new_version"), str):
+            return _result(False, "new_version: a version string is required")
+        if b.get("abort_all_requests", True):
+            await asyncio.wrap_future(eng.control(lambda: eng.abort(abort_all=True), new_epoch=False))
+        await asyncio.wrap_future(eng.control(lambda: eng.set_weight_version(b["new_version"]), new_epoch=False))
+        return web.json_response({"success": True, "message": f"Weight version updated to {b['new_version']}",
+                                  "new_version": b["new_version"]})
+
     # ------------------------------------------------------------------ pause / continue / abort
     @routes.post("/pause_generation")
     async def pause_generation(request):
