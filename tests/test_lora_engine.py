@@ -167,3 +167,45 @@ def test_unload_waits_for_the_requests_running_the_adapter(lora_setup):
     ids = out["output_ids"]
     assert len(ids) == 40
     assert (hf_logprobs(adapted, PROMPTS[0], ids) - _lps(out)).abs().max() < 1e-4
+
+
+def test_driver_adapter_push_over_both_routes(lora_setup):
+    """The trainer's ``AdapterPush`` (what ``WeightSync.push`` runs with ``actor.lora.push: adapter``)
+    into a real server: tensors by shared memory, then a PEFT folder (``sync.transport=disk``); each
+    version under its own name, requests pointed at it, the previous one unloaded, the servers'
+    ``weight_version`` set; a restarted server gets the current adapter alone."""
+    from types import SimpleNamespace
+
+    from megarl.config import load_config
+    from megarl.sync.adapter import adapter_name
+    from megarl.sync.adapter_push import AdapterPush
+    from tests.helpers.runs import DEFAULT
+
+    d, hf, tensors, adapted = lora_setup
+    names = sorted(tensors)
+    stages = [{k: tensors[k] for k in names[:len(names) // 2]}, {k: tensors[k] for k in names[len(names) // 2:]}]
+    actor = SimpleNamespace(call=lambda method: [dict(s) for s in stages] if method == "adapter_tensors" else None)
+    p = PROMPTS[0]
+    with ServerProcess(str(d / "base"), extra=["--enable-lora", "--weights-dir", str(d / "weights")]) as s:
+        servers = SimpleNamespace(urls=[s.url], tp_sizes=[1], api_key=None, weights_dir=str(d / "weights"),
+                                  lora_name=None)
+        for transport, version in (("ipc", "step1"), ("disk", "step2")):
+            cfg = load_config(DEFAULT, ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.push=adapter",
+                                        f"sync.transport={transport}"])
+            push = AdapterPush(cfg, actor, servers, str(d / "base"))
+            push.current = servers.lora_name           # the run's previous version (one object per run)
+            stats = push.push(version)
+            assert servers.lora_name == adapter_name(version)
+            assert stats["sync/bytes"] == sum(t.numel() * 4 for t in tensors.values())
+            out = _gen(s.url, p, servers.lora_name)
+            assert out["meta_info"]["weight_version"] == version
+            assert (hf_logprobs(adapted, p, out["output_ids"]) - _lps(out)).abs().max() < 1e-4
+        status, body = call(s.url, "/generate", {"input_ids": p, "lora_path": adapter_name("step1")})
+        assert status == 400 and "not loaded" in body["error"]["message"]   # retired after step2 loaded
+        assert not (d / "weights" / "lora" / adapter_name("step1")).exists()
+    with ServerProcess(str(d / "base"), extra=["--enable-lora", "--weights-dir", str(d / "weights")]) as s2:
+        servers.urls = [s2.url]                          # a restarted server: the base only
+        push.push_to_restarted(0, "step2")
+        out = _gen(s2.url, p, servers.lora_name)
+        assert out["meta_info"]["weight_version"] == "step2"
+        assert (hf_logprobs(adapted, p, out["output_ids"]) - _lps(out)).abs().max() < 1e-4
