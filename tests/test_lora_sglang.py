@@ -131,6 +131,7 @@ import tests.sglang_cpu  # noqa: F401
 from sglang.srt.server_args import prepare_server_args
 a = prepare_server_args(json.load(sys.stdin))
 print(json.dumps({"enable_lora": a.enable_lora, "max_lora_rank": a.max_lora_rank, "load_format": a.load_format,
+                  "enable_memory_saver": a.enable_memory_saver, "enable_weights_cpu_backup": a.enable_weights_cpu_backup,
                   "lora_target_modules": sorted(a.lora_target_modules), "lora_paths": a.lora_paths}))
 """
 
@@ -138,7 +139,8 @@ print(json.dumps({"enable_lora": a.enable_lora, "max_lora_rank": a.max_lora_rank
 def test_adapter_push_launch_flags_parse_with_sglangs_own_server_args(tmp_path):
     """``actor.lora.push: adapter`` on the 7B LoRA recipe: SGLang's own ``prepare_server_args`` reads
     LoRA on, the adapters' rank and targets (its adapter memory pool is sized from them) and the base
-    loaded from the checkpoint (only adapters are pushed); merged pushes keep the dummy load."""
+    loaded from the checkpoint (only adapters are pushed) and, colocated, kept in host memory while
+    released (no push would restore it); merged pushes keep the dummy load."""
     from pathlib import Path
 
     from megarl.config import load_config
@@ -153,9 +155,11 @@ def test_adapter_push_launch_flags_parse_with_sglangs_own_server_args(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     a = json.loads(run.stdout.strip().splitlines()[-1])
     assert a == {"enable_lora": True, "max_lora_rank": 64, "load_format": "auto", "lora_paths": None,
+                 "enable_memory_saver": True, "enable_weights_cpu_backup": True,
                  "lora_target_modules": sorted(cfg.actor.lora.target_modules)}, a
     merged = sglang_args(load_config(recipe, []), Path("/models/x"), LaunchSpec(0, "10.0.0.1", 30000))
     assert "--enable-lora" not in merged and merged[merged.index("--load-format") + 1] == "dummy"
+    assert "--enable-weights-cpu-backup" not in merged
 
 
 def test_adapter_push_config_errors_name_the_field():

@@ -197,6 +197,8 @@ def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
         args += ["--device", "cpu"]  # SGLang's CPU backend (and the CPU conformance harness)
     elif cfg.placement.mode == "colocated":
         args.append("--enable-memory-saver")  # /release_memory_occupation while the trainer trains
+        if adapter_push(cfg):   # released base weights come back from host memory: no push restores them
+            args.append("--enable-weights-cpu-backup")
     if r.deterministic:
         args.append("--enable-deterministic-inference")  # sampling_seed honoured (batch-invariant kernels)
     if r.fp32_lm_head:
