@@ -173,7 +173,7 @@ def test_driver_adapter_push_over_both_routes(lora_setup):
     """The trainer's ``AdapterPush`` (what ``WeightSync.push`` runs with ``actor.lora.push: adapter``)
     into a real server: tensors by shared memory, then a PEFT folder (``sync.transport=disk``); each
     version under its own name, requests pointed at it, the previous one unloaded, the servers'
-    ``weight_version`` set; a restarted server gets the current adapter alone."""
+    ``weight_version`` set; a restarted server (TP2: one payload per rank) gets the current adapter alone."""
     from types import SimpleNamespace
 
     from megarl.config import load_config
@@ -203,8 +203,9 @@ def test_driver_adapter_push_over_both_routes(lora_setup):
         status, body = call(s.url, "/generate", {"input_ids": p, "lora_path": adapter_name("step1")})
         assert status == 400 and "not loaded" in body["error"]["message"]   # retired after step2 loaded
         assert not (d / "weights" / "lora" / adapter_name("step1")).exists()
-    with ServerProcess(str(d / "base"), extra=["--enable-lora", "--weights-dir", str(d / "weights")]) as s2:
-        servers.urls = [s2.url]                          # a restarted server: the base only
+    with ServerProcess(str(d / "base"), extra=["--enable-lora", "--weights-dir", str(d / "weights"),
+                                               "--tp-size", "2"]) as s2:
+        servers.urls, servers.tp_sizes = [s2.url], [2]   # a restarted server (here TP2): the base only
         push.push_to_restarted(0, "step2")
         out = _gen(s2.url, p, servers.lora_name)
         assert out["meta_info"]["weight_version"] == "step2"
