@@ -171,7 +171,7 @@ def test_unload_waits_for_the_requests_running_the_adapter(lora_setup):
 
 def test_driver_adapter_push_over_both_routes(lora_setup):
     """The trainer's ``AdapterPush`` (what ``WeightSync.push`` runs with ``actor.lora.push: adapter``)
-    into a real server: tensors by shared memory, then a PEFT folder (``sync.transport=disk``); each
+    into a real server: a PEFT folder (``sync.transport=disk``), then tensors by shared memory; each
     version under its own name, requests pointed at it, the previous one unloaded, the servers'
     ``weight_version`` set; a restarted server (TP2: one payload per rank) gets the current adapter alone."""
     from types import SimpleNamespace
@@ -189,7 +189,7 @@ def test_driver_adapter_push_over_both_routes(lora_setup):
     with ServerProcess(str(d / "base"), extra=["--enable-lora", "--weights-dir", str(d / "weights")]) as s:
         servers = SimpleNamespace(urls=[s.url], tp_sizes=[1], api_key=None, weights_dir=str(d / "weights"),
                                   lora_name=None)
-        for transport, version in (("ipc", "step1"), ("disk", "step2")):
+        for transport, version in (("disk", "step1"), ("ipc", "step2")):
             cfg = load_config(DEFAULT, ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.push=adapter",
                                         f"sync.transport={transport}"])
             push = AdapterPush(cfg, actor, servers, str(d / "base"))
@@ -200,6 +200,7 @@ def test_driver_adapter_push_over_both_routes(lora_setup):
             out = _gen(s.url, p, servers.lora_name)
             assert out["meta_info"]["weight_version"] == version
             assert (hf_logprobs(adapted, p, out["output_ids"]) - _lps(out)).abs().max() < 1e-4
+        assert call(s.url, "/get_model_info")[1]["megarl_lora_adapters"] == [adapter_name("step2")]
         status, body = call(s.url, "/generate", {"input_ids": p, "lora_path": adapter_name("step1")})
         assert status == 400 and "not loaded" in body["error"]["message"]   # retired after step2 loaded
         assert not (d / "weights" / "lora" / adapter_name("step1")).exists()
@@ -210,3 +211,6 @@ def test_driver_adapter_push_over_both_routes(lora_setup):
         out = _gen(s2.url, p, servers.lora_name)
         assert out["meta_info"]["weight_version"] == "step2"
         assert (hf_logprobs(adapted, p, out["output_ids"]) - _lps(out)).abs().max() < 1e-4
+        # the same shared tensors once more: each TP rank's read took only its own payload's reference
+        push.push("step3")
+        assert _gen(s2.url, p, adapter_name("step3"))["output_ids"] == out["output_ids"]

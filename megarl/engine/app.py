@@ -110,6 +110,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
             "megarl_tp_size": state.tp_size,
             "megarl_num_weight_updates": state.worker.receiver.num_updates,
             "megarl_weight_sessions": state.gate.opened,
+            "megarl_lora_adapters": sorted(eng.loras),   # names /generate may give as lora_path
             "megarl_stats": dict(eng.stats, cpu_s=time.process_time()),   # cpu_s: this process, all threads
         })
 

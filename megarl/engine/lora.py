@@ -111,7 +111,9 @@ def build_adapter(name: str, config: Mapping[str, Any], tensors: Mapping[str, to
         # column-parallel base (split along dim 0): B's rows split; row-parallel (dim 1): A's columns
         split = (half == "B") == (split_dim(weight) == 0)   # the half whose axis the base weight splits
         local = local_part(weight, t, model.tp_rank, model.tp_size) if split else t
-        halves.setdefault((layer, proj), {})[half] = local.to(device=model.device, dtype=model.dtype).contiguous()
+        # a copy: a payload's tensors are the sender's shared memory, never to be served from in place
+        halves.setdefault((layer, proj), {})[half] = local.to(device=model.device, dtype=model.dtype,
+                                                              copy=True).contiguous()
     adapter = Adapter(name=name, rank=r, scaling=scaling)
     for (layer, proj), ab in sorted(halves.items()):
         if set(ab) != {"A", "B"}:

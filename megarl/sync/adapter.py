@@ -31,13 +31,15 @@ def adapter_name(version: str) -> str:
 def load_from_tensors_request(lora_name: str, config_dict: dict[str, Any], tensors: dict[str, torch.Tensor],
                               tp_size: int, checksums: bool = True) -> dict[str, Any]:
     """The JSON body of ``/load_lora_adapter_from_tensors``: every TP rank gets the full adapters
-    (one payload each, the same shared tensors). CPU tensors are moved to shared memory in place:
+    (one payload each, of the same shared tensors). CPU tensors are moved to shared memory in place:
     the caller keeps ``tensors`` alive until the server has answered."""
     shared = {name: t.detach().contiguous().share_memory_() if t.device.type == "cpu" else t.detach().contiguous()
               for name, t in tensors.items()}
-    payload = dumps_b64(shared)
+    # one pickle per TP rank: pickling a shared CPU storage takes one reference on it for its reader
+    # (torch's file_system strategy), so a payload read by two ranks would drop the sender's own
+    # and the next push of the same tensors (another server, a restarted one) would find no file
     body: dict[str, Any] = {"lora_name": lora_name, "config_dict": config_dict,
-                            "serialized_named_tensors": [payload] * tp_size}
+                            "serialized_named_tensors": [dumps_b64(shared) for _ in range(tp_size)]}
     if checksums:
         body["expected_checksums"] = {name: tensor_sha256(t) for name, t in shared.items()}
     return body

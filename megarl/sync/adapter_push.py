@@ -93,8 +93,7 @@ class AdapterPush:
         return folder
 
     def _remove_folder(self, name: str) -> None:
-        if self.disk:
-            shutil.rmtree(Path(self.servers.weights_dir) / "lora" / name, ignore_errors=True)
+        shutil.rmtree(Path(self.servers.weights_dir) / "lora" / name, ignore_errors=True)
 
     def _call(self, servers: Sequence[int], fn, what: str) -> None:
         """``fn(client, server index)`` on the given servers concurrently; one error line naming each server."""
