@@ -129,8 +129,12 @@ _PARSE_LORA = r"""
 import json, sys
 import tests.sglang_cpu  # noqa: F401
 from sglang.srt.server_args import prepare_server_args
-a = prepare_server_args(json.load(sys.stdin))
-print(json.dumps({"enable_lora": a.enable_lora, "max_lora_rank": a.max_lora_rank, "load_format": a.load_format,
+argv, body = json.load(sys.stdin)
+a = prepare_server_args(argv)
+from sglang.srt.managers.io_struct import GenerateReqInput
+g = GenerateReqInput(**body)
+g.normalize_batch_and_arguments()
+print(json.dumps({"generate_lora_path": g.lora_path, "enable_lora": a.enable_lora, "max_lora_rank": a.max_lora_rank, "load_format": a.load_format,
                   "enable_memory_saver": a.enable_memory_saver, "enable_weights_cpu_backup": a.enable_weights_cpu_backup,
                   "lora_target_modules": sorted(a.lora_target_modules), "lora_paths": a.lora_paths}))
 """
@@ -150,10 +154,14 @@ def test_adapter_push_launch_flags_parse_with_sglangs_own_server_args(tmp_path):
     recipe = Path(ROOT) / "recipes" / "qwen2.5-7b-lora-grpo.yaml"
     cfg = load_config(recipe, ["actor.lora.push=adapter"])
     argv = sglang_args(cfg, Path("/models/x"), LaunchSpec(0, "10.0.0.1", 30000))
-    run = subprocess.run([sglang_cpu_python(), "-c", _PARSE_LORA], input=json.dumps(argv), capture_output=True,
+    # a batched /generate as the rollout manager sends it: one adapter name for every prompt
+    body = {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True,
+            "stream": False, "lora_path": "megarl-lora-step1"}
+    run = subprocess.run([sglang_cpu_python(), "-c", _PARSE_LORA], input=json.dumps([argv, body]), capture_output=True,
                          text=True, env=harness_env(), cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     a = json.loads(run.stdout.strip().splitlines()[-1])
+    assert a.pop("generate_lora_path") == ["megarl-lora-step1"] * 2   # SGLang applies it to each prompt
     assert a == {"enable_lora": True, "max_lora_rank": 64, "load_format": "auto", "lora_paths": None,
                  "enable_memory_saver": True, "enable_weights_cpu_backup": True,
                  "lora_target_modules": sorted(cfg.actor.lora.target_modules)}, a
