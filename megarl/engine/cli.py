@@ -8,8 +8,9 @@ MODEL is an HF-layout folder (config.json + *.safetensors [+ tokenizer files]). 
      then every rank loads its shard.
 Binds 127.0.0.1 unless --host says otherwise. The API key comes from the environment
 (`MEGARL_API_KEY`, or the variable `--api-key-env` names), never from the command line; without
-one the server runs open and says so. `/update_weights_from_disk` reads only under
-`--weights-dir` (refused when the option is not given).
+one the server runs open and says so. `/update_weights_from_disk` and `/load_lora_adapter` read
+only under `--weights-dir` (refused when the option is not given); the LoRA endpoints need
+`--enable-lora`.
 """
 from __future__ import annotations
 
