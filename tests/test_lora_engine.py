@@ -15,7 +15,7 @@ import torch
 
 from megarl.models.lora import ALL_TARGETS, LoRASpec, peft_config
 from tests.helpers.servers import ServerProcess, make_tiny_hf_model
-from tests.helpers.weights_http import call, generate, ok
+from tests.helpers.weights_http import call, ok
 from tests.test_server_tp import hf_greedy, hf_logprobs
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12], [200, 100, 50, 25, 12, 6, 3]]
