@@ -4,6 +4,7 @@ mis-named weight costs (one JSON line).
     python benchmarks/bench_fidelity.py --device cuda --dtype bfloat16            # SmolLM2-135M
     python benchmarks/bench_fidelity.py --device cpu --dtype float32 --prompts 2 --new 32
     python benchmarks/bench_fidelity.py --model /path/to/hf_folder --device cuda --dtype bfloat16
+    python benchmarks/bench_fidelity.py --device cuda --dtype bfloat16 --fp8     # + FP8 rollout (issue 26)
 
 Tokens are sampled once (temperature 1, seeded) by the embedded engine in ``--dtype``; then the
 same tokens are scored, all teacher-forced, by:
@@ -108,6 +109,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=160)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fp8", action="store_true", help="also roll out from the block-FP8 copy of the model (megarl "
+                    "convert hf-to-fp8): FP8 engine vs megatron in --dtype, the FP8-calibrated bound, misnamed weight")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -152,6 +155,8 @@ def main() -> None:
     a_name, b_name = (f"model.layers.{i}.self_attn.o_proj.weight" for i in (n // 2 - 1, n // 2))
     lp["megatron_misnamed"] = megatron_logprobs(d, dtype, dev, prompts, outs, swap={a_name: b_name, b_name: a_name})
 
+    fp8 = _fp8_scores(a, d, dev, dtype, prompts) if a.fp8 else {}
+
     flat = {k: torch.cat(v) for k, v in lp.items()}
     bound = logprob_bound(a.dtype, a.dtype)
     res = {"bench": "logprob_fidelity", "model": d, "dtype": a.dtype, "device": str(dev),
@@ -170,7 +175,44 @@ def main() -> None:
     res["correct_passes"] = res["engine_vs_megatron_mean"] <= bound.bound
     res["fp32head_correct_passes"] = res["engine_fp32head_vs_megatron_fp32head_mean"] <= bound.bound
     res["misnamed_caught"] = res["engine_vs_megatron_misnamed_mean"] > bound.bound
+    res.update(fp8)
     print(json.dumps(res), flush=True)
+
+
+def _fp8_scores(a, d, dev, dtype, prompts) -> dict:
+    """FP8 rollout: tokens sampled by the engine serving the block-FP8 copy of ``d`` (computing in
+    ``--dtype``), scored by it, by megatron in ``--dtype`` (the trainer) with the exact weights and
+    with two weights swapped; against the bound the step-0 check uses for FP8 rollout."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from megarl.algos.fidelity import logprob_bound
+    from megarl.checkpoint.fp8_convert import convert_hf_to_fp8
+    from megarl.engine.model import DecoderModel
+
+    q = tempfile.mkdtemp(prefix="fidelity_fp8_")
+    convert_hf_to_fp8(d, q, verbose=False)
+    engine = DecoderModel(AutoConfig.from_pretrained(q), device=str(dev), dtype=dtype)
+    engine.load_hf_dir(q)
+    outs = sample(engine, prompts, a.new, a.seed)
+    lp = {"engine_fp8": torch.cat(engine_logprobs(engine, prompts, outs))}
+    del engine
+    lp["megatron"] = torch.cat(megatron_logprobs(d, dtype, dev, prompts, outs))
+    n = AutoConfig.from_pretrained(d).num_hidden_layers
+    a_name, b_name = (f"model.layers.{i}.self_attn.o_proj.weight" for i in (n // 2 - 1, n // 2))
+    lp["megatron_misnamed"] = torch.cat(megatron_logprobs(d, dtype, dev, prompts, outs,
+                                                          swap={a_name: b_name, b_name: a_name}))
+    trainer = a.dtype
+    bound = logprob_bound(trainer, f"{a.dtype}+fp8_block")
+    out = {"fp8_tokens": int(lp["engine_fp8"].numel()), "fp8_bound": bound.bound, "fp8_noise_floor": bound.floor}
+    for y in ("megatron", "megatron_misnamed"):
+        diff = (lp["engine_fp8"] - lp[y]).abs()
+        out[f"engine_fp8_vs_{y}_mean"] = diff.mean().item()
+        out[f"engine_fp8_vs_{y}_max"] = diff.max().item()
+    out["fp8_correct_passes"] = out["engine_fp8_vs_megatron_mean"] <= bound.bound
+    out["fp8_misnamed_caught"] = out["engine_fp8_vs_megatron_misnamed_mean"] > bound.bound
+    return out
 
 
 if __name__ == "__main__":

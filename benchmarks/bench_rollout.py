@@ -33,6 +33,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shape", default=None, help="random-init HF model shape, e.g. qwen2.5-0.5b")
     ap.add_argument("--parity", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="GPU: also decode with the block-FP8 copy of the model "
+                    "(megarl convert hf-to-fp8), same batches, same run")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
@@ -85,6 +87,19 @@ def main():
            "embedded_tokens_per_s": a.batch * ne / te, "hf_generate_tokens_per_s": a.batch * nh / th,
            "ratio_embedded_over_hf": (a.batch * ne / te) / (a.batch * nh / th)}
     print(json.dumps(res))
+
+
+def _fp8_model(d: str, device: str, dtype):
+    """The embedded engine serving the block-FP8 copy of HF folder ``d``."""
+    from transformers import AutoConfig
+
+    from megarl.checkpoint.fp8_convert import convert_hf_to_fp8
+    from megarl.engine.model import DecoderModel
+    out = tempfile.mkdtemp(prefix="bench_rollout_fp8_")
+    convert_hf_to_fp8(d, out, verbose=False)
+    model = DecoderModel(AutoConfig.from_pretrained(out), device=device, dtype=dtype)
+    model.load_hf_dir(out)
+    return model
 
 
 def _random_hf_dir(shape: str, dtype) -> str:
@@ -142,6 +157,7 @@ def main_gpu(a):
     wbytes = sum(t.numel() * t.element_size() for t in model.params.values())
     s = model.spec
     batches = [int(b) for b in str(a.batch).split(",")]
+    model8 = _fp8_model(d, a.device, dtype) if a.fp8 else None
     g = torch.Generator().manual_seed(0)
     V = s.vocab_size
     for B in batches:
@@ -170,12 +186,23 @@ def main_gpu(a):
         run_eager()
         tx, nx = min(run_eager() for _ in range(2))
         eng.stop()
+        fp8 = {}
+        if model8 is not None:
+            eng8 = Engine(model8, max_running=B, max_len=a.prompt + a.new + 1)
+            eng8.start()
+            eng, saved = eng8, eng
+            run_engine()
+            t8, n8 = min(run_engine() for _ in range(2))
+            eng8.stop()
+            eng = saved
+            fp8 = {"fp8_embedded_tokens_per_s": n8 / t8, "ratio_fp8_over_bf16": (n8 / t8) / (ne / te),
+                   "fp8_note": "the engine computes with a dequantized bf16 copy of the FP8 weights"}
         res = {"bench": "rollout_decode", "model": name + " (random init)", "dtype": str(dtype).replace("torch.", ""),
                "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
                "batch": B, "prompt_len": a.prompt, "new_tokens": a.new, "temperature": a.temperature,
                "embedded_tokens_per_s": ne / te, "embedded_eager_tokens_per_s": nx / tx,
                "ratio_graphs_over_eager": (ne / te) / (nx / tx),
-               "graph_captures": model.graphs.captures if model.graphs is not None else 0}
+               "graph_captures": model.graphs.captures if model.graphs is not None else 0, **fp8}
         if hf is not None:
             pi = prompts.to(dev)
 

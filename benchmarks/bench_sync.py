@@ -3,6 +3,7 @@ copy of the same bytes, in one run (one JSON line).
 
     python benchmarks/bench_sync.py [--bucket-mb 16] [--transport distributed|tensor|disk] [--no-checksum|--checksum]
     python benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512 [--no-checksum]
+    python benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --fp8
 
 Checksums: the pusher's default (on for distributed/disk, off for tensor) unless --checksum /
 --no-checksum.  Timing breakdown: the best of 3 timed pushes reports this thread's pack_s /
@@ -37,6 +38,7 @@ def main():
     ap.add_argument("--transport", default="distributed")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shape", default=None)
+    ap.add_argument("--fp8", action="store_true", help="GPU: also push into a block-FP8 server (quantizing on the way)")
     ck = ap.add_mutually_exclusive_group()
     ck.add_argument("--checksum", dest="checksum", action="store_true", default=None)
     ck.add_argument("--no-checksum", dest="checksum", action="store_false")
@@ -83,14 +85,10 @@ def _phases(st) -> dict:
 
 def main_gpu(a):
     from megarl.engine.model import DecoderModel
-    from tests.helpers.servers import ServerProcess
-    from megarl.sync.push import WeightPusher
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_train import hf_config
     dev = torch.device(a.device)
     cfg = hf_config(a.shape or "qwen2.5-0.5b")
-    d = tempfile.mkdtemp(prefix="bench_sync_")
-    cfg.save_pretrained(d)
     src = DecoderModel(cfg, device=a.device, dtype=torch.bfloat16)
     named = []
     for n, t in src.params.items():
@@ -99,32 +97,20 @@ def main_gpu(a):
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     res = {"bench": "weight_sync", "shape": a.shape, "transport": a.transport, "device": torch.cuda.get_device_name(0),
            "bucket_mb": a.bucket_mb, "bytes": nbytes}
-    torch.cuda.synchronize()
-    log = os.environ.get("BENCH_SYNC_SERVER_LOG")
-    with ServerProcess(d, threads=2, extra=["--device", a.device, "--dtype", "bfloat16", "--load-format", "dummy",
-                                             "--skip-tokenizer-init", "--max-running-requests", "4",
-                                             "--context-length", "256"], log_path=log) as s:
-        try:
-            p = WeightPusher([s.url], transport=a.transport, bucket_mb=a.bucket_mb, timeout_s=120,
-                             send_checksums=a.checksum)
-            _push(p, named)  # warm-up (group setup, first allocations)
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            runs = [_push(p, named) for _ in range(3)]
-            torch.cuda.synchronize()
-            peak_extra = torch.cuda.max_memory_allocated() - base
-            p.sync_timing = True
-            synced = _push(p, named)
-            p.close()
-            st = min(runs, key=lambda r: r.seconds)
-            res.update(seconds=st.seconds, buckets=st.buckets, sync_bytes_per_s=st.bytes_per_s,
-                       checksums=p.send_checksums, phases=_phases(st),
-                       synced={"seconds": synced.seconds, **_phases(synced)},
-                       peak_extra_bytes_measured=peak_extra, peak_extra_bytes_pusher=st.peak_extra_bytes,
-                       peak_extra_over_2_buckets=peak_extra / (2 * a.bucket_mb * (1 << 20)))
-        except Exception as e:
-            res.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+    res.update(_push_into_server(a, cfg, named, None))
+    if a.fp8:
+        # the same weights into a server of the block-FP8 checkpoint: the pusher quantizes each
+        # projection on the GPU on the way (issue 26); baseline = the bf16 push above, same run
+        from megarl.engine.fp8 import QUANTIZED
+        from megarl.quant.served import BlockFp8Format
+        served = BlockFp8Format(quantized=frozenset(n for n, _ in named if n.endswith(QUANTIZED)))
+        cfg.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128]}
+        fp8 = _push_into_server(a, cfg, named, served)
+        res["fp8"] = fp8
+        if "seconds" in fp8 and "seconds" in res:
+            res["fp8_seconds_over_bf16"] = fp8["seconds"] / res["seconds"]
+            res["fp8_bytes_over_bf16"] = fp8["pushed_bytes"] / res["pushed_bytes"]
     flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(flat)
     for _ in range(3):
@@ -139,6 +125,43 @@ def main_gpu(a):
     if "sync_bytes_per_s" in res:
         res["ratio_sync_over_copy"] = res["sync_bytes_per_s"] / copy_bps
     print(json.dumps(res), flush=True)
+
+
+def _push_into_server(a, cfg, named, served) -> dict:
+    """Best of 3 pushes of ``named`` into a fresh embedded server of ``cfg`` on the same GPU."""
+    from megarl.sync.push import WeightPusher
+    from tests.helpers.servers import ServerProcess
+
+    d = tempfile.mkdtemp(prefix="bench_sync_")
+    cfg.save_pretrained(d)
+    res: dict = {}
+    torch.cuda.synchronize()
+    log = os.environ.get("BENCH_SYNC_SERVER_LOG")
+    with ServerProcess(d, threads=2, extra=["--device", a.device, "--dtype", "bfloat16", "--load-format", "dummy",
+                                             "--skip-tokenizer-init", "--max-running-requests", "4",
+                                             "--context-length", "256"], log_path=log) as s:
+        try:
+            p = WeightPusher([s.url], transport=a.transport, bucket_mb=a.bucket_mb, timeout_s=120,
+                             send_checksums=a.checksum, served=served)
+            _push(p, named)  # warm-up (group setup, first allocations)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            runs = [_push(p, named) for _ in range(3)]
+            torch.cuda.synchronize()
+            peak_extra = torch.cuda.max_memory_allocated() - base
+            p.sync_timing = True
+            synced = _push(p, named)
+            p.close()
+            st = min(runs, key=lambda r: r.seconds)
+            res.update(seconds=st.seconds, buckets=st.buckets, sync_bytes_per_s=st.bytes_per_s, pushed_bytes=st.bytes,
+                       checksums=p.send_checksums, phases=_phases(st),
+                       synced={"seconds": synced.seconds, **_phases(synced)},
+                       peak_extra_bytes_measured=peak_extra, peak_extra_bytes_pusher=st.peak_extra_bytes,
+                       peak_extra_over_2_buckets=peak_extra / (2 * a.bucket_mb * (1 << 20)))
+        except Exception as e:
+            res.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+    return res
 
 
 if __name__ == "__main__":

@@ -48,6 +48,14 @@ lora) # issue 28: Qwen2.5-7B-shaped GRPO on one H200 colocated with the embedded
       # full parameter (expected to run out of memory): peak memory per phase, merged vs adapter-only push
       run 590 python3 benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 64 --steps 3 --prompts 8
       run 590 python3 benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 0 --steps 2 --prompts 8 ;;
+fp8fid) # issue 26: FP8 rollout vs bf16 megatron on real SmolLM2 (after smollm2): |dlogprob|, FP8 bound, misnamed weight
+        run 300 python3 benchmarks/bench_fidelity.py --device cuda --dtype bfloat16 --fp8 ${SMOLLM2_HF:+--model $SMOLLM2_HF} ;;
+fp8e2e) # issue 26: GRPO on real SmolLM2 rolling out from its FP8 copy (after smollm2), bf16 trainer
+        python3 -m megarl convert hf-to-fp8 --hf $SMOLLM2_HF --out /tmp/smol_fp8 --quiet
+        run 300 python3 benchmarks/bench_e2e.py --model $SMOLLM2_HF --device cuda --steps 4 --prompts 64 --n 8 --new-tokens 40 \
+          --work /tmp/b_fp8 --set rollout.model_path=/tmp/smol_fp8 --set checkpoint.final=false ;;
+fp8rollout) run 400 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batch 1,128 --prompt 32 --new 128 --no-hf --fp8 ;;
+fp8sync) run 400 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --fp8 ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from megarl.algos import LossSettings, get_advantage_estimator, kl_reward_penalty, make_kl_controller
+from megarl.config.served import resolve_served_defaults, served_is_fp8
 from megarl.algos.fidelity import LogprobMismatch, logprob_bound, rollout_logprob_check
 from megarl.algos.metrics import batch_summary
 from megarl.checkpoint.hf_export import export_hf_folder, export_peft_adapter
@@ -99,6 +100,13 @@ class Trainer:
         (self.out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         note(f"run {cfg.name}: output in {self.out}")
         self.model_dir = resolve_hf_path(cfg.model.hf_path)
+        # what the servers serve: the same checkpoint, or a copy in another format (block FP8)
+        self.served_dir = resolve_hf_path(cfg.rollout.model_path) if cfg.rollout.model_path else self.model_dir
+        fp8_note = resolve_served_defaults(cfg, str(self.served_dir))
+        if fp8_note:
+            note(fp8_note)
+        self.logprob_bound = logprob_bound(cfg.model.dtype, rollout_dtype(cfg, served_is_fp8(str(self.served_dir))),
+                                           cfg.rollout.logprob_diff_bound)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_path)
         self.train_records = load_split(cfg.data, cfg.seed, "train")
         self.eval_records = load_split(cfg.data, cfg.seed, "eval")
@@ -116,12 +124,12 @@ class Trainer:
         cfg = self.cfg
         self.setup_data()
         placement, started = RunPlacement(cfg), time.time()
-        self.servers = servers = RolloutServers(cfg, self.model_dir, self.out / "logs", placement=placement.servers())
+        self.servers = servers = RolloutServers(cfg, self.served_dir, self.out / "logs", placement=placement.servers())
         self.groups = start_roles(cfg, placement)
         self.residency = Residency(self.groups, offload_switches(cfg, list(self.groups)), cfg.cluster.device == "cuda")
         servers.wait_healthy()
         note(f"workers and {len(servers.urls)} rollout server(s) ready in {time.time() - started:.1f}s")
-        self.weights = WeightSync(cfg, self.groups["actor"], servers, self.model_dir)
+        self.weights = WeightSync(cfg, self.groups["actor"], servers, self.served_dir)
         self.setup_rollout(servers)
         self.logger = MetricsLogger(None, cfg.trainer.total_steps, cfg.logging.progress_bar, sinks=build_sinks(cfg, self.out))
         self.source = self.make_source()

@@ -78,8 +78,8 @@ def test_offload_every_switch_is_bit_exact(layout, dense, moe, tmp_path):
 
 
 def test_critic_and_reference_offload_and_frozen_roles_hold_no_training_state(dense, tmp_path):
-    """PPO with a critic and a reference, every role's switches on: the same run as without, and
-    mid-step the offloaded storages are empty."""
+    """PPO with a critic and a reference, every role's switches on: the same run as without;
+    mid-step the offloaded storages are empty; repeated cycles restore the bytes with no growth."""
     ppo = ("algorithm.advantage=gae", "critic.enabled=true", "ref.enabled=true", "algorithm.kl.mode=reward",
            "algorithm.kl.coef=0.05", "critic.optim.lr=1e-3")
     plain = Trainer(tiny_run_config(dense, tmp_path / "plain", *COMMON, *ppo)).run()
@@ -104,6 +104,12 @@ def test_critic_and_reference_offload_and_frozen_roles_hold_no_training_state(de
         # back on the device bit for bit: the weights the servers were given equal the trainer's
         pushed = trainer.groups["actor"].call("hf_state_dict")[0]
         assert all(torch.isfinite(t).all() for t in pushed.values())
+        # 20 offload/onload cycles of every kind on the trained actor: the bytes come back exactly,
+        # the host buffers are allocated once (no growth), and the device storages are empty between
+        out = trainer.groups["actor"].call("probe", _cycle, 20)[0]
+        assert out["restored"] and out["empty_between"]
+        assert out["host_bytes"][0] == out["host_bytes"][-1] > 0
+        assert len(set(out["host_ids"])) == 1
     finally:
         trainer.close()
 
@@ -121,21 +127,6 @@ def _training_state(worker) -> dict:
     return {"optimizer": worker.optimizer is not None,
             "requires_grad": sum(p.requires_grad for c in worker.chunks for p in c.parameters()),
             "grad_buffers": sum(g.numel() for g in _grad_buffers(worker.chunks))}
-
-
-def test_offload_cycles_reuse_host_buffers_and_restore_bytes(dense, tmp_path):
-    """20 offload/onload cycles of every kind on a trained actor: the bytes come back exactly,
-    the host buffers are allocated once (no growth), and the device storages are empty between."""
-    trainer = Trainer(tiny_run_config(dense, tmp_path / "cycles", *COMMON, *switches("actor")))
-    try:
-        trainer.setup()
-        trainer.step(0)
-        out = trainer.groups["actor"].call("probe", _cycle, 20)[0]
-        assert out["restored"] and out["empty_between"]
-        assert out["host_bytes"][0] == out["host_bytes"][-1] > 0
-        assert len(set(out["host_ids"])) == 1
-    finally:
-        trainer.close()
 
 
 def _cycle(worker, n: int) -> dict:

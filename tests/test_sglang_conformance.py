@@ -69,7 +69,7 @@ for argv in json.load(sys.stdin):
                                            "load_format", "disable_radix_cache", "skip_tokenizer_init", "dtype",
                                            "enable_deterministic_inference", "enable_fp32_lm_head",
                                            "enable_memory_saver", "context_length", "host", "port",
-                                           "enable_return_routed_experts")})
+                                           "enable_return_routed_experts", "quantization")})
 print(json.dumps(out))
 """
 
@@ -99,7 +99,7 @@ def test_sglang_parses_megarl_launch_commands_for_every_multi_gpu_recipe(tmp_pat
             spec = LaunchSpec(0, "10.0.0.1", 30000, str(key_file), node, nnodes, "10.0.0.1:29500" if nnodes > 1 else None)
             cases.append(sglang_args(cfg, Path("/models/x"), spec))
             expect.append((recipe.stem, cfg.rollout.tp, nnodes, node, cfg.placement.mode == "colocated",
-                           bool(cfg.model.arch.num_experts)))
+                           bool(cfg.model.arch.num_experts), cfg.rollout.quantization == "fp8"))
             # the longest request: prompt + one response, or a whole agent trajectory (turns + observations)
             response = cfg.agent.max_response_tokens if cfg.agent.enabled else cfg.rollout.sampling.max_new_tokens
             contexts.append(cfg.rollout.max_prompt_len + response)
@@ -110,8 +110,10 @@ def test_sglang_parses_megarl_launch_commands_for_every_multi_gpu_recipe(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
     assert any(e[5] for e in expect) and not all(e[5] for e in expect), "MoE and dense recipes"
+    assert any(e[6] for e in expect), "a recipe serving block FP8 (DeepSeek-V3 colocated)"
     assert any(load_config(r, []).agent.enabled for r in (ROOT / "recipes").glob("*.yaml") if "retool" in r.stem)
-    for (recipe, tp, nnodes, node, colocated, moe), a, key, context in zip(expect, parsed, keys, contexts):
+    for (recipe, tp, nnodes, node, colocated, moe, fp8), a, key, context in zip(expect, parsed, keys, contexts):
+        assert a["quantization"] == ("fp8" if fp8 else None), recipe
         assert a["context_length"] == context, recipe
         assert a["tp_size"] == tp and a["nnodes"] == nnodes and a["node_rank"] == node, recipe
         assert a["api_key"] == key, f"{recipe}: the key comes from the --config file, never argv"

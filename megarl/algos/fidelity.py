@@ -16,6 +16,9 @@ is therefore ``margin * floor(trainer dtype, rollout dtype)``, where a pair's fl
 two sides' floors as independent errors (``sqrt(a**2 + b**2)``: bf16/bf16 = 4.2e-2, which covers
 the measured 3.7e-2; bf16/fp32 = 3.0e-2, measured 3.0e-2 and 3.1e-2).
 
+Block-FP8 rollout weights (``+fp8_block``) add their own floor, ~0.12: the bound becomes ~0.36-0.39,
+still below a swapped weight pair (0.67 on the same run).
+
 float16 was not measured: its floor is the bf16 floor scaled by the mantissa (10 bits vs 7 bits,
 1/8). Measured on random weights, floors look ~5x lower (near-uniform outputs hide the noise):
 calibrate on real weights only.
@@ -28,12 +31,20 @@ from typing import Optional
 
 import torch
 
+FP8_BLOCK_FLOOR = 0.12  # measured: see "fp8_block" below
+
 # mean |logprob difference| between an implementation in this dtype and an exact (fp32) one, on
 # real weights: the numbers above (benchmarks/bench_fidelity.py).
 NOISE_FLOOR: dict[str, float] = {
     "float32": 1e-5,
     "bfloat16": 3e-2,
     "float16": 3e-2 / 8,
+    # block-FP8 weights (e4m3, one scale per 128x128 block, `megarl convert hf-to-fp8`) against the
+    # exact weights, SmolLM2-135M-Instruct's real weights, tokens sampled from the FP8 model:
+    # fp32 compute on CPU 0.139 (468 tokens); on the H200 the FP8 engine (bf16) vs the bf16 megatron
+    # trainer 0.117 (2560 tokens; bf16 engine vs megatron 0.039 in the same run, so FP8 alone ~0.11;
+    # a swapped o_proj pair there: 0.67). bench_fidelity.py --fp8
+    "fp8_block": FP8_BLOCK_FLOOR,
 }
 # bound = DEFAULT_MARGIN * floor: headroom over the measured floor for longer sequences, other
 # models and other kernels (SGLang's), still two orders of magnitude below a wrong weight.
@@ -59,11 +70,16 @@ class LogprobBound:
 
 
 def noise_floor(trainer_dtype: str, rollout_dtype: str) -> float:
-    """Combined mean-|logprob diff| floor of two implementations in these dtypes."""
-    for name in (trainer_dtype, rollout_dtype):
-        if name not in NOISE_FLOOR:
-            raise ValueError(f"no noise floor for dtype {name!r} (known: {sorted(NOISE_FLOOR)})")
-    return math.hypot(NOISE_FLOOR[trainer_dtype], NOISE_FLOOR[rollout_dtype])
+    """Combined mean-|logprob diff| floor of two implementations in these dtypes. A side may name
+    several independent sources joined by ``+`` (``bfloat16+fp8_block``: block-FP8 weights
+    computed in bf16)."""
+    parts = []
+    for side in (trainer_dtype, rollout_dtype):
+        for name in side.split("+"):
+            if name not in NOISE_FLOOR:
+                raise ValueError(f"no noise floor for dtype {name!r} (known: {sorted(NOISE_FLOOR)})")
+            parts.append(NOISE_FLOOR[name])
+    return math.hypot(*parts)
 
 
 def logprob_bound(trainer_dtype: str, rollout_dtype: str, explicit: Optional[float] = None,

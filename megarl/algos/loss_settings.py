@@ -32,11 +32,11 @@ class LossSettings:
 
     @classmethod
     def from_algorithm(cls, algorithm: Any, max_new_tokens: int, kl_loss_coef: float = 0.0) -> "LossSettings":
-        """From ``cfg.algorithm``; ``max_new_tokens`` is the constant of ``seq-mean-token-sum-norm``
+        """From ``cfg.algorithm`` (``tis_cap`` 0 = off); ``max_new_tokens`` is the constant of ``seq-mean-token-sum-norm``
         and ``kl_loss_coef`` the controller's current value (0 unless ``kl.mode`` is ``loss``)."""
         a = algorithm
         policy = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip_c,
-                                  agg_mode=a.loss_agg, tis_cap=a.tis_cap, norm_len=float(max_new_tokens))
+                                  agg_mode=a.loss_agg, tis_cap=a.tis_cap or None, norm_len=float(max_new_tokens))
         return cls(policy_loss=a.policy_loss, policy=policy, entropy_coef=a.entropy_coef,
                    kl_loss_coef=kl_loss_coef if a.kl.mode == "loss" else 0.0, kl_estimator=a.kl.estimator,
                    value_clip=a.value_clip)

@@ -3,6 +3,7 @@
     megarl convert hf-to-megatron --hf DIR --out DIR [--tp 2 --pp 1 --ep 1 --etp 1 --vpp N --dtype bf16]
     megarl convert megatron-to-hf --ckpt DIR --out DIR [--hf-config DIR --tp 1 --pp 1 --ep 1]
     megarl convert lora-to-peft --ckpt RUN/checkpoints/step_N --out DIR [--merged DIR] [--run-config FILE]
+    megarl convert hf-to-fp8 --hf DIR --out DIR [--scale-fmt fp32|ue8m0]
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import List, Optional
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megarl convert", description="HF <-> megatron checkpoints")
+    p = argparse.ArgumentParser(prog="megarl convert", description="HF <-> megatron checkpoints, LoRA -> PEFT, HF -> block FP8")
     sub = p.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("hf-to-megatron", help="HF safetensors folder -> megatron torch_dist")
     a.add_argument("--hf", required=True, help="HF folder (config.json + *.safetensors)")
@@ -28,6 +29,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output PEFT adapter folder")
     c.add_argument("--merged", default=None, help="also write the merged HF model here")
     c.add_argument("--run-config", default=None, help="the run's config.json (default: RUN/config.json)")
+    d = sub.add_parser("hf-to-fp8", help="HF folder -> block-FP8 HF folder (DeepSeek-V3 format) for FP8 rollout")
+    d.add_argument("--hf", required=True, help="HF folder (config.json + *.safetensors), bf16/fp32")
+    d.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    d.add_argument("--scale-fmt", default="fp32", choices=["fp32", "ue8m0"],
+                   help="fp32: amax/448 per block (DeepSeek-V3); ue8m0: rounded up to a power of two (DeepGEMM)")
+    d.add_argument("--quiet", action="store_true")
     for s in (a, b):
         s.add_argument("--tp", type=int, default=1, help="tensor parallel ranks used to convert")
         s.add_argument("--pp", type=int, default=1, help="pipeline stages used to convert")
@@ -48,7 +55,11 @@ def convert_main(argv: Optional[List[str]] = None) -> int:
     from .convert import convert_hf_to_megatron, convert_megatron_to_hf
     from .manifest import CheckpointVerificationError
     try:
-        if args.direction == "lora-to-peft":
+        if args.direction == "hf-to-fp8":
+            from .fp8_convert import convert_hf_to_fp8
+
+            convert_hf_to_fp8(args.hf, args.out, args.scale_fmt, verbose=not args.quiet)
+        elif args.direction == "lora-to-peft":
             from .lora_export import convert_lora_to_peft
 
             n = convert_lora_to_peft(args.ckpt, args.out, args.merged, args.run_config)

@@ -180,6 +180,12 @@ class RolloutConfig:
     tp: int = opt(1, "tensor-parallel size of one rollout server")
     num_servers: int = opt(1, "rollout servers; with GPUs: gpus / tp")
     server_urls: list[str] = opt([], "use already running servers instead of starting them")
+    model_path: Optional[str] = opt(None, "checkpoint the rollout servers serve, when not model.hf_path: e.g. a block "
+                                    "FP8 copy made by `megarl convert hf-to-fp8` (every push is then quantized to its "
+                                    "format, and TIS is on by default); null = model.hf_path")
+    quantization: Optional[Literal["none", "fp8"]] = opt(None, "the served checkpoint's weight format for `megarl "
+                                                         "plan` (fp8: block FP8, 1 byte per projection weight); "
+                                                         "null = read from rollout.model_path's config.json")
     server_tp: list[int] = opt([], "per-server TP sizes, one per server (rollout.server_urls, or the num_servers "
                                "megarl starts; e.g. [1, 2]); empty: every server has rollout.tp")
     n_per_prompt: int = opt(8, "samples per prompt (group size)")
@@ -266,7 +272,8 @@ class AlgorithmConfig:
     lam: float = opt(1.0, "GAE lambda")
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
     value_clip: float = opt(0.2, "critic value clipping range")
-    tis_cap: Optional[float] = opt(None, "truncated importance sampling cap for rollout/train mismatch (None = off)")
+    tis_cap: Optional[float] = opt(None, "truncated importance sampling cap for rollout/train mismatch; null = off, "
+                                   "or 2.0 when the servers serve block FP8 (rollout.model_path); 0 = off")
     routing_replay: Literal["none", "rollout"] = opt("none", "MoE routing replay (R3): rollout = the actor's router "
                                                     "uses the experts the rollout chose for every token, in the "
                                                     "old-logprob and training passes (gates still trained); none = "

@@ -307,8 +307,8 @@ def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"algorithm.clip_high: must be > 0, got {a.clip_high}")
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:
         problems.append(f"algorithm.dual_clip_c: must be > 1, got {a.dual_clip_c}")
-    if a.tis_cap is not None and a.tis_cap <= 0:
-        problems.append(f"algorithm.tis_cap: must be > 0, got {a.tis_cap}")
+    if a.tis_cap is not None and a.tis_cap < 0:
+        problems.append(f"algorithm.tis_cap: must be > 0 (0 = off), got {a.tis_cap}")
     if not 0 <= a.gamma <= 1:
         problems.append(f"algorithm.gamma: must be in [0, 1], got {a.gamma}")
     if not 0 <= a.lam <= 1:
@@ -479,6 +479,10 @@ def _check_paths(cfg: RunConfig, problems: list[str]) -> None:
         path = getattr(cfg, name).model_path
         if getattr(cfg, name).enabled and path and not path.startswith("builtin:") and hf_config_path(path) is None:
             problems.append(f"{name}.model_path: no config.json in {path!r}")
+    from megarl.config.served import served_problems
+
+    trained = hf_config_path(hf)
+    problems.extend(served_problems(cfg, json.loads(trained.read_text()) if trained else None))
     if cfg.agent.enabled:
         for mount in sandbox_mounts(cfg.agent.env_args):
             if os.path.isabs(mount) and not os.path.exists(mount):

@@ -37,6 +37,10 @@ import torch.nn.functional as F
 
 from megarl.wire.numerics import fp32_logits
 
+from megarl.quant.fp8_block import quantize_block_fp8
+from megarl.quant.served import block_fp8_settings
+
+from .fp8 import FP8_KEY, SCALE_KEY, Fp8Store, split_scale_name
 from .graphs import DecodeGraphs
 from .lora import Adapter, lora_delta
 from .shard import local_part, local_shape
@@ -162,6 +166,11 @@ class DecoderModel:
         self.inv_freq = inv.to(self.device)
         self.params: Dict[str, torch.Tensor] = {}
         self.full_shapes = self._shapes()   # internal name -> FULL shape (as in the HF checkpoint)
+        # a block-FP8 checkpoint (config.json quantization_config): FP8 bytes + scales as served,
+        # dequantized into the compute weights once after they change (fp8.py)
+        fp8 = block_fp8_settings(hf_config)
+        self.fp8: Optional[Fp8Store] = Fp8Store(self.full_shapes, fp8[0], tp_rank, tp_size) if fp8 else None
+        self._dequantize_pending = False
         self._flat: Optional[torch.Tensor] = None          # every parameter's bytes (params are views)
         self._layout: Dict[str, Tuple[int, torch.dtype, Tuple[int, ...]]] = {}
         self._alloc()
@@ -229,11 +238,13 @@ class DecoderModel:
 
     def _alloc(self):
         """Every parameter as a view into one zeroed byte buffer (256-byte aligned slices)."""
+        entries = [(n, tuple(local_shape(n, shp, self.tp_rank, self.tp_size)), self.dtype)
+                   for n, shp in self.full_shapes.items()]
+        entries += self.fp8.entries() if self.fp8 is not None else []
         off = 0
-        for n, shp in self.full_shapes.items():
-            local = tuple(local_shape(n, shp, self.tp_rank, self.tp_size))
-            self._layout[n] = (off, self.dtype, local)
-            off += -(-math.prod(local) * self.dtype.itemsize // 256) * 256
+        for n, local, dtype in entries:
+            self._layout[n] = (off, dtype, local)
+            off += -(-math.prod(local) * dtype.itemsize // 256) * 256
         self._flat = torch.zeros(off, dtype=torch.uint8, device=self.device)
         self._carve(self._flat)
 
@@ -252,10 +263,36 @@ class DecoderModel:
                     out[f"{base}.{e}.{proj}.weight"] = tuple(shp[1:])
             else:
                 out[n] = tuple(shp)
+        if self.fp8 is not None:
+            out.update({name + "_scale_inv": self.hf_shape(name + "_scale_inv") for name in list(out)
+                        if self._internal(name) is not None and self.fp8.is_quantized(self._internal(name))})
         return out
+
+    def _internal(self, name: str) -> Optional[str]:
+        """The internal parameter an HF weight name belongs to (stacked experts: the stack)."""
+        if name in self.full_shapes:
+            return name
+        m = _EXPERT_RE.match(name)
+        return f"{m.group(1)}.{m.group(4)}" if m and f"{m.group(1)}.{m.group(4)}" in self.full_shapes else None
+
+    def _fp8_part(self, name: str) -> Optional[Tuple[str, str]]:
+        """(internal name, FP8_KEY or SCALE_KEY) when HF name ``name`` is stored as FP8 bytes or a
+        scale grid; None for every other name (and every name of an unquantized model)."""
+        if self.fp8 is None:
+            return None
+        weight = split_scale_name(name)
+        internal = self._internal(weight or name)
+        if internal is None or not self.fp8.is_quantized(internal):
+            return None
+        return internal, SCALE_KEY if weight else FP8_KEY
 
     def hf_shape(self, name: str) -> Optional[Tuple[int, ...]]:
         """Full HF shape of checkpoint name `name`, or None if the model has no such weight."""
+        part = self._fp8_part(name) if name.endswith("_scale_inv") else None
+        if part is not None:
+            return self.fp8.hf_scale_shape(part[0])
+        if name.endswith("_scale_inv"):
+            return None
         shp = self.full_shapes.get(name)
         if shp is not None:
             return tuple(shp)
@@ -268,7 +305,15 @@ class DecoderModel:
 
     def target(self, name: str) -> Optional[torch.Tensor]:
         """This rank's tensor (a view for one expert) that HF name `name` loads into, or None if
-        unknown. `lm_head.weight` of a tied model is skipped, as sglang does (`is_ignored`)."""
+        unknown. `lm_head.weight` of a tied model is skipped, as sglang does (`is_ignored`).
+        A block-FP8 model's quantized weights load into their FP8 bytes and scale grids."""
+        part = self._fp8_part(name)
+        if part is not None:
+            stored = self.params[part[0] + part[1]]
+            m = _EXPERT_RE.match(split_scale_name(name) or name)
+            return stored[int(m.group(3))] if m else stored
+        if name.endswith("_scale_inv"):
+            return None
         t = self.params.get(name)
         if t is not None:
             return t
@@ -285,7 +330,19 @@ class DecoderModel:
         dst = self.target(name)
         if dst is None:
             raise KeyError(f"unknown weight name {name!r}")
+        if name.endswith("_scale_inv"):
+            return dst, full       # every rank holds the whole (small) scale grid
         return dst, local_part(name, full, self.tp_rank, self.tp_size)
+
+    def mark_weights_changed(self) -> None:
+        """Weights were written (a push, a load): FP8 weights are dequantized before the next
+        forward. A no-op for unquantized models."""
+        self._dequantize_pending = self.fp8 is not None
+
+    def _dequantize_if_pending(self) -> None:
+        if self._dequantize_pending:
+            self.fp8.dequantize(self.params)
+            self._dequantize_pending = False
 
     def is_ignored(self, name: str) -> bool:
         return self.spec.tie_word_embeddings and name == "lm_head.weight"
@@ -307,6 +364,7 @@ class DecoderModel:
             dst, src = self.place(name, t)
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
             seen.append(name)
+        self.mark_weights_changed()
         return seen
 
     def init_dummy(self, seed: int) -> None:
@@ -314,9 +372,15 @@ class DecoderModel:
         whatever the TP size (each rank keeps its slice), so a TP-N dummy server equals TP-1."""
         g = torch.Generator(device=self.device).manual_seed(seed)
         for name, shp in sorted(self.hf_names().items()):
+            if name.endswith("_scale_inv"):
+                continue           # made with its weight below
             full = torch.empty(shp, dtype=torch.float32, device=self.device)
             full.normal_(0.0, 0.02, generator=g) if len(shp) > 1 else full.fill_(1.0)
-            self.load_state([(name, full)])
+            if self._fp8_part(name) is not None:
+                q, scale = quantize_block_fp8(full, self.fp8.block)
+                self.load_state([(name, q), (name + "_scale_inv", scale)])
+            else:
+                self.load_state([(name, full)])
 
     def offload_weights(self) -> None:
         """Move the weights to host memory (`/release_memory_occupation` of "weights") and give the
@@ -575,6 +639,7 @@ class DecoderModel:
         ``seqs[u]`` takes positions ``starts[u]...`` of its row, whose positions before that were
         already filled (copied from a row holding the same prefix). fp32 logits ``[U, V]`` of each
         sequence's last token (None on TP ranks > 0)."""
+        self._dequantize_if_pending()
         U = len(seqs)
         lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
         T = int(lens.max())
@@ -614,6 +679,7 @@ class DecoderModel:
         """``loras``: each row's adapter name (None: the base; any adapter: no CUDA graph). One step for the B running rows ``[0, B)``: token b sits at ``positions[b]`` of row b.
         fp32 logits ``[B, V]`` (None on TP ranks > 0); with CUDA graphs a view of the graph's
         output, valid until the next step."""
+        self._dequantize_if_pending()
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
         if self.use_cuda_graphs and not self.spec.moe_layers and not (loras and any(loras)):
@@ -649,6 +715,7 @@ class DecoderModel:
     def forward_full(self, ids: List[int], lora: Optional[str] = None) -> Optional[torch.Tensor]:
         """Logits [T, V] over a whole sequence, without the cache (None on TP ranks > 0), with adapter
         ``lora`` if given.  For tests and prompt logprobs."""
+        self._dequantize_if_pending()
         T = len(ids)
         t = torch.tensor(ids, dtype=torch.long, device=self.device)[None]
         pos = torch.arange(T, device=self.device)[None]

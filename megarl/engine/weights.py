@@ -256,6 +256,7 @@ class WeightReceiver:
         for d in devs:
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
+        self.model.mark_weights_changed()
         self.num_updates += 1
         return len(pairs)
 

@@ -33,7 +33,7 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"    {'':<13}stage {r.stage}, {r.params_on_gpu / 1e9:.3f}B params on it; {note}")
     ro = plan.rollout
     lines.append("")
-    lines.append(f"  Rollout: {ro.servers} server(s) x tp{ro.tp}: weights {ro.weights / GIB:.2f} GiB/GPU, "
+    lines.append(f"  Rollout: {ro.servers} server(s) x tp{ro.tp}: weights ({ro.weight_format}) {ro.weights / GIB:.2f} GiB/GPU, "
                  f"KV {ro.kv_per_token / 1024:.1f} KiB/token/GPU, needed {ro.kv_needed / GIB:.2f} GiB "
                  f"(max_running_requests x {ro.seq_len} tokens), available {ro.kv_available / GIB:.2f} GiB "
                  f"-> {ro.concurrent_at_full_length} full-length sequences")

@@ -76,6 +76,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from megarl.config.loader import ConfigError
+from megarl.config.served import rollout_is_fp8
 from megarl.config.schema import ModelArch, RoleConfig, RunConfig
 from megarl.config.validate import dp_size, max_sequence_len
 from megarl.planning.offload import offload_that_fits
@@ -181,6 +182,7 @@ class RolloutPlan:
     reserved: int               # mem_fraction * GPU (what SGLang takes), or weights + KV on CPU
     seq_len: int
     concurrent_at_full_length: int
+    weight_format: str = "bfloat16"   # the servers' weights: the model dtype, or fp8 (block FP8)
     notes: list[str] = field(default_factory=list)
 
 
@@ -381,7 +383,15 @@ def plan_rollout(cfg: RunConfig, mp: ModelParams, device: Optional[int]) -> Roll
     arch = cfg.model.arch
     tp = max(r.tp, 1)
     w = weight_bytes(cfg.model.dtype)
-    weights = math.ceil(mp.total * w / tp)
+    fp8 = rollout_is_fp8(cfg)
+    if fp8:
+        # block FP8 (rollout.model_path / rollout.quantization): the attention and MLP projections
+        # (experts too) at 1 byte + one fp32 scale per 128x128 block; norms, router, embedding and
+        # LM head in the model dtype
+        projections = sum(l.attention + l.mlp + l.experts for l in mp.layers)
+        weights = math.ceil((projections * (1 + 4 / 128 ** 2) + (mp.total - projections) * w) / tp)
+    else:
+        weights = math.ceil(mp.total * w / tp)
     if is_mla(arch):
         kv_tok = arch.num_layers * (arch.kv_lora_rank + MLA_QK_ROPE) * w
     else:
@@ -397,7 +407,8 @@ def plan_rollout(cfg: RunConfig, mp: ModelParams, device: Optional[int]) -> Roll
         available = reserved - weights
     servers = max(r.num_servers, 1)
     gpus = r.gpus or tp * servers
-    return RolloutPlan(gpus=gpus, tp=tp, servers=servers, weights=weights, kv_per_token=kv_tok,
+    return RolloutPlan(gpus=gpus, tp=tp, servers=servers, weights=weights, weight_format="fp8" if fp8 else str(cfg.model.dtype),
+                       kv_per_token=kv_tok,
                        kv_needed=needed, kv_available=available, reserved=reserved, seq_len=seq,
                        concurrent_at_full_length=max(available, 0) // max(kv_tok * seq, 1))
 

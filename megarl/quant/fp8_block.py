@@ -49,8 +49,19 @@ def quantize_block_fp8(w: torch.Tensor, block: int = BLOCK,
 
 
 def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK,
-                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Inverse of `quantize_block_fp8` up to FP8 rounding: each block times its scale."""
+                         dtype: torch.dtype = torch.bfloat16, row0: int = 0, col0: int = 0,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `quantize_block_fp8` up to FP8 rounding: each block times its scale.
+
+    ``q`` may be a slice of the quantized matrix starting at (``row0``, ``col0``) while
+    ``scale_inv`` is the FULL matrix's scale grid (a tensor-parallel rank's shard of a weight whose
+    shard edges need not fall on block edges). ``out``: write there (same shape) instead of
+    allocating."""
     m, n = q.shape
-    s = scale_inv.repeat_interleave(block, 0)[:m].repeat_interleave(block, 1)[:, :n]
-    return (q.float() * s).to(dtype)
+    rows = torch.arange(row0, row0 + m, device=q.device) // block
+    cols = torch.arange(col0, col0 + n, device=q.device) // block
+    s = scale_inv.float().index_select(0, rows).index_select(1, cols)
+    w = q.float() * s
+    if out is None:
+        return w.to(dtype)
+    return out.copy_(w)

@@ -176,6 +176,19 @@ class LaunchSpec:
     tp_size: int = 0            # this server's TP size (0: rollout.tp)
 
 
+def served_quantization(cfg: Any, model_dir: Path) -> Optional[str]:
+    """SGLang's ``--quantization`` for the served checkpoint: ``rollout.quantization`` when set, else
+    its config.json's quant_method, if any."""
+    declared = cfg.rollout.quantization
+    if declared is not None:
+        return None if declared == "none" else declared
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    q = json.loads(path.read_text()).get("quantization_config") or {}
+    return q.get("quant_method")
+
+
 def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
     """`sglang.launch_server` flags for one process of server `spec.index` (tested against
     SGLang 0.5.23's own argument parser: tests/test_sglang_conformance.py)."""
@@ -205,6 +218,9 @@ def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
         args.append("--enable-fp32-lm-head")
     if wants_routed_experts(cfg):
         args.append("--enable-return-routed-experts")  # R3: meta_info.routed_experts per request
+    quantization = served_quantization(cfg, model_dir)
+    if quantization:
+        args += ["--quantization", quantization]   # the served checkpoint's own (block FP8: "fp8")
     if spec.nnodes > 1:
         args += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
                  "--dist-init-addr", str(spec.dist_init_addr)]
@@ -261,9 +277,12 @@ def wants_routed_experts(cfg: Any) -> bool:
     return bool(cfg.model.arch.num_experts) if flag is None else bool(flag)
 
 
-def rollout_dtype(cfg: Any) -> str:
-    """The rollout servers' dtype: fp32 on CPU (as the trainer there); the trainer's dtype on GPU."""
-    return "float32" if cfg.cluster.device == "cpu" else str(cfg.model.dtype)
+def rollout_dtype(cfg: Any, fp8_weights: bool = False) -> str:
+    """The rollout servers' dtype: fp32 on CPU (as the trainer there); the trainer's dtype on GPU.
+    ``fp8_weights``: the label of the step-0 check's noise floor gains ``+fp8_block`` (block-FP8
+    weights computed in that dtype; ``megarl.algos.fidelity``)."""
+    dtype = "float32" if cfg.cluster.device == "cpu" else str(cfg.model.dtype)
+    return dtype + "+fp8_block" if fp8_weights else dtype
 
 
 def default_command(engine: str) -> list[str]:

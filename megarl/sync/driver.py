@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megarl.metrics_log import note
+from megarl.quant.served import read_served_format
 from megarl.rollout.launch import adapter_push
 from megarl.sync.adapter_push import AdapterPush
 from megarl.sync.colocated import ipc_groups_for
@@ -21,6 +22,7 @@ from megarl.wire.versions import INIT_TAG
 
 class WeightSync:
     def __init__(self, cfg: Any, actor: Any, servers: Any, model_dir: str):
+        """``model_dir``: the checkpoint the servers serve (its names and weight format)."""
         self.cfg, self.actor, self.servers, self.model_dir = cfg, actor, servers, str(model_dir)
         self.version = INIT_TAG          # the tag the servers hold
         self.groups: Optional[list] = None   # (update group, master) of the last push, for the log line
@@ -33,12 +35,13 @@ class WeightSync:
         """Where and how this run's weights go (the servers' current URLs)."""
         cfg = self.cfg
         transport = run_transport(cfg)
+        names = checkpoint_names(self.model_dir)
         return PushTarget(urls=tuple(self.servers.urls), server_tp_sizes=tuple(self.servers.tp_sizes),
                           transport=transport, backend="nccl" if cfg.cluster.device == "cuda" else "gloo",
                           bucket_mb=cfg.sync.bucket_mb, verify_checksum=cfg.sync.verify_checksum,
                           disk_dir=str(self.servers.weights_dir), api_key=self.servers.api_key,
-                          timeout_s=cfg.rollout.request_timeout_s, known_names=checkpoint_names(self.model_dir),
-                          ipc_groups=self._ipc_groups(transport))
+                          timeout_s=cfg.rollout.request_timeout_s, known_names=names,
+                          ipc_groups=self._ipc_groups(transport), served=read_served_format(self.model_dir, names))
 
     def _ipc_groups(self, transport: str) -> Optional[tuple]:
         """Colocated tensor transport into servers megarl started on the actor's own bundles: which

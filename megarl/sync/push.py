@@ -60,6 +60,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from megarl.quant.served import BlockFp8Format
 from megarl.rollout.client import LoopThread, RequestFailed, SGLangClient
 from megarl.wire import flattened as wire
 from megarl.wire.checksum import checksum
@@ -137,7 +138,8 @@ class WeightPusher:
                  disk_dir: Optional[str] = None, hf_config_dir: Optional[str] = None,
                  send_checksums: Optional[bool] = None, timeout_s: float = 600.0, sync_timing: bool = False,
                  api_key: Optional[str] = None, tensor_payloads: Optional["PayloadFn"] = None,
-                 tensor_format: Optional[str] = FLATTENED_BUCKET, known_names: Optional[Collection[str]] = None):
+                 tensor_format: Optional[str] = FLATTENED_BUCKET, known_names: Optional[Collection[str]] = None,
+                 served: Optional[BlockFp8Format] = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "disk" and not disk_dir:
@@ -169,6 +171,9 @@ class WeightPusher:
         # any byte is sent -- SGLang 0.5.23 does not catch a load error on the tensor path and its
         # scheduler dies with it
         self.known_names = None if known_names is None else frozenset(known_names) | {"lm_head.weight"}
+        # the served checkpoint's weight format (block FP8: quantized here, on the sending rank,
+        # bucket by bucket; None: the trainer's tensors as they are)
+        self.served = served
         self.timeout_s = timeout_s
         self.pg = None
         # a distributed push failed: the group may hold a half-done broadcast (gloo may even have
@@ -293,6 +298,8 @@ class WeightPusher:
                 shutil.rmtree(self.disk_dir)
             os.makedirs(self.disk_dir)
             self._disk_sums = {}
+        if self.served is not None:
+            named = self.served.stream(named)
         send = {"distributed": self._send_dist, "tensor": self._send_tensor, "disk": self._send_disk}[self.transport]
         it = iter_buckets(named, self.bucket_bytes, buffers=1 if self.transport == "disk" else 2,
                           with_checksum=self.send_checksums,

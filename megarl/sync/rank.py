@@ -33,6 +33,9 @@ class PushTarget:
     # colocated tensor transport: per server, the trainer ranks on its TP ranks' GPUs (TP order);
     # each of them hands its own GPU's copy (megarl.sync.colocated). None: the sender rank's memory.
     ipc_groups: Optional[tuple] = None
+    # the served checkpoint's weight format (megarl.quant.served): block FP8 is quantized on the
+    # sending rank; None = the trainer's dtype
+    served: Any = None
 
 
 def checkpoint_names(hf_dir: str) -> Optional[frozenset]:
@@ -119,7 +122,7 @@ class RankSender:
                 [target.urls[fan.server]] if mine else [], transport="tensor", bucket_mb=target.bucket_mb,
                 server_tp_sizes=[target.server_tp_sizes[fan.server]] if mine else [],
                 send_checksums=target.verify_checksum, api_key=target.api_key, timeout_s=target.timeout_s,
-                known_names=target.known_names, tensor_payloads=fan.payloads)
+                known_names=target.known_names, tensor_payloads=fan.payloads, served=target.served)
 
         if only is None and self.pusher is None:
             self.pusher = pusher_for(None)
@@ -146,7 +149,7 @@ def _stage_pusher(target: PushTarget, group_name: str) -> WeightPusher:
                           backend=target.backend, group_name=group_name,
                           server_tp_sizes=list(target.server_tp_sizes), send_checksums=target.verify_checksum,
                           disk_dir=disk_dir, api_key=target.api_key, timeout_s=target.timeout_s,
-                          known_names=target.known_names)
+                          known_names=target.known_names, served=target.served)
     try:
         pusher.connect()
     except Exception as e:

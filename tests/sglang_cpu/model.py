@@ -49,6 +49,7 @@ class HarnessModel(torch.nn.Module):
             if self._record:
                 arrived[name] = [str(tensor.dtype).replace("torch.", ""), tensor_digest(tensor)]
         self.num_loads += 1
+        self.decoder.mark_weights_changed()   # a block-FP8 model recomputes its dequantized weights
         if self._record and arrived:
             os.makedirs(self._record, exist_ok=True)
             with open(os.path.join(self._record, f"rank{self.tp_rank}.jsonl"), "a") as f:

@@ -1,0 +1,146 @@
+"""``megarl convert hf-to-fp8``: an HF checkpoint as a block-FP8 checkpoint (DeepSeek-V3's format).
+
+Why: FP8 rollout halves the servers' weight memory and runs their GEMMs on FP8 tensor cores, but only
+DeepSeek-V3 ships that way. Converting Qwen/Llama the same way lets any recipe serve its rollout in
+FP8 (``rollout.model_path``) while the trainer keeps bf16; every weight push is then quantized to
+this checkpoint's format (``megarl.quant.served``).
+
+What is quantized: the 2-D linear weights of the attention and MLP blocks (``model.layers.N.
+self_attn.*`` / ``mlp.*``, experts included), as ``float8_e4m3fn`` plus ``X.weight_scale_inv``, one
+fp32 scale per 128x128 block (dims that are not a multiple of 128 get a padded tail block, as
+SGLang's loader expects). Norms, biases, embeddings, the LM head and MoE router gates stay as they
+are. ``config.json`` gains ``quantization_config = {quant_method: fp8, fmt: e4m3,
+activation_scheme: dynamic, weight_block_size: [128, 128]}`` (plus ``scale_fmt: ue8m0`` for
+power-of-two scales). The output is written to a temporary folder and published whole.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megarl.quant.fp8_block import BLOCK, quantize_block_fp8
+
+from .atomic import replace_dir
+
+_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+)\.weight$")
+SCALE_FORMATS = ("fp32", "ue8m0")
+
+
+def quantizes(name: str, shape: tuple) -> bool:
+    """Whether ``hf-to-fp8`` stores this tensor in FP8: a 2-D attention/MLP projection weight, not a
+    norm and not a router gate."""
+    m = _LINEAR.match(name)
+    if m is None or len(shape) != 2:
+        return False
+    module = m.group(2)
+    leaf = module.rsplit(".", 1)[-1]
+    return "norm" not in leaf and not leaf.endswith("gate") and leaf != "gate"
+
+
+def quantization_config(scale_format: str) -> dict:
+    cfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
+    if scale_format == "ue8m0":
+        cfg["scale_fmt"] = "ue8m0"
+    return cfg
+
+
+def _check(src: Path, out: Path, scale_format: str) -> dict:
+    """Everything that can be refused, before any tensor is read or written."""
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"--scale-fmt: {scale_format!r} not in {SCALE_FORMATS}")
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"--hf: no config.json in {src}")
+    config = json.loads(cfg_path.read_text())
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method")
+        raise ValueError(f"{cfg_path}: quantization_config: already quantized ({method!r}); convert the "
+                         f"high-precision checkpoint")
+    if not sorted(src.glob("*.safetensors")):
+        raise FileNotFoundError(f"--hf: no *.safetensors in {src}")
+    if out.resolve() == src.resolve():
+        raise ValueError("--out: must differ from --hf (the source is kept)")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out: {out} exists and is not empty (nothing is overwritten)")
+    return config
+
+
+def convert_hf_to_fp8(hf_dir: str, out_dir: str, scale_format: str = "fp32", verbose: bool = True) -> dict:
+    """Write the block-FP8 copy of ``hf_dir`` to ``out_dir``; returns counts and bytes."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, out = Path(hf_dir).expanduser(), Path(out_dir).expanduser()
+    config = _check(src, out, scale_format)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    stats = {"quantized": 0, "kept": 0, "bytes_in": 0, "bytes_out": 0}
+    weight_map: dict = {}
+    files = sorted(src.glob("*.safetensors"))
+    try:
+        for k, path in enumerate(files):
+            tensors: dict = {}
+            with safe_open(str(path), framework="pt") as fh:
+                for name in fh.keys():
+                    t = fh.get_tensor(name)
+                    stats["bytes_in"] += t.numel() * t.element_size()
+                    if quantizes(name, tuple(t.shape)):
+                        q, s = quantize_block_fp8(t, BLOCK, scale_format)  # type: ignore[arg-type]
+                        tensors[name], tensors[name + "_scale_inv"] = q, s
+                        stats["quantized"] += 1
+                    else:
+                        tensors[name] = t.contiguous()
+                        stats["kept"] += 1
+            save_file(tensors, str(tmp / path.name), metadata={"format": "pt"})
+            stats["bytes_out"] += sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map.update({n: path.name for n in tensors})
+            if verbose:
+                print(f"[megarl.convert] {k + 1}/{len(files)} {path.name}: {stats['quantized']} weights in FP8 so far",
+                      flush=True)
+        for extra in src.iterdir():
+            if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name not in (
+                    "config.json", "model.safetensors.index.json"):
+                shutil.copy2(extra, tmp / extra.name)
+        config["quantization_config"] = quantization_config(scale_format)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if len(files) > 1 or (src / "model.safetensors.index.json").exists():
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": stats["bytes_out"]}, "weight_map": dict(sorted(weight_map.items()))},
+                indent=2))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            out.rmdir()        # empty (checked above)
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if verbose:
+        print(f"[megarl.convert] wrote {out}: {stats['quantized']} weights in FP8 (+ scales), {stats['kept']} kept; "
+              f"{stats['bytes_in'] / 1e9:.2f} GB -> {stats['bytes_out'] / 1e9:.2f} GB", flush=True)
+    return stats
+
+
+def read_quantized(hf_dir: str, names: Optional[list] = None) -> dict:
+    """Dequantized (fp32) tensors of a block-FP8 folder, by name (tests, inspection)."""
+    from safetensors import safe_open
+
+    from megarl.quant.fp8_block import dequantize_block_fp8
+
+    out: dict = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            keys = set(fh.keys())
+            for name in keys:
+                if name.endswith("_scale_inv") or (names is not None and name not in names):
+                    continue
+                t = fh.get_tensor(name)
+                if name + "_scale_inv" in keys:
+                    t = dequantize_block_fp8(t, fh.get_tensor(name + "_scale_inv"), dtype=torch.float32)
+                out[name] = t
+    return out
