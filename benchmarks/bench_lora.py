@@ -14,12 +14,14 @@ otherwise a reference role). Every phase of every step records
 and the line reports the per-phase maxima over steps, the trainable parameter count, the merged
 push's bytes/seconds (the trainer's own ``sync/*`` metrics) and the adapter-only push's bytes and
 sender-side seconds (gather the adapters in PEFT names + build the ``/load_lora_adapter_from_tensors``
-body with per-TP-rank payloads and sha256 checksums; the server side is not timed: the embedded
-engine does not serve adapters). An out-of-memory error is reported as ``"oom"`` with the phase it
+body with per-TP-rank payloads and sha256 checksums). With ``--push adapter`` the run itself pushes
+adapters only (``actor.lora.push=adapter``: the embedded engine loads each version), so the
+``sync/*`` metrics then time the whole adapter push, server side included. An out-of-memory error is reported as ``"oom"`` with the phase it
 hit, which is the expected full-parameter result for the 7B shape on one H200.
 
     python benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 64
     python benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 0
+    python benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 64 --push adapter
     python benchmarks/bench_lora.py --shape tiny --tokenizer DIR --device cpu --steps 2     # CPU smoke
 """
 from __future__ import annotations
@@ -70,15 +72,12 @@ def adapter_push(trainer, tp_size: int = 1) -> dict:
     import torch
     import torch.multiprocessing as tmp
 
-    from megarl.models.lora import peft_config, spec_from_config
+    from megarl.models.lora import gather_peft_tensors, peft_config, spec_from_config
     from megarl.sync.adapter import adapter_bytes, adapter_name, load_from_tensors_request
 
     tmp.set_sharing_strategy("file_system")
-    actor = trainer.groups["actor"]
     t0 = time.perf_counter()
-    tensors: dict = {}
-    for part in actor.call("adapter_tensors"):
-        tensors.update(part)
+    tensors = gather_peft_tensors(trainer.groups["actor"])
     body = load_from_tensors_request(adapter_name("bench"), peft_config(spec_from_config(trainer.cfg.actor.lora)),
                                      tensors, tp_size)
     seconds = time.perf_counter() - t0
@@ -95,6 +94,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2 tokenizer files + config.json")
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--push", default="merged", choices=["merged", "adapter"], help="actor.lora.push of the run")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
@@ -110,6 +110,7 @@ def main() -> None:
 
     over = overrides_for(args) + [
         f"actor.lora.rank={args.lora_rank}", f"actor.lora.alpha={2 * max(args.lora_rank, 1)}",
+        f"actor.lora.push={args.push if args.lora_rank else 'merged'}",
         "ref.enabled=true", "algorithm.kl.mode=loss", "algorithm.kl.coef=0.001", "model.recompute=full",
         "actor.max_tokens_per_micro_batch=8192", f"actor.optim.lr={1e-5 if args.lora_rank else 1e-6}",
         "rollout.mem_fraction=0.35", "sync.bucket_mb=1024", "rollout.logprob_diff_bound=1.0"]
@@ -132,11 +133,11 @@ def main() -> None:
             steps.append(trainer.step(step))
         out["result"] = "ok"
         later = steps[1:] or steps
-        out["merged_push"] = {"bytes": later[-1]["sync/bytes"],
+        out[f"{cfg.actor.lora.push}_push"] = {"bytes": later[-1]["sync/bytes"],
                               "seconds": round(sum(s["sync/seconds"] for s in later) / len(later), 3)}
         out["step_s"] = round(sum(s["time/step_s"] for s in later) / len(later), 2)
         out["reward_curve"] = [round(s["reward/mean"], 3) for s in steps]
-        if args.lora_rank:
+        if args.lora_rank and args.push == "merged":
             out["adapter_push"] = adapter_push(trainer, cfg.rollout.tp)
             out["push_bytes_ratio_merged_over_adapter"] = round(out["merged_push"]["bytes"] /
                                                                 out["adapter_push"]["adapter_bytes"], 1)

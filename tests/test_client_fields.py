@@ -165,6 +165,8 @@ def test_client_sends_only_sglang_fields():
         async with SGLangClient(f"http://127.0.0.1:{port}") as c:
             outs = await c.generate([1, 2], sampling_params(max_new_tokens=2, temperature=0.5, top_p=0.9, top_k=5,
                                                             stop_token_ids=[4], n=2, sampling_seed=1))
+            await c.generate([1, 2], lora_path="megarl-lora-step1")   # adapter-only pushes name the adapter
+            await c.update_weight_version("step1")
             await c.init_weights_update_group("127.0.0.1", 1234, 1, 2, "g", "gloo")
             await c.update_weights_from_distributed(["a"], ["float32"], [[2]], group_name="g",
                                                     load_format="flattened_bucket", weight_version="v1",
@@ -179,7 +181,9 @@ def test_client_sends_only_sglang_fields():
 
     outs = asyncio.run(main())
     g = seen["/generate"]
-    assert set(g) <= set(protocol.GENERATE_REQ_FIELDS)
+    assert set(g) <= set(protocol.GENERATE_REQ_FIELDS) | set(protocol.GENERATE_LORA_FIELDS)
+    assert g["lora_path"] == "megarl-lora-step1"
+    assert seen["/update_weight_version"] == {"new_version": "step1", "abort_all_requests": False}
     assert set(g["sampling_params"]) <= set(protocol.SAMPLING_PARAMS_FIELDS)
     for path, cls in path_cls.items():
         allowed = set(PINNED_0_5_23[cls]) | set(protocol.EXTENSION_FIELDS.get(cls, ()))

@@ -122,3 +122,66 @@ def test_lora_fields_and_endpoints_exist_in_the_wheel():
     server = open(os.path.join(root, "srt/entrypoints/http_server.py")).read()
     for key in ("load_lora_adapter", "load_lora_adapter_from_tensors", "unload_lora_adapter"):
         assert f'@app.api_route("{protocol.ENDPOINTS[key][1]}", methods=["POST"])' in server, key
+    assert f'@app.post("{protocol.ENDPOINTS["update_weight_version"][1]}")' in server
+
+
+_PARSE_LORA = r"""
+import json, sys
+import tests.sglang_cpu  # noqa: F401
+from sglang.srt.server_args import prepare_server_args
+argv, body = json.load(sys.stdin)
+a = prepare_server_args(argv)
+from sglang.srt.managers.io_struct import GenerateReqInput
+g = GenerateReqInput(**body)
+g.normalize_batch_and_arguments()
+print(json.dumps({"generate_lora_path": g.lora_path, "enable_lora": a.enable_lora, "max_lora_rank": a.max_lora_rank, "load_format": a.load_format,
+                  "enable_memory_saver": a.enable_memory_saver, "enable_weights_cpu_backup": a.enable_weights_cpu_backup,
+                  "lora_target_modules": sorted(a.lora_target_modules), "lora_paths": a.lora_paths}))
+"""
+
+
+def test_adapter_push_launch_flags_parse_with_sglangs_own_server_args(tmp_path):
+    """``actor.lora.push: adapter`` on the 7B LoRA recipe: SGLang's own ``prepare_server_args`` reads
+    LoRA on, the adapters' rank and targets (its adapter memory pool is sized from them) and the base
+    loaded from the checkpoint (only adapters are pushed) and, colocated, kept in host memory while
+    released (no push would restore it); merged pushes keep the dummy load."""
+    from pathlib import Path
+
+    from megarl.config import load_config
+    from megarl.rollout.launch import LaunchSpec, sglang_args
+    from tests.sglang_cpu.server import harness_env
+
+    recipe = Path(ROOT) / "recipes" / "qwen2.5-7b-lora-grpo.yaml"
+    cfg = load_config(recipe, ["actor.lora.push=adapter"])
+    argv = sglang_args(cfg, Path("/models/x"), LaunchSpec(0, "10.0.0.1", 30000))
+    # a batched /generate as the rollout manager sends it: one adapter name for every prompt
+    body = {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True,
+            "stream": False, "lora_path": "megarl-lora-step1"}
+    run = subprocess.run([sglang_cpu_python(), "-c", _PARSE_LORA], input=json.dumps([argv, body]), capture_output=True,
+                         text=True, env=harness_env(), cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    a = json.loads(run.stdout.strip().splitlines()[-1])
+    assert a.pop("generate_lora_path") == ["megarl-lora-step1"] * 2   # SGLang applies it to each prompt
+    assert a == {"enable_lora": True, "max_lora_rank": 64, "load_format": "auto", "lora_paths": None,
+                 "enable_memory_saver": True, "enable_weights_cpu_backup": True,
+                 "lora_target_modules": sorted(cfg.actor.lora.target_modules)}, a
+    merged = sglang_args(load_config(recipe, []), Path("/models/x"), LaunchSpec(0, "10.0.0.1", 30000))
+    assert "--enable-lora" not in merged and merged[merged.index("--load-format") + 1] == "dummy"
+    assert "--enable-weights-cpu-backup" not in merged
+
+
+def test_adapter_push_config_errors_name_the_field():
+    import pytest
+
+    from megarl.config import load_config
+    from megarl.config.loader import ConfigError
+    from tests.helpers.runs import DEFAULT
+
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, ["actor.lora.rank=4", "actor.lora.push=adapter", "rollout.mode=async",
+                              "placement.mode=disaggregated", "cluster.nodes=2"])
+    lines = [ln.strip() for ln in str(e.value).splitlines() if ln.strip().startswith("actor.lora.push")]
+    assert len(lines) == 2 and "cluster.nodes=2" in lines[0] and "sync.transport=disk" in lines[0], lines
+    assert "needs rollout.mode=sync" in lines[1], lines
+    cfg = load_config(DEFAULT, ["actor.lora.rank=4", "actor.lora.push=adapter", "cluster.nodes=2", "sync.transport=disk"])
+    assert cfg.actor.lora.push == "adapter"

@@ -56,3 +56,24 @@ def test_lora_grpo_refs_the_base_pushes_merged_and_exports_peft(model, tmp_path)
     with torch.no_grad():
         assert torch.equal(again(ids).logits, m)
     assert convert_main(["lora-to-peft", "--ckpt", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 1
+
+
+def test_lora_grpo_with_adapter_only_pushes(model, tmp_path):
+    """``actor.lora.push: adapter`` on the embedded server: the servers keep the base and each push
+    loads only the adapters (PEFT-named tensors through ``/load_lora_adapter_from_tensors``); every
+    rollout runs the newest adapter: the step-0 check and every later step's rollout logprobs equal
+    the trainer's, and the push moves the adapters' bytes, not the model's."""
+    from megarl.sync.adapter import adapter_name
+
+    cfg = tiny_run_config(model, tmp_path / "run", "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=2e-2",
+                          "actor.lora.push=adapter", "trainer.total_steps=2", "trainer.eval_before_after=false",
+                          "checkpoint.export_hf=false", "checkpoint.final=false")
+    trainer = Trainer(cfg)
+    steps = trainer.run()["steps"]
+    assert len(steps) == 2
+    # step 0 ran adapter "init" (B = 0), step 1 the adapter after one update: the server's logprobs
+    # are the trainer's only if that adapter arrived and the requests named it
+    assert max(m["rollout/logprob_diff_max"] for m in steps) < 1e-4
+    assert 0 < steps[-1]["sync/bytes"] < 2e5, steps[-1]["sync/bytes"]   # the adapters, not the model (~1 MB)
+    assert trainer.servers.lora_name == adapter_name("step2")
+    assert trainer.weights.adapters.current == adapter_name("step2")

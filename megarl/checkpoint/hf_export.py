@@ -42,15 +42,13 @@ def export_peft_adapter(group: Any, lora_cfg: Any, model_dir: Path, out: Path) -
     model; the adapters are megabytes, so the driver gathers them and writes one file."""
     from safetensors.torch import save_file
 
-    from megarl.models.lora import peft_config, spec_from_config
+    from megarl.models.lora import gather_peft_tensors, peft_config, spec_from_config
 
     out = Path(out)
     tmp = out.with_name("." + out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors: dict = {}
-    for part in group.call("adapter_tensors"):
-        tensors.update(part)
+    tensors = gather_peft_tensors(group)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
               metadata={"format": "pt"})
     config = peft_config(spec_from_config(lora_cfg), base_model=str(model_dir))

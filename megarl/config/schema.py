@@ -117,7 +117,11 @@ class LoRAConfig:
     target_modules: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                     "HF projections that get an adapter (PEFT's target_modules; dense attention "
                                     "and MLP)")
-    push: Literal["merged"] = opt("merged", "weight push: merged = W + (alpha/r) B A under the HF names, any server")
+    push: Literal["merged", "adapter"] = opt("merged", "weight push: merged = W + (alpha/r) B A under the HF names, any "
+                                                       "server; adapter = the adapters only, through SGLang's LoRA API "
+                                                       "(servers load the base checkpoint and start with --enable-lora; "
+                                                       "tensors by shared memory on the trainer's node, or a PEFT "
+                                                       "folder with sync.transport=disk)")
 
 
 @dataclass

@@ -548,9 +548,24 @@ def _check_lora(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"actor.lora.target_modules: {unknown or 'empty'} not among {known}")
     if cfg.actor.parallel.sequence_parallel:
         problems.append("actor.lora.rank: LoRA with actor.parallel.sequence_parallel is not supported")
+    if lo.push == "adapter":
+        _check_adapter_push(cfg, problems)
     if cfg.ref.model_path:
         problems.append(f"ref.model_path: with actor.lora.rank > 0 the reference is the actor's base model; "
                         f"unset ref.model_path (got {cfg.ref.model_path!r})")
+
+
+def _check_adapter_push(cfg: RunConfig, problems: list[str]) -> None:
+    """Adapter-only pushes: tensors travel by shared memory from the trainer's process, and a
+    request keeps the adapter it was admitted with (so its tokens' version is the one it started
+    under: only exact when no push happens mid-request)."""
+    if cfg.cluster.nodes > 1 and cfg.sync.transport != "disk":
+        problems.append(f"actor.lora.push: adapter sends the adapters through shared memory on the trainer's node, "
+                        f"but cluster.nodes={cfg.cluster.nodes}; set sync.transport=disk (a PEFT folder every node "
+                        f"reads) or actor.lora.push=merged")
+    if cfg.rollout.mode != "sync":
+        problems.append(f"actor.lora.push: adapter needs rollout.mode=sync (a request in flight across a push keeps "
+                        f"its old adapter, so per-token versions would be wrong), got {cfg.rollout.mode}")
 
 
 def _check_agent(cfg: RunConfig, problems: list[str]) -> None:

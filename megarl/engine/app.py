@@ -36,11 +36,12 @@ log = logging.getLogger("megarl.engine")
 
 class ServerState:
     def __init__(self, model_path: str, served_model_name: Optional[str] = None, tp_size: int = 1,
-                 weights_dir: Optional[str] = None):
+                 weights_dir: Optional[str] = None, enable_lora: bool = False):
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path
         self.tp_size = tp_size
         self.weights_dir = weights_dir
+        self.enable_lora = enable_lora     # --enable-lora: the LoRA endpoints and lora_path (SGLang's flag)
         self.engine: Optional[Engine] = None
         self.handle: Optional[ModelHandle] = None
         self.worker: Optional[RankWorker] = None     # rank 0's own worker (its groups, counters)
@@ -109,6 +110,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
             "megarl_tp_size": state.tp_size,
             "megarl_num_weight_updates": state.worker.receiver.num_updates,
             "megarl_weight_sessions": state.gate.opened,
+            "megarl_lora_adapters": sorted(eng.loras),   # names /generate may give as lora_path
             "megarl_stats": dict(eng.stats, cpu_s=time.process_time()),   # cpu_s: this process, all threads
         })
 
@@ -148,6 +150,13 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
         rl = body.get("return_logprob") or False
         rls = rl if isinstance(rl, list) else [rl] * len(prompts)
         rid = body.get("rid")
+        lora = body.get("lora_path")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if lora is not None and not state.enable_lora:   # SGLang's tokenizer manager refuses the same way
+            return _json_error(400, f"lora_path: LoRA adapter {loras[0]!r} was requested, but LoRA is not enabled "
+                                    "(start the server with --enable-lora)")
+        if len(loras) != len(prompts) or not all(x is None or isinstance(x, str) for x in loras):
+            return _json_error(400, "lora_path: an adapter name, or a list of one name (or null) per prompt")
         routes = bool(body.get("return_routed_experts") or False)
         routes_start = body.get("routed_experts_start_len") or 0
         try:
@@ -155,7 +164,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
             ns = {int((s or {}).get("n", 1) or 1) for s in sps}
             if len(ns) > 1:   # SGLang: "The parallel_sample_num should be the same for all samples"
                 raise ValueError("n must be the same for every item of a batch")
-            for i, (p, s, r) in enumerate(zip(prompts, sps, rls)):
+            for i, (p, s, r, ad) in enumerate(zip(prompts, sps, rls, loras)):
                 samp = Sampling.from_dict(s)
                 if routes and not 0 <= int(routes_start) <= len(p):
                     # SGLang's scheduler aborts such a request with this reason
@@ -167,7 +176,8 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
                     base = rid[i] if isinstance(rid, list) else (rid or uuid.uuid4().hex)
                     sub = f"{base}" if (n == 1 and not batched) else f"{base}-{i}-{j}"
                     reqs.append(Request(input_ids=ids_i, sampling=samp.for_sample(j), return_logprob=bool(r), rid=sub,
-                                        return_routed_experts=routes, routed_experts_start_len=int(routes_start)))
+                                        return_routed_experts=routes, routed_experts_start_len=int(routes_start),
+                                        lora=ad))
             loop = asyncio.get_running_loop()
             futs: List[Any] = [None] * len(reqs)
             todo = []
@@ -349,6 +359,91 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
             except ValueError as e:
                 return _result(False, str(e), num_paused_requests=0)
             return await _update("update_from_disk", (path,), b, {"num_paused_requests": 0})
+
+    # ------------------------------------------------------------------ LoRA adapters (lora.py)
+    def _lora_result(success: bool, message: str) -> web.Response:
+        """SGLang's ``LoRAUpdateOutput``: 200 / 400 with success, error_message, loaded_adapters."""
+        eng = state.engine
+        loaded = {n: n for n in sorted(eng.loras)} if eng is not None else {}
+        return web.json_response({"success": success, "error_message": None if success else message,
+                                  "loaded_adapters": loaded}, status=200 if success else 400)
+
+    async def _load_lora(b: Dict[str, Any], source_of) -> web.Response:
+        eng = engine()
+        if not state.enable_lora:
+            return _lora_result(False, "LoRA is not enabled on this server (start it with --enable-lora)")
+        name = b.get("lora_name")
+        if not isinstance(name, str) or not name:
+            return _lora_result(False, "lora_name: a non-empty adapter name is required")
+        async with weights_lock:
+            if name in eng.loras:
+                return _lora_result(False, f"lora_name: an adapter named {name!r} is already loaded")
+            try:
+                args = source_of(b)
+            except ValueError as e:
+                return _lora_result(False, str(e))
+
+            def run() -> str:
+                msg = state.handle.weights("load_lora", name, *args)
+                eng.loras.add(name)
+                return msg
+            try:
+                await asyncio.wrap_future(eng.control(run))
+            except RankFailure as e:
+                return _lora_result(False, str(e))
+            except Exception as e:  # noqa: BLE001 - report it, do not crash the server
+                log.exception("LoRA load failed")
+                return _lora_result(False, f"{type(e).__name__}: {e}")
+        return _lora_result(True, "")
+
+    def _tensor_source(b: Dict[str, Any]) -> tuple:
+        payloads = b.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or len(payloads) < state.tp_size:
+            raise ValueError(f"serialized_named_tensors: one payload per TP rank is required ({state.tp_size})")
+        if b.get("load_format") not in (None, "auto"):
+            raise ValueError(f"load_format: only the default {{name: tensor}} payload is served, got {b['load_format']!r}")
+        if not isinstance(b.get("config_dict"), dict):
+            raise ValueError("config_dict: the PEFT adapter_config object is required")
+        return b["config_dict"], payloads, b.get("expected_checksums")
+
+    def _disk_source(b: Dict[str, Any]) -> tuple:
+        if not isinstance(b.get("lora_path"), str):
+            raise ValueError("lora_path: a PEFT adapter folder is required")
+        return None, resolve_disk_path(b["lora_path"], state.weights_dir, "lora_path", "load_lora_adapter"), None
+
+    @routes.post("/load_lora_adapter_from_tensors")
+    async def load_lora_from_tensors(request):
+        return await _load_lora(await _body(request), _tensor_source)
+
+    @routes.post("/load_lora_adapter")
+    async def load_lora_from_disk(request):
+        return await _load_lora(await _body(request), _disk_source)
+
+    @routes.post("/unload_lora_adapter")
+    async def unload_lora(request):
+        eng = engine()
+        b = await _body(request)
+        if not state.enable_lora:
+            return _lora_result(False, "LoRA is not enabled on this server (start it with --enable-lora)")
+        name = b.get("lora_name")
+        async with weights_lock:
+            if not await asyncio.wrap_future(eng.control(lambda: eng.unload_lora(str(name)), new_epoch=False)):
+                return _lora_result(False, f"lora_name: no adapter named {name!r} is loaded")
+        return _lora_result(True, "")
+
+    @routes.post("/update_weight_version")
+    async def update_weight_version(request):
+        """SGLang's route: names the served version without touching weights (adapter-only pushes);
+        requests in flight record the change in their version spans, as with a weight update."""
+        eng = engine()
+        b = await _body(request)
+        if not isinstance(b.get("new_version"), str):
+            return _result(False, "new_version: a version string is required")
+        if b.get("abort_all_requests", True):
+            await asyncio.wrap_future(eng.control(lambda: eng.abort(abort_all=True), new_epoch=False))
+        await asyncio.wrap_future(eng.control(lambda: eng.set_weight_version(b["new_version"]), new_epoch=False))
+        return web.json_response({"success": True, "message": f"Weight version updated to {b['new_version']}",
+                                  "new_version": b["new_version"]})
 
     # ------------------------------------------------------------------ pause / continue / abort
     @routes.post("/pause_generation")

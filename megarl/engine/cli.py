@@ -8,8 +8,9 @@ MODEL is an HF-layout folder (config.json + *.safetensors [+ tokenizer files]). 
      then every rank loads its shard.
 Binds 127.0.0.1 unless --host says otherwise. The API key comes from the environment
 (`MEGARL_API_KEY`, or the variable `--api-key-env` names), never from the command line; without
-one the server runs open and says so. `/update_weights_from_disk` reads only under
-`--weights-dir` (refused when the option is not given).
+one the server runs open and says so. `/update_weights_from_disk` and `/load_lora_adapter` read
+only under `--weights-dir` (refused when the option is not given); the LoRA endpoints need
+`--enable-lora`.
 """
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="MoE: record each token's routed experts; requests ask for them with "
                         "return_routed_experts (SGLang's flag and wire format)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (SGLang's flag): /load_lora_adapter_from_tensors, /load_lora_adapter "
+                        "(PEFT folders under --weights-dir only), /unload_lora_adapter, /generate's lora_path")
     p.add_argument("--api-key-env", default=DEFAULT_API_KEY_ENV,
                    help=f"environment variable holding the API key (default {DEFAULT_API_KEY_ENV}); "
                         "the key itself is never a command-line argument")
@@ -101,7 +105,8 @@ async def _amain(args, opts, hf_config, followers, api_key: Optional[str]) -> in
     from aiohttp import web
 
     from .app import ServerState, build_app
-    state = ServerState(args.model, args.served_model_name, tp_size=opts.tp_size, weights_dir=opts.weights_dir)
+    state = ServerState(args.model, args.served_model_name, tp_size=opts.tp_size, weights_dir=opts.weights_dir,
+                        enable_lora=args.enable_lora)
     app = build_app(state, api_key)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

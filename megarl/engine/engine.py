@@ -94,6 +94,8 @@ class Engine:
                       "max_batch": 0, "admissions": 0}
         self.released: set = set()
         self.paused: Optional[str] = None   # SGLang pause mode (retract | in_place) while paused
+        self.loras: set = set()            # LoRA adapters new requests may name (loaded, not unloaded)
+        self._unloading: set = set()       # unloaded while requests still ran them: dropped once they finish
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._backlog: "collections.deque[Request]" = collections.deque()
@@ -119,6 +121,8 @@ class Engine:
         budget allow (so a group's samples share one prefill)."""
         for req in reqs:
             n = len(req.input_ids)
+            if req.lora is not None and req.lora not in self.loras:
+                raise ValueError(f"lora_path: LoRA adapter {req.lora!r} is not loaded (loaded: {sorted(self.loras)})")
             if n == 0:
                 raise ValueError("empty input_ids")
             if n >= self.max_len:
@@ -187,6 +191,7 @@ class Engine:
             src, dst, length = b.compact(rows)
             if src:
                 self.model.copy_rows(src, dst, length)
+        self._drop_unused_loras()
         return len(rows) + len(queued)
 
     def requests(self) -> Dict[str, Any]:
@@ -198,6 +203,27 @@ class Engine:
         b = self.batch
         running = {r.rid: int(b.n[i]) for i, r in enumerate(b.reqs[:b.size]) if r is not None}
         return {"running": running, "queued": [r.rid for r in self._backlog]}
+
+    def unload_lora(self, name: str) -> bool:
+        """Engine thread: new requests may no longer name ``name``; its weights go now, or when the
+        last running or queued request that uses it finishes (so no request loses its adapter
+        mid-generation). Returns whether it was loaded."""
+        if name not in self.loras:
+            return False
+        self.loras.discard(name)
+        self._unloading.add(name)
+        self._drop_unused_loras()
+        return True
+
+    def _drop_unused_loras(self) -> None:
+        if not self._unloading:
+            return
+        self._drain_waiting()
+        b = self.batch
+        used = {r.lora for r in b.reqs[:b.size] if r is not None} | {r.lora for r in self._backlog}
+        for name in self._unloading - used:
+            self.model.unload_lora(name)
+        self._unloading &= used
 
     def has_request(self, rid: str) -> bool:
         """Is a request with exactly this rid running or queued?"""
@@ -318,7 +344,8 @@ class Engine:
                                  max(len(firsts[u].input_ids) - 1 for u, _ in hits))
         starts = [len(r.input_ids) - 1 if row >= 0 else 0 for r, row in zip(firsts, src)]
         seqs = [_context(r)[s:] for r, s in zip(firsts, starts)]
-        logits = self.model.prefill(seqs, a, starts if hits else None)
+        loras = [r.lora for r in firsts] if any(r.lora for r in firsts) else None
+        logits = self.model.prefill(seqs, a, starts if hits else None, loras)
         for r, s in zip(firsts, starts):
             r.cached_tokens = s
             r.retracted = False     # its KV is back (prompt and output so far, current weights)
@@ -344,7 +371,8 @@ class Engine:
     def _decode(self):
         b = self.batch
         B = b.size
-        logits = self.model.decode(b.pending[:B], b.positions())[:B]
+        loras = [r.lora if r is not None else None for r in b.reqs[:B]]
+        logits = self.model.decode(b.pending[:B], b.positions(), loras if any(loras) else None)[:B]
         self.stats["steps"] += 1
         self.stats["decode_tokens"] += B
         self.stats["max_batch"] = max(self.stats["max_batch"], B)
@@ -366,6 +394,7 @@ class Engine:
         src, dst, length = b.compact(list(done))
         if src:
             self.model.copy_rows(src, dst, length)
+        self._drop_unused_loras()
 
     def _collect_routes(self, r: Request, row: int) -> None:
         """SGLang's ``_maybe_collect_routed_experts``: the experts of positions

@@ -42,6 +42,7 @@ from megarl.quant.served import block_fp8_settings
 
 from .fp8 import FP8_KEY, SCALE_KEY, Fp8Store, split_scale_name
 from .graphs import DecodeGraphs
+from .lora import Adapter, lora_delta
 from .shard import local_part, local_shape
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -189,6 +190,10 @@ class DecoderModel:
         self.use_cuda_graphs = (self.device.type == "cuda" and tp_size == 1
                                 and os.environ.get("MEGARL_CUDA_GRAPHS", "1") != "0")
         self.graphs: Optional[DecodeGraphs] = None
+        # LoRA adapters by served name (`lora.py`), and the ones the current forward applies:
+        # (adapter, batch rows it applies to -- None: every row)
+        self.adapters: Dict[str, Adapter] = {}
+        self._lora: List[Tuple[Adapter, Optional[torch.Tensor]]] = []
 
     # ---------------------------------------------------------------- parameters
     def _shapes(self) -> Dict[str, Tuple[int, ...]]:
@@ -504,9 +509,10 @@ class DecoderModel:
         p = f"model.layers.{i}.mlp."
         P = self.params
         if i not in self.spec.moe_layers:
-            g = F.linear(x, P[p + "gate_proj.weight"], P.get(p + "gate_proj.bias"))
-            u = F.linear(x, P[p + "up_proj.weight"], P.get(p + "up_proj.bias"))
-            return self._row_parallel_out(F.linear(F.silu(g) * u, P[p + "down_proj.weight"]), P.get(p + "down_proj.bias"))
+            g = self._proj(x, i, p, "gate_proj")
+            u = self._proj(x, i, p, "up_proj")
+            return self._row_parallel_out(self._proj(F.silu(g) * u, i, p, "down_proj", bias=False),
+                                          P.get(p + "down_proj.bias"))
         s = self.spec
         shp = x.shape
         h = x.reshape(-1, shp[-1])
@@ -526,6 +532,38 @@ class DecoderModel:
             out.index_add_(0, tok, ye * w[tok, slot, None])
         return self._row_parallel_out(out, None).reshape(shp)
 
+    def _proj(self, x: torch.Tensor, i: int, prefix: str, proj: str, bias: bool = True) -> torch.Tensor:
+        """A dense projection of layer ``i`` (this rank's part) plus the LoRA deltas of the forward's
+        adapters on their rows. Row-parallel layers (o, down) are called without their bias: the
+        delta is a partial sum like the base output, completed by the same all-reduce."""
+        P = self.params
+        y = F.linear(x, P[prefix + proj + ".weight"], P.get(prefix + proj + ".bias") if bias else None)
+        for adapter, rows in self._lora:
+            pair = adapter.pairs.get((i, proj))
+            if pair is None:
+                continue
+            if rows is None:
+                y = y + lora_delta(x, pair, adapter.scaling).to(y.dtype)
+            else:
+                y = y.index_add(0, rows, lora_delta(x[rows], pair, adapter.scaling).to(y.dtype))
+        return y
+
+    def unload_lora(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
+    def use_adapters(self, names: Optional[Sequence[Optional[str]]]) -> None:
+        """The adapters of the next forward: ``names[b]`` is batch row b's adapter (None: the base);
+        rows are grouped per adapter, so a batch of one adapter costs one extra pair of matmuls."""
+        self._lora = []
+        if not names or not any(names):
+            return
+        for name in dict.fromkeys(n for n in names if n):
+            if name not in self.adapters:
+                raise KeyError(f"LoRA adapter {name!r} is not loaded on tp rank {self.tp_rank}")
+            rows = [b for b, n in enumerate(names) if n == name]
+            idx = None if len(rows) == len(names) else torch.tensor(rows, dtype=torch.long, device=self.device)
+            self._lora.append((self.adapters[name], idx))
+
     def _row_parallel_out(self, y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """Finish a row-parallel layer: sum the ranks' partial outputs, then add the bias once."""
         if self.tp_size > 1:
@@ -540,15 +578,15 @@ class DecoderModel:
         B, T, _ = x.shape
         nh, nkv = self.nh, self.nkv
         h = _rms(x, P[f"model.layers.{i}.input_layernorm.weight"], s.rms_norm_eps)
-        q = F.linear(h, P[p + "q_proj.weight"], P.get(p + "q_proj.bias")).view(B, T, nh, s.head_dim).transpose(1, 2)
-        k = F.linear(h, P[p + "k_proj.weight"], P.get(p + "k_proj.bias")).view(B, T, nkv, s.head_dim).transpose(1, 2)
-        v = F.linear(h, P[p + "v_proj.weight"], P.get(p + "v_proj.bias")).view(B, T, nkv, s.head_dim).transpose(1, 2)
+        q = self._proj(h, i, p, "q_proj").view(B, T, nh, s.head_dim).transpose(1, 2)
+        k = self._proj(h, i, p, "k_proj").view(B, T, nkv, s.head_dim).transpose(1, 2)
+        v = self._proj(h, i, p, "v_proj").view(B, T, nkv, s.head_dim).transpose(1, 2)
         if s.qk_norm:
             q = _rms(q, P[p + "q_norm.weight"], s.rms_norm_eps)
             k = _rms(k, P[p + "k_norm.weight"], s.rms_norm_eps)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        x = x + self._row_parallel_out(F.linear(self._attend(i, q, k, v, a), P[p + "o_proj.weight"]),
+        x = x + self._row_parallel_out(self._proj(self._attend(i, q, k, v, a), i, p, "o_proj", bias=False),
                                        P.get(p + "o_proj.bias"))
         h = _rms(x, P[f"model.layers.{i}.post_attention_layernorm.weight"], s.rms_norm_eps)
         return x + self._mlp(i, h)
@@ -595,8 +633,9 @@ class DecoderModel:
         return F.linear(x, w).float()
 
     @torch.inference_mode()
-    def prefill(self, seqs: List[List[int]], row0: int, starts: Optional[List[int]] = None) -> Optional[torch.Tensor]:
-        """Run ``seqs`` (right-padded into one batch) into cache rows ``row0, row0 + 1, ...``:
+    def prefill(self, seqs: List[List[int]], row0: int, starts: Optional[List[int]] = None,
+                loras: Optional[Sequence[Optional[str]]] = None) -> Optional[torch.Tensor]:
+        """``loras``: each sequence's adapter name (None: the base model). Run ``seqs`` (right-padded into one batch) into cache rows ``row0, row0 + 1, ...``:
         ``seqs[u]`` takes positions ``starts[u]...`` of its row, whose positions before that were
         already filled (copied from a row holding the same prefix). fp32 logits ``[U, V]`` of each
         sequence's last token (None on TP ranks > 0)."""
@@ -624,30 +663,37 @@ class DecoderModel:
         cos, sin = self._rope(pos)
         x = F.embedding(ids, self.params["model.embed_tokens.weight"])
         self._route_ctx = a
+        self.use_adapters(loras)
         try:
             for i in range(self.spec.num_layers):
                 x = self._layer(i, x, cos, sin, a)
         finally:
             self._route_ctx = None
+            self._lora = []
         last = x[torch.arange(U, device=dev), (lens - 1).to(dev)]
         return self._head(last)
 
     @torch.inference_mode()
-    def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> Optional[torch.Tensor]:
-        """One step for the B running rows ``[0, B)``: token b sits at ``positions[b]`` of row b.
+    def decode(self, tokens: Sequence[int], positions: Sequence[int],
+               loras: Optional[Sequence[Optional[str]]] = None) -> Optional[torch.Tensor]:
+        """``loras``: each row's adapter name (None: the base; any adapter: no CUDA graph). One step for the B running rows ``[0, B)``: token b sits at ``positions[b]`` of row b.
         fp32 logits ``[B, V]`` (None on TP ranks > 0); with CUDA graphs a view of the graph's
         output, valid until the next step."""
         self._dequantize_if_pending()
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
-        if self.use_cuda_graphs and not self.spec.moe_layers:
+        if self.use_cuda_graphs and not self.spec.moe_layers and not (loras and any(loras)):
             if self.graphs is None:
                 self.graphs = DecodeGraphs(self._decode_body, self.tensor_addresses, self.device,
                                            self.max_slots, self.max_len)
             return self.graphs.run(tokens, positions)
         ids = torch.from_numpy(tokens).to(self.device)
         pos = torch.from_numpy(positions).to(self.device)
-        return self._decode_body(ids, pos, len(tokens), int(positions.max()) + 1, record=True)
+        self.use_adapters(loras)
+        try:
+            return self._decode_body(ids, pos, len(tokens), int(positions.max()) + 1, record=True)
+        finally:
+            self._lora = []
 
     def _decode_body(self, ids: torch.Tensor, pos: torch.Tensor, B: int, Lk: int,
                      record: bool = False) -> Optional[torch.Tensor]:
@@ -666,9 +712,9 @@ class DecoderModel:
         return self._head(x[:, 0])
 
     @torch.inference_mode()
-    def forward_full(self, ids: List[int]) -> Optional[torch.Tensor]:
-        """Logits [T, V] over a whole sequence, without the cache (None on TP ranks > 0).  For
-        tests and prompt logprobs."""
+    def forward_full(self, ids: List[int], lora: Optional[str] = None) -> Optional[torch.Tensor]:
+        """Logits [T, V] over a whole sequence, without the cache (None on TP ranks > 0), with adapter
+        ``lora`` if given.  For tests and prompt logprobs."""
         self._dequantize_if_pending()
         T = len(ids)
         t = torch.tensor(ids, dtype=torch.long, device=self.device)[None]
@@ -677,8 +723,12 @@ class DecoderModel:
         mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None]
         x = F.embedding(t, self.params["model.embed_tokens.weight"])
         a = _Attn("local", mask)
-        for i in range(self.spec.num_layers):
-            x = self._layer(i, x, cos, sin, a)
+        self.use_adapters([lora])
+        try:
+            for i in range(self.spec.num_layers):
+                x = self._layer(i, x, cos, sin, a)
+        finally:
+            self._lora = []
         return self._head(x[0])
 
 

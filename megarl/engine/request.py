@@ -90,13 +90,15 @@ class Request:
     return_routed_experts: bool = False   # SGLang's request field (R3); needs a recording model
     routed_experts_start_len: int = 0
     routed_experts: Optional[str] = None  # meta_info["routed_experts"]: base64 of int32 [rows, layers, k]
-    _key: Optional[Tuple[int, ...]] = field(default=None, repr=False)
+    lora: Optional[str] = None            # SGLang's lora_path: the name of a loaded LoRA adapter (None: base)
+    _key: Optional[Tuple[Any, ...]] = field(default=None, repr=False)
 
     @property
-    def key(self) -> Tuple[int, ...]:
-        """The prompt as a hashable key (prefix sharing between requests with the same prompt)."""
+    def key(self) -> Tuple[Any, ...]:
+        """The prompt and its adapter as a hashable key (prefix sharing between requests with the same
+        prompt under the same adapter: KV computed through one adapter is never another's)."""
         if self._key is None:
-            self._key = tuple(self.input_ids)
+            self._key = (self.lora, *self.input_ids)
         return self._key
 
     def result(self, weight_version: str) -> dict:

@@ -47,16 +47,18 @@ class WeightRefused(RankFailure):
     """A weight update that failed verification on some rank; served weights unchanged on all."""
 
 
-def resolve_disk_path(model_path: str, weights_dir: Optional[str]) -> str:
+def resolve_disk_path(model_path: str, weights_dir: Optional[str], field: str = "model_path",
+                      endpoint: str = "update_weights_from_disk") -> str:
     """The realpath of `model_path` if it is `weights_dir` or below it; else ValueError naming the
-    path and the allowed dir. Without `weights_dir`, disk updates are off."""
+    field, the path and the allowed dir. Without `weights_dir`, disk loads (weights and LoRA
+    adapter folders alike) are off: nothing is read from a path the network names elsewhere."""
     if not weights_dir:
-        raise ValueError("update_weights_from_disk is disabled on this server: start it with --weights-dir DIR "
-                         "to allow loading weights from under DIR")
+        raise ValueError(f"{endpoint} is disabled on this server: start it with --weights-dir DIR "
+                         "to allow loading from under DIR")
     allowed = os.path.realpath(weights_dir)
     real = os.path.realpath(model_path)
     if os.path.commonpath([allowed, real]) != allowed:
-        raise ValueError(f"model_path {model_path!r} (resolved {real}) is outside the allowed weights dir {allowed} "
+        raise ValueError(f"{field} {model_path!r} (resolved {real}) is outside the allowed weights dir {allowed} "
                          f"(--weights-dir)")
     return real
 

@@ -10,15 +10,18 @@ are the only things `Lockstep` calls, so they are the complete list of what foll
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from .lora import AdapterError, build_adapter, read_peft_dir, verify_checksums
 from .model import DecoderModel, Spec
 from .shard import tp_problems
 from .tp import Lockstep, TPComm, init_tp
-from .weights import Done, WeightReceiver
+from .unpickle import loads
+from .weights import Done, WeightReceiver, resolve_disk_path
 
 log = logging.getLogger("megarl.engine")
 
@@ -79,17 +82,19 @@ class RankWorker:
     def free_cache(self) -> None:
         self.model.free_cache()
 
-    def prefill(self, seqs: List[List[int]], row0: int, starts: Optional[List[int]] = None) -> Optional[torch.Tensor]:
-        return self.model.prefill(seqs, row0, starts)
+    def prefill(self, seqs: List[List[int]], row0: int, starts: Optional[List[int]] = None,
+                loras: Optional[Sequence[Optional[str]]] = None) -> Optional[torch.Tensor]:
+        return self.model.prefill(seqs, row0, starts, loras)
 
-    def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> Optional[torch.Tensor]:
-        return self.model.decode(tokens, positions)
+    def decode(self, tokens: Sequence[int], positions: Sequence[int],
+               loras: Optional[Sequence[Optional[str]]] = None) -> Optional[torch.Tensor]:
+        return self.model.decode(tokens, positions, loras)
 
     def copy_rows(self, src: Sequence[int], dst: Sequence[int], length: int) -> None:
         self.model.copy_rows(src, dst, length)
 
-    def forward_full(self, ids: List[int]) -> Optional[torch.Tensor]:
-        return self.model.forward_full(ids)
+    def forward_full(self, ids: List[int], lora: Optional[str] = None) -> Optional[torch.Tensor]:
+        return self.model.forward_full(ids, lora)
 
     def offload_weights(self) -> None:
         self.model.offload_weights()
@@ -113,6 +118,38 @@ class RankWorker:
     def update_from_disk(self, path: str) -> Done:
         return self.receiver.from_disk(path)
 
+    # --------------------------------------------------------------- LoRA adapters (lora.py)
+    def load_lora(self, name: str, config: Optional[Dict[str, Any]], source: Any,
+                  checksums: Optional[Dict[str, str]] = None) -> str:
+        """Load adapter ``name`` on every rank or on none: ``source`` is the list of per-rank
+        payloads (rank r unpickles entry r only, with the allowlist) or a PEFT folder already
+        resolved inside ``--weights-dir`` (its files' realpaths are checked again here)."""
+        err = None
+        try:
+            if name in self.model.adapters:
+                raise AdapterError(f"lora_name {name!r}: an adapter of this name is already loaded")
+            if isinstance(source, str):
+                from .lora import ADAPTER_FILE, CONFIG_FILE
+                for f in (CONFIG_FILE, ADAPTER_FILE):
+                    resolve_disk_path(os.path.join(source, f), self.receiver.weights_dir, "lora_path", "load_lora_adapter")
+                config, tensors = read_peft_dir(source)
+            else:
+                tensors = loads(source[self.comm.rank])
+                if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+                    raise AdapterError("serialized_named_tensors: each payload must be a pickled {name: tensor} dict")
+                verify_checksums(tensors, checksums)
+            adapter = build_adapter(name, config or {}, tensors, self.model)
+        except (AdapterError, ValueError, FileNotFoundError) as e:
+            err = str(e)
+        except Exception as e:  # noqa: BLE001 - reported through agree
+            err = f"{type(e).__name__}: {e}"
+        self.comm.check(err, f"LoRA adapter {name!r} not loaded: ")
+        self.model.adapters[name] = adapter
+        return f"loaded LoRA adapter {name!r} (r={adapter.rank}, {len(adapter.pairs)} projections)"
+
+    def unload_lora(self, name: str) -> None:
+        self.model.adapters.pop(name, None)
+
 
 class ModelHandle:
     """The engine's model on rank 0: local metadata, every call made on all ranks."""
@@ -129,17 +166,22 @@ class ModelHandle:
     def free_cache(self) -> None:
         self.lockstep.call("free_cache")
 
-    def prefill(self, seqs: List[List[int]], row0: int, starts: Optional[List[int]] = None) -> torch.Tensor:
-        return self.lockstep.call("prefill", seqs, row0, starts)
+    def prefill(self, seqs: List[List[int]], row0: int, starts: Optional[List[int]] = None,
+                loras: Optional[Sequence[Optional[str]]] = None) -> torch.Tensor:
+        return self.lockstep.call("prefill", seqs, row0, starts, loras)
 
-    def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        return self.lockstep.call("decode", tokens, positions)
+    def decode(self, tokens: Sequence[int], positions: Sequence[int],
+               loras: Optional[Sequence[Optional[str]]] = None) -> torch.Tensor:
+        return self.lockstep.call("decode", tokens, positions, loras)
 
     def copy_rows(self, src: Sequence[int], dst: Sequence[int], length: int) -> None:
         self.lockstep.call("copy_rows", src, dst, length)
 
-    def forward_full(self, ids: List[int]) -> torch.Tensor:
-        return self.lockstep.call("forward_full", ids)
+    def forward_full(self, ids: List[int], lora: Optional[str] = None) -> torch.Tensor:
+        return self.lockstep.call("forward_full", ids, lora)
+
+    def unload_lora(self, name: str) -> None:
+        self.lockstep.call("unload_lora", name)
 
     def records_routes(self) -> bool:
         return self.lockstep.target.model.records_routes()

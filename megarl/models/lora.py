@@ -319,6 +319,16 @@ def peft_state_dict(chunks: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
+def gather_peft_tensors(group) -> dict[str, torch.Tensor]:
+    """Driver side: the whole adapter in PEFT's names from an actor ``WorkerGroup`` (each rank's
+    ``adapter_tensors``: TP shards all-gathered, one owner per pipeline stage). Adapters are
+    megabytes, so they travel through Ray to the driver (the PEFT export and adapter pushes)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for part in group.call("adapter_tensors"):
+        tensors.update(part)
+    return tensors
+
+
 def peft_config(spec: LoRASpec, base_model: str = "") -> dict:
     """``adapter_config.json`` of a PEFT LoRA adapter for a causal LM (what ``peft.LoraConfig`` reads)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,

@@ -220,8 +220,8 @@ class SGLangClient:
     async def generate(self, input_ids: Union[List[int], List[List[int]]],
                        sampling: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None,
                        return_logprob: bool = True, rid: Optional[Union[str, List[str]]] = None,
-                       return_routed_experts: bool = False, routed_experts_start_len: int = 0
-                       ) -> List[GenerateOutput]:
+                       return_routed_experts: bool = False, routed_experts_start_len: int = 0,
+                       lora_path: Optional[str] = None) -> List[GenerateOutput]:
         """Token ids in -> outputs (always a list: prompt-major, n per prompt). A batch is a list
         of prompts with one sampling dict for all or a list of one per prompt (SGLang's batch
         form: every item must have the same ``n``). With ``return_routed_experts`` (MoE, server
@@ -235,6 +235,8 @@ class SGLangClient:
                 payload["routed_experts_start_len"] = int(routed_experts_start_len)
         if rid is not None:
             payload["rid"] = rid
+        if lora_path is not None:   # the served LoRA adapter (adapter-only pushes)
+            payload["lora_path"] = lora_path
         out = await self._call("generate", payload)
         items = out if isinstance(out, list) else [out]
         return [GenerateOutput.from_json(d) for d in items]
@@ -288,6 +290,11 @@ class SGLangClient:
 
     async def unload_lora_adapter(self, lora_name: str) -> Dict[str, Any]:
         return await self._call("unload_lora_adapter", {"lora_name": lora_name}, retry=False)
+
+    async def update_weight_version(self, new_version: str) -> Any:
+        """SGLang's ``/update_weight_version`` (requests in flight are kept: ``abort_all_requests`` false)."""
+        return await self._call("update_weight_version", {"new_version": new_version, "abort_all_requests": False},
+                                retry=False)
 
     async def begin_weight_update(self, selector: str = "all") -> Dict[str, Any]:
         """Open SGLang's weight-update session (0.5.23: updates outside one answer 400)."""

@@ -198,17 +198,20 @@ def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
     args = ["--model-path", str(model_dir), "--host", spec.host, "--port", str(spec.port), "--tp-size", str(tp),
             "--mem-fraction-static", str(r.mem_fraction), "--max-running-requests", str(r.max_running_requests),
             "--context-length", str(context), "--dtype", rollout_dtype(cfg),
-            # the trainer pushes its weights before the first rollout: no checkpoint read at start
-            "--load-format", "dummy",
             # KV computed under older weights must never be reused by a newer policy
             "--disable-radix-cache",
             "--skip-tokenizer-init", "--random-seed", str(cfg.seed + spec.index)]
+    # the trainer pushes its weights before the first rollout: no checkpoint read at start -- unless
+    # only adapters are pushed, which then run on the base the server loads itself
+    args += lora_server_args(cfg) or ["--load-format", "dummy"]
     if spec.api_key_file:
         args += ["--config", spec.api_key_file]
     if cfg.cluster.device == "cpu":
         args += ["--device", "cpu"]  # SGLang's CPU backend (and the CPU conformance harness)
     elif cfg.placement.mode == "colocated":
         args.append("--enable-memory-saver")  # /release_memory_occupation while the trainer trains
+        if adapter_push(cfg):   # released base weights come back from host memory: no push restores them
+            args.append("--enable-weights-cpu-backup")
     if r.deterministic:
         args.append("--enable-deterministic-inference")  # sampling_seed honoured (batch-invariant kernels)
     if r.fp32_lm_head:
@@ -242,9 +245,28 @@ def embedded_args(cfg: Any, model_dir: Path, spec: LaunchSpec, weights_dir: Path
         args.append("--enable-fp32-lm-head")
     if wants_routed_experts(cfg):
         args.append("--enable-return-routed-experts")
+    if adapter_push(cfg):
+        args.append("--enable-lora")   # the base is the checkpoint the embedded server loads anyway
     if cpu:
         args += ["--num-threads", "2"]
     return args
+
+
+def adapter_push(cfg: Any) -> bool:
+    """Does the trainer push LoRA adapters only (``actor.lora.push: adapter``)?"""
+    return bool(cfg.actor.lora.rank) and cfg.actor.lora.push == "adapter"
+
+
+def lora_server_args(cfg: Any) -> list[str]:
+    """SGLang 0.5.23's LoRA flags (``arg_groups/fields/lora.py``) for adapter-only pushes: adapters
+    are loaded at run time (no ``--lora-paths``), so the rank and target modules must be given up
+    front (SGLang sizes its adapter memory pool from them); the base weights come from the
+    checkpoint (``--load-format auto``), as only adapters are ever pushed. Empty otherwise."""
+    if not adapter_push(cfg):
+        return []
+    lo = cfg.actor.lora
+    return ["--load-format", "auto", "--enable-lora", "--max-lora-rank", str(lo.rank),
+            "--lora-target-modules", *sorted(lo.target_modules)]
 
 
 def wants_routed_experts(cfg: Any) -> bool:
@@ -311,6 +333,7 @@ class RolloutServers:
         self.api_key = resolve_api_key(cfg)
         self.weights_dir = Path(cfg.output_dir) / "weights_sync"   # the disk transport's folder
         self.tp_sizes = server_tp_sizes(cfg)
+        self.lora_name: Optional[str] = None   # adapter-only pushes: the adapter every /generate names
         if r.server_urls:
             self.urls = list(r.server_urls)
             return

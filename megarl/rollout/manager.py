@@ -97,7 +97,8 @@ class RolloutManager:
 
     def __init__(self, urls: Sequence[str], max_concurrency: int = 64, timeout_s: float = 600.0,
                  request_retries: int = 2, health_timeout_s: float = 10.0, api_key: Optional[str] = None,
-                 healer: Optional[Any] = None, chunks_per_server: int = 4, min_chunk_samples: int = 16):
+                 healer: Optional[Any] = None, chunks_per_server: int = 4, min_chunk_samples: int = 16,
+                 lora_name: Callable[[], Optional[str]] = lambda: None):
         if not urls:
             raise ValueError("RolloutManager needs at least one server URL")
         if request_retries < 0:
@@ -120,6 +121,7 @@ class RolloutManager:
         self.requests = 0                                     # /generate requests sent (whole run)
         self._probes: dict[int, asyncio.Task] = {}
         self._probe_session: Optional[aiohttp.ClientSession] = None
+        self.lora_name = lora_name                            # the served LoRA adapter each request names
         self.healer = healer                                  # revive(i) -> new url; max_restarts
         self.restarted = 0                                    # servers restarted (whole run)
         self.fatal: Optional[BaseException] = None            # a server that could not be restarted
@@ -303,7 +305,8 @@ class RolloutManager:
             try:
                 return await self.clients[server].generate(input_ids, params, return_logprob=True,
                                                            return_routed_experts=routes,
-                                                           routed_experts_start_len=routes_start)
+                                                           routed_experts_start_len=routes_start,
+                                                           lora_path=self.lora_name())
             except ServerError as err:
                 if isinstance(err, RequestFailed) and err.status < 500:
                     raise  # our request is wrong; another server would refuse it too

@@ -15,11 +15,11 @@ Tensors travel by reference (CUDA IPC on a GPU, shared memory on CPU), as with
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Optional
 
 import torch
 
+from megarl.wire.checksum import tensor_sha256  # noqa: F401  (re-exported)
 from megarl.wire.flattened import dumps_b64
 
 
@@ -28,21 +28,18 @@ def adapter_name(version: str) -> str:
     return f"megarl-lora-{version}"
 
 
-def tensor_sha256(t: torch.Tensor) -> str:
-    """SGLang's checksum of an adapter tensor (``tp_worker.load_lora_adapter_from_tensors``)."""
-    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
 def load_from_tensors_request(lora_name: str, config_dict: dict[str, Any], tensors: dict[str, torch.Tensor],
                               tp_size: int, checksums: bool = True) -> dict[str, Any]:
     """The JSON body of ``/load_lora_adapter_from_tensors``: every TP rank gets the full adapters
-    (one payload each, the same shared tensors). CPU tensors are moved to shared memory in place:
+    (one payload each, of the same shared tensors). CPU tensors are moved to shared memory in place:
     the caller keeps ``tensors`` alive until the server has answered."""
     shared = {name: t.detach().contiguous().share_memory_() if t.device.type == "cpu" else t.detach().contiguous()
               for name, t in tensors.items()}
-    payload = dumps_b64(shared)
+    # one pickle per TP rank: pickling a shared CPU storage takes one reference on it for its reader
+    # (torch's file_system strategy), so a payload read by two ranks would drop the sender's own
+    # and the next push of the same tensors (another server, a restarted one) would find no file
     body: dict[str, Any] = {"lora_name": lora_name, "config_dict": config_dict,
-                            "serialized_named_tensors": [payload] * tp_size}
+                            "serialized_named_tensors": [dumps_b64(shared) for _ in range(tp_size)]}
     if checksums:
         body["expected_checksums"] = {name: tensor_sha256(t) for name, t in shared.items()}
     return body

@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from megarl.metrics_log import note
 from megarl.quant.served import read_served_format
+from megarl.rollout.launch import adapter_push
+from megarl.sync.adapter_push import AdapterPush
 from megarl.sync.colocated import ipc_groups_for
 from megarl.sync.rank import PushTarget, checkpoint_names, run_transport
 from megarl.sync.session import weight_update_session
@@ -26,6 +28,8 @@ class WeightSync:
         self.groups: Optional[list] = None   # (update group, master) of the last push, for the log line
         self.heals = 0
         self._target: Optional[PushTarget] = None
+        # actor.lora.push: adapter -- the servers keep their base, each push loads adapters only
+        self.adapters = AdapterPush(cfg, actor, servers, model_dir) if adapter_push(cfg) else None
 
     def target(self) -> PushTarget:
         """Where and how this run's weights go (the servers' current URLs)."""
@@ -51,7 +55,12 @@ class WeightSync:
         return ipc_groups_for(self.servers.tp_sizes)
 
     def push(self, version: str) -> dict[str, float]:
-        """One weight-update session on every server around all actor ranks' pushes."""
+        """One weight-update session on every server around all actor ranks' pushes (adapter-only:
+        the adapters of ``version`` loaded under their own name, the previous ones retired)."""
+        if self.adapters is not None:
+            stats = self.adapters.push(version)
+            self.version = version
+            return stats
         if self._target is None:
             self._target = self.target()
         with weight_update_session(self.servers.urls, api_key=self.servers.api_key):
@@ -69,6 +78,9 @@ class WeightSync:
 
     def push_to_restarted(self, server: int) -> None:
         """The current weights into restarted server ``server`` (new URL) alone."""
+        if self.adapters is not None:
+            self.adapters.push_to_restarted(server, self.version)
+            return
         self.actor.call("close_pusher")
         self._target = self.target()
         self.heals += 1

@@ -80,3 +80,11 @@ def format_checksum(nbytes: int, parts) -> str:
 def checksum(flat: torch.Tensor) -> str:
     """Checksum of a flat tensor's bytes (any dtype; contiguous).  See module doc."""
     return format_checksum(_as_bytes(flat).numel(), checksum_parts(flat).tolist())
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """SGLang's checksum of one LoRA adapter tensor (``expected_checksums`` of
+    ``/load_lora_adapter_from_tensors``; ``tp_worker.py``): sha256 of its bytes, hex."""
+    import hashlib
+
+    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()

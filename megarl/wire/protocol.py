@@ -53,6 +53,8 @@ LOAD_LORA_ADAPTER_FROM_TENSORS_FIELDS = ("lora_name", "config_dict", "serialized
                                          "load_format", "expected_checksums")
 UNLOAD_LORA_ADAPTER_FIELDS = ("lora_name",)
 GENERATE_LORA_FIELDS = ("lora_path",)
+# an adapter-only push names its version without loading weights (SGLang's /update_weight_version)
+UPDATE_WEIGHT_VERSION_FIELDS = ("new_version", "abort_all_requests")
 
 # Which sglang class each request maps to (class name in io_struct.py / sampling_params.py).
 SGLANG_CLASSES = {
@@ -72,6 +74,7 @@ SGLANG_CLASSES = {
     "LoadLoRAAdapterReqInput": LOAD_LORA_ADAPTER_FIELDS,
     "LoadLoRAAdapterFromTensorsReqInput": LOAD_LORA_ADAPTER_FROM_TENSORS_FIELDS,
     "UnloadLoRAAdapterReqInput": UNLOAD_LORA_ADAPTER_FIELDS,
+    "UpdateWeightVersionReqInput": UPDATE_WEIGHT_VERSION_FIELDS,
 }
 
 # megarl's own extension fields (not in sglang; sglang ignores unknown fields).
@@ -106,6 +109,7 @@ ENDPOINTS = {
     "load_lora_adapter": ("POST", "/load_lora_adapter"),
     "load_lora_adapter_from_tensors": ("POST", "/load_lora_adapter_from_tensors"),
     "unload_lora_adapter": ("POST", "/unload_lora_adapter"),
+    "update_weight_version": ("POST", "/update_weight_version"),
 }
 
 # Response shape of /generate (tokenizer_manager.py): {"text"?, "output_ids": [...],

@@ -437,7 +437,8 @@ class MegatronWorker:
         """LoRA actor: this rank's adapters in PEFT's names (owner ranks only; every rank must call)."""
         from megarl.workers.lora import adapter_tensors
 
-        return adapter_tensors(self)
+        with self.offloader.resident_for(("params",)):   # e.g. a restarted server's push mid-rollout
+            return adapter_tensors(self)
 
     def push_weights(self, target: PushTarget, version: str) -> dict[str, Any]:
         """Every actor rank: this rank's part of one weight push to all servers (the driver holds
