@@ -59,6 +59,8 @@ fp8sync) run 400 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-
 fp8gemm) run 200 python3 benchmarks/bench_fp8_gemm.py --shape qwen2.5-1.5b --tokens 1,128,4096 ;;
 cpmem) # issue 27: activation memory of one 32k-token sequence at CP=1 vs the planner's figure
        run 400 python3 benchmarks/bench_cp_memory.py --device cuda --shape qwen3-8b --layers 4 --tokens 32768 ;;
+loraadapter) # issue 28: the same 7B LoRA run pushing adapters only (actor.lora.push=adapter, the engine loads them)
+      run 560 python3 benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 64 --steps 3 --prompts 8 --push adapter ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20
