@@ -61,6 +61,10 @@ cpmem) # issue 27: activation memory of one 32k-token sequence at CP=1 vs the pl
        run 400 python3 benchmarks/bench_cp_memory.py --device cuda --shape qwen3-8b --layers 4 --tokens 32768 ;;
 loraadapter) # issue 28: the same 7B LoRA run pushing adapters only (actor.lora.push=adapter, the engine loads them)
       run 560 python3 benchmarks/bench_lora.py --shape qwen2.5-7b --tokenizer .whl/smollm2_tok --lora-rank 64 --steps 3 --prompts 8 --push adapter ;;
+mps) # issue 29: sync / one_step_off / async on ONE GPU, megarl starting and stopping the MPS daemon itself
+     # (cluster.mps: auto; after smollm2); MPS_ARGS e.g. "--override cluster.mps_rollout_sm_percent=60"
+     run 590 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps 8 --prompts 64 --n 8 --new-tokens 40 --work /tmp/bench_mps $MPS_ARGS
+     grep -h "MPS:" /tmp/bench_mps/run_*/logs/*.log $OUT/stderr.log 2>/dev/null | sort | uniq -c | tee -a $OUT/log ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20

@@ -36,6 +36,7 @@ from megarl.models.routing_replay import agreement_metrics
 from megarl.placement import RunPlacement
 from megarl.rollout.agent import agent_metrics
 from megarl.rollout.healing import RolloutServerLost
+from megarl.placement.mps import MpsSession, start_mps
 from megarl.rollout.launch import RolloutServers, rollout_dtype
 from megarl.rollout.pipeline import RolloutPipeline, build_pipeline
 from megarl.rollout.routed_experts import moe_routing_shape
@@ -89,6 +90,7 @@ class Trainer:
         self.logger: Optional[MetricsLogger] = None
         self.residency = Residency({}, {}, cuda=False)   # what each role keeps on the GPU, phase by phase
         self.stop_requested = False
+        self.mps: Optional[MpsSession] = None          # CUDA MPS daemon of a one-GPU disaggregated run
 
     # ------------------------------------------------------------------ set-up
     def setup_data(self) -> None:
@@ -123,8 +125,10 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.setup_data()
+        self.mps = start_mps(cfg, self.out, note)   # one shared GPU: before anything touches CUDA
         placement, started = RunPlacement(cfg), time.time()
-        self.servers = servers = RolloutServers(cfg, self.served_dir, self.out / "logs", placement=placement.servers())
+        self.servers = servers = RolloutServers(cfg, self.served_dir, self.out / "logs", placement=placement.servers(),
+                                                env=self.mps.env_for("rollout") if self.mps else None)
         self.groups = start_roles(cfg, placement)
         self.residency = Residency(self.groups, offload_switches(cfg, list(self.groups)), cfg.cluster.device == "cuda")
         servers.wait_healthy()
@@ -350,6 +354,8 @@ class Trainer:
         if self.rollout is not None:
             self.rollout.close()
         RunPlacement.shutdown(self.cfg)
+        if self.mps is not None:
+            self.mps.stop()
 
 
 def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:

@@ -155,6 +155,12 @@ class ClusterConfig:
     object_store_mb: int = opt(256, "object store of a Ray cluster that megarl starts itself")
     host_memory_gb: float = opt(0.0, "host RAM per node (GiB) for the plan's host-memory check (offloaded state, "
                                 "CPU optimizer); 0 = this machine's")
+    mps: Literal["auto", "required", "disabled"] = opt("auto", "CUDA MPS when the trainer and one rollout server share one GPU "
+                                            "(disaggregated, local backend): auto = use a running daemon or start "
+                                            "one, or say in one line that it is not available; on = error if not")
+    mps_trainer_sm_percent: Optional[int] = opt(None, "MPS: the trainer's share of the SMs "
+                                                "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); null = no limit")
+    mps_rollout_sm_percent: Optional[int] = opt(None, "MPS: the rollout server's share of the SMs; null = no limit")
     host_bandwidth_gbps: float = opt(55.0, "pinned host<->device copy bandwidth per GPU (GB/s) for the plan's "
                                      "offload/onload seconds; 55 measured on an H200 (PCIe Gen5 x16)")
 

@@ -401,6 +401,10 @@ def _check_rollout_mode(cfg: RunConfig, problems: list[str]) -> None:
 
 
 def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
+    for field_name in ("mps_trainer_sm_percent", "mps_rollout_sm_percent"):
+        share = getattr(cfg.cluster, field_name)
+        if share is not None and not 1 <= share <= 100:
+            problems.append(f"cluster.{field_name}: must be in [1, 100] (or null: no limit), got {share}")
     for name in cfg.trained_roles:
         o = getattr(cfg, name).optim
         if o.lr <= 0:

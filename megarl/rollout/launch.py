@@ -323,7 +323,9 @@ class RolloutServers:
     (local runs, CPU). ``restart(i)`` starts server ``i`` again through the same actors (same
     bundles, same node), at a fresh port."""
 
-    def __init__(self, cfg: Any, model_dir: Path, log_dir: Path, placement: tuple[Any, int] | None = None):
+    def __init__(self, cfg: Any, model_dir: Path, log_dir: Path, placement: tuple[Any, int] | None = None,
+                 env: Optional[dict[str, str]] = None):
+        """``env``: more environment for every server process (e.g. its CUDA MPS share)."""
         from megarl.config.validate import server_tp_sizes
 
         r = cfg.rollout
@@ -342,6 +344,7 @@ class RolloutServers:
         self._cfg = cfg
         self._model_dir = model_dir
         self._log_dir = log_dir
+        self._env = dict(env or {})
         self._gpus: list[list[list[str]]] = []
         self._routable = self._ray and _ray_nodes() > 1
         for i in range(len(self.tp_sizes)):
@@ -428,7 +431,8 @@ class RolloutServers:
             dist_init = f"{dist_host}:{dist_port}"
         command = list(r.server_command) or default_command(r.engine)
         threads = "1" if cfg.cluster.device == "cpu" else os.environ.get("OMP_NUM_THREADS", "4")
-        env = dict(os.environ, OMP_NUM_THREADS=threads, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, OMP_NUM_THREADS=threads, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   **self._env)
         for node in range(nnodes):
             spec_host = host if node == 0 else self._do(i, node, "address", True)[0]
             private: dict[str, str] = {}

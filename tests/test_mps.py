@@ -1,0 +1,66 @@
+"""CUDA MPS for the one-shared-GPU layout (issue 29): when megarl wants it, what it says without it,
+and that each server process gets its SM share. The daemon itself runs only on a GPU machine
+(benchmarks/run_gpu.sh `mps`: bench_async with megarl starting and stopping it)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from megarl.config import load_config
+from megarl.placement.mps import MpsError, MpsSession, start_mps, wanted
+from megarl.rollout.launch import RolloutServers
+from tests.helpers.runs import tiny_model, tiny_run_config
+
+pytestmark = pytest.mark.unit
+ONE_GPU = ("cluster.device=cuda", "cluster.backend=local", "cluster.gpus_per_node=1", "actor.gpus=1",
+           "rollout.gpus=1", "placement.mode=disaggregated")
+
+
+def _cfg(tmp_path: Path, *overrides: str):
+    return load_config(Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-grpo-cpu.yaml",
+                       [f"output_dir={tmp_path}", *overrides])
+
+
+def test_mps_is_wanted_only_for_one_gpu_shared_by_trainer_and_server(tmp_path):
+    assert wanted(_cfg(tmp_path, *ONE_GPU))
+    assert not wanted(_cfg(tmp_path, *ONE_GPU, "cluster.mps=disabled"))
+    assert not wanted(_cfg(tmp_path, *ONE_GPU, "placement.mode=colocated"))   # one process, memory saver
+    assert not wanted(_cfg(tmp_path))                                            # CPU
+
+
+def test_without_the_control_binary_auto_says_so_in_one_line_and_on_refuses(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))       # no nvidia-cuda-mps-control anywhere
+    lines: list[str] = []
+    assert start_mps(_cfg(tmp_path, *ONE_GPU), tmp_path, lines.append) is None
+    assert len(lines) == 1 and lines[0].startswith("MPS: not used") and "nvidia-cuda-mps-control" in lines[0]
+    with pytest.raises(MpsError, match=r"^cluster\.mps: required"):
+        start_mps(_cfg(tmp_path, *ONE_GPU, "cluster.mps=required"), tmp_path, lines.append)
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ or os.environ["CUDA_MPS_PIPE_DIRECTORY"] != str(tmp_path)
+
+
+def test_sm_shares_are_validated_and_reach_the_server_process(tmp_path):
+    from megarl.config import validate_config
+    from megarl.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match="cluster.mps_rollout_sm_percent"):
+        validate_config(_cfg(tmp_path, *ONE_GPU, "cluster.mps_rollout_sm_percent=0"))
+    session = MpsSession(str(tmp_path / "pipe"), str(tmp_path / "log"), started=False,
+                         shares={"trainer": 40, "rollout": 60})
+    assert session.env_for("trainer")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+    # a real embedded server started by megarl's launcher carries the rollout share in its environment
+    model = tiny_model(tmp_path)
+    cfg = tiny_run_config(model, tmp_path / "run")
+    servers = RolloutServers(cfg, model, tmp_path / "logs", env=session.env_for("rollout"))
+    try:
+        pid = servers.hosts[0][0].proc.pid
+        deadline = time.time() + 30
+        while not Path(f"/proc/{pid}/environ").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        assert environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "60"
+        assert environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "pipe")
+    finally:
+        servers.stop()
