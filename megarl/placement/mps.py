@@ -55,10 +55,20 @@ class MpsSession:
         return env
 
     def stop(self) -> None:
-        """Quit the daemon if megarl started it (a daemon found running is left alone)."""
-        if self.started:
-            _control("quit", self.pipe_dir, self.log_dir)
-            self.started = False
+        """Ask the daemon megarl started to quit (a daemon found running is left alone). The daemon
+        exits once its last client has: this process holds a CUDA context until it ends, so the
+        request is sent without waiting for it (a blocking ``quit`` would hang here)."""
+        if not self.started:
+            return
+        self.started = False
+        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=self.pipe_dir, CUDA_MPS_LOG_DIRECTORY=self.log_dir)
+        try:
+            proc = subprocess.Popen([CONTROL], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, env=env, start_new_session=True, text=True)
+            proc.stdin.write("quit\n")
+            proc.stdin.close()
+        except OSError:
+            pass   # teardown: never mask the run's own outcome
 
 
 def _control(command: str, pipe_dir: str, log_dir: str, timeout_s: float = 10.0) -> subprocess.CompletedProcess:
