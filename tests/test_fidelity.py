@@ -36,7 +36,14 @@ def test_bounds_follow_the_dtypes():
     assert not given.calibrated and given.bound == 0.5 and "set in the config" in given.describe()
     with pytest.raises(ValueError, match="no noise floor for dtype 'int8'"):
         noise_floor("int8", "float32")
-    assert set(NOISE_FLOOR) == {"float32", "bfloat16", "float16"}
+    assert set(NOISE_FLOOR) == {"float32", "bfloat16", "float16", "fp8_block"}
+    # FP8 rollout: the weights' own floor joins the compute dtype's; what the H200 measured passes
+    # (FP8 engine vs bf16 megatron 0.117) and a swapped weight pair on the same run fails (0.673)
+    fp8 = logprob_bound("bfloat16", "bfloat16+fp8_block")
+    assert fp8.floor == pytest.approx(math.sqrt(3e-2 ** 2 * 2 + NOISE_FLOOR["fp8_block"] ** 2))
+    assert 0.117 < fp8.bound < 0.673 and "bfloat16+fp8_block" in fp8.describe()
+    with pytest.raises(ValueError, match="no noise floor for dtype 'fp4'"):
+        noise_floor("bfloat16", "bfloat16+fp4")
 
 
 def test_mean_abs_diff_ignores_padding():
