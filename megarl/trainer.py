@@ -21,12 +21,12 @@ from typing import Any, Optional
 import torch
 
 from megarl.algos import LossSettings, get_advantage_estimator, kl_reward_penalty, make_kl_controller
-from megarl.config.served import resolve_served_defaults, served_is_fp8
-from megarl.algos.fidelity import LogprobMismatch, logprob_bound, rollout_logprob_check
+from megarl.algos.fidelity import LogprobBound, LogprobMismatch, logprob_bound, rollout_logprob_check
 from megarl.algos.metrics import batch_summary
 from megarl.checkpoint.hf_export import export_hf_folder, export_peft_adapter
 from megarl.checkpoint.manager import CheckpointManager
 from megarl.config import RunConfig
+from megarl.config.served import resolve_served_defaults
 from megarl.data import PromptLoader, load_split
 from megarl.data.batch import LOSS_MASK, TokenBatch
 from megarl.data.packing import denominators
@@ -34,9 +34,9 @@ from megarl.metrics_log import MetricsLogger, PhaseTimer, note
 from megarl.metrics_sinks import build_sinks
 from megarl.models.routing_replay import agreement_metrics
 from megarl.placement import RunPlacement
+from megarl.placement.mps import MpsSession, start_mps
 from megarl.rollout.agent import agent_metrics
 from megarl.rollout.healing import RolloutServerLost
-from megarl.placement.mps import MpsSession, start_mps
 from megarl.rollout.launch import RolloutServers, rollout_dtype
 from megarl.rollout.pipeline import RolloutPipeline, build_pipeline
 from megarl.rollout.routed_experts import moe_routing_shape
@@ -81,7 +81,7 @@ class Trainer:
                                          target_kl=kl.target, horizon=kl.horizon)
         self.state = TrainerState(kl_ctl=self.kl_ctl)
         self.checkpoints = CheckpointManager(self.ckpt_dir, cfg.checkpoint.keep_last)
-        self.logprob_bound = logprob_bound(cfg.model.dtype, rollout_dtype(cfg), cfg.rollout.logprob_diff_bound)
+        self.logprob_bound: Optional[LogprobBound] = None   # setup_data: depends on the served checkpoint
         self.groups: dict[str, Any] = {}               # role -> WorkerGroup
         self.servers: Optional[RolloutServers] = None
         self.weights: Optional[WeightSync] = None      # actor -> servers
@@ -104,11 +104,10 @@ class Trainer:
         self.model_dir = resolve_hf_path(cfg.model.hf_path)
         # what the servers serve: the same checkpoint, or a copy in another format (block FP8)
         self.served_dir = resolve_hf_path(cfg.rollout.model_path) if cfg.rollout.model_path else self.model_dir
-        fp8_note = resolve_served_defaults(cfg, str(self.served_dir))
+        fp8, fp8_note = resolve_served_defaults(cfg, str(self.served_dir))
         if fp8_note:
             note(fp8_note)
-        self.logprob_bound = logprob_bound(cfg.model.dtype, rollout_dtype(cfg, served_is_fp8(str(self.served_dir))),
-                                           cfg.rollout.logprob_diff_bound)
+        self.logprob_bound = logprob_bound(cfg.model.dtype, rollout_dtype(cfg, fp8), cfg.rollout.logprob_diff_bound)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_path)
         self.train_records = load_split(cfg.data, cfg.seed, "train")
         self.eval_records = load_split(cfg.data, cfg.seed, "eval")

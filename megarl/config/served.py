@@ -12,13 +12,14 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from megarl.quant.fp8_block import BLOCK
+
 # the TIS cap FP8 rollout gets when algorithm.tis_cap is null (verl's default imp-ratio cap)
 FP8_TIS_CAP = 2.0
 # config.json fields that must agree between the trained and the served checkpoint
 SAME_NETWORK = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "vocab_size", "moe_intermediate_size", "num_experts", "n_routed_experts",
                 "head_dim", "tie_word_embeddings")
-BLOCK = 128
 
 
 def _config(path: str) -> Optional[dict]:
@@ -71,23 +72,32 @@ def _sglang_tp_alignment(cfg: Any, served: dict) -> list[str]:
     return []
 
 
+def checkpoint_quant_method(hf_dir: str) -> Optional[str]:
+    """``quantization_config.quant_method`` of a checkpoint folder's config.json, if any."""
+    config = _config(hf_dir) or {}
+    return (config.get("quantization_config") or {}).get("quant_method")
+
+
+def served_quant_method(cfg: Any, served_dir: Optional[str]) -> Optional[str]:
+    """The servers' weight format: ``rollout.quantization`` when declared (plans of checkpoints not
+    on this machine), else the served checkpoint's own; None = unquantized."""
+    declared = cfg.rollout.quantization
+    if declared is not None:
+        return None if declared == "none" else declared
+    return checkpoint_quant_method(served_dir) if served_dir else None
+
+
 def rollout_is_fp8(cfg: Any) -> bool:
-    """Whether the servers serve block FP8: ``rollout.quantization``, else the served config."""
-    if cfg.rollout.quantization is not None:
-        return cfg.rollout.quantization == "fp8"
-    return bool(cfg.rollout.model_path) and served_is_fp8(cfg.rollout.model_path)
+    """Whether the servers serve block FP8 (for the plan: nothing resolved yet)."""
+    return served_quant_method(cfg, cfg.rollout.model_path) == "fp8"
 
 
-def served_is_fp8(served_dir: str) -> bool:
-    config = _config(served_dir) or {}
-    return (config.get("quantization_config") or {}).get("quant_method") == "fp8"
-
-
-def resolve_served_defaults(cfg: Any, served_dir: str) -> Optional[str]:
-    """FP8 rollout turns on TIS at ``FP8_TIS_CAP`` when ``algorithm.tis_cap`` is null; returns the
-    line to log, or None."""
-    if not served_is_fp8(served_dir) or cfg.algorithm.tis_cap is not None:
-        return None
+def resolve_served_defaults(cfg: Any, served_dir: str) -> tuple[bool, Optional[str]]:
+    """(whether ``served_dir`` is block FP8, the line to log or None). FP8 rollout turns on TIS at
+    ``FP8_TIS_CAP`` when ``algorithm.tis_cap`` is null."""
+    fp8 = checkpoint_quant_method(served_dir) == "fp8"
+    if not fp8 or cfg.algorithm.tis_cap is not None:
+        return fp8, None
     cfg.algorithm.tis_cap = FP8_TIS_CAP
-    return (f"FP8 rollout ({served_dir}): truncated importance sampling on, algorithm.tis_cap = {FP8_TIS_CAP:g} "
-            f"(set algorithm.tis_cap: 0 to turn it off)")
+    return fp8, (f"FP8 rollout ({served_dir}): truncated importance sampling on, algorithm.tis_cap = "
+                 f"{FP8_TIS_CAP:g} (set algorithm.tis_cap: 0 to turn it off)")

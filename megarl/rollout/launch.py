@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megarl.config.loader import ConfigError
+from megarl.config.served import served_quant_method
 from megarl.config.validate import api_key_env_problem, max_sequence_len
 from megarl.rollout.client import ServerDown
 
@@ -176,19 +177,6 @@ class LaunchSpec:
     tp_size: int = 0            # this server's TP size (0: rollout.tp)
 
 
-def served_quantization(cfg: Any, model_dir: Path) -> Optional[str]:
-    """SGLang's ``--quantization`` for the served checkpoint: ``rollout.quantization`` when set, else
-    its config.json's quant_method, if any."""
-    declared = cfg.rollout.quantization
-    if declared is not None:
-        return None if declared == "none" else declared
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None
-    q = json.loads(path.read_text()).get("quantization_config") or {}
-    return q.get("quant_method")
-
-
 def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
     """`sglang.launch_server` flags for one process of server `spec.index` (tested against
     SGLang 0.5.23's own argument parser: tests/test_sglang_conformance.py)."""
@@ -218,7 +206,7 @@ def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
         args.append("--enable-fp32-lm-head")
     if wants_routed_experts(cfg):
         args.append("--enable-return-routed-experts")  # R3: meta_info.routed_experts per request
-    quantization = served_quantization(cfg, model_dir)
+    quantization = served_quant_method(cfg, str(model_dir))
     if quantization:
         args += ["--quantization", quantization]   # the served checkpoint's own (block FP8: "fp8")
     if spec.nnodes > 1:
