@@ -101,11 +101,11 @@ def main_gpu(a):
     if a.fp8:
         # the same weights into a server of the block-FP8 checkpoint: the pusher quantizes each
         # projection on the GPU on the way (issue 26); baseline = the bf16 push above, same run
+        from megarl.checkpoint.fp8_convert import fp8_quantization_config
         from megarl.engine.fp8 import QUANTIZED
         from megarl.quant.served import BlockFp8Format
         served = BlockFp8Format(quantized=frozenset(n for n, _ in named if n.endswith(QUANTIZED)))
-        cfg.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                   "weight_block_size": [128, 128]}
+        cfg.quantization_config = fp8_quantization_config()
         fp8 = _push_into_server(a, cfg, named, served)
         res["fp8"] = fp8
         if "seconds" in fp8 and "seconds" in res:

@@ -43,7 +43,8 @@ def quantizes(name: str, shape: tuple) -> bool:
     return "norm" not in leaf and not leaf.endswith("gate") and leaf != "gate"
 
 
-def quantization_config(scale_format: str) -> dict:
+def fp8_quantization_config(scale_format: str = "fp32") -> dict:
+    """The ``quantization_config`` of a block-FP8 checkpoint megarl writes."""
     cfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
     if scale_format == "ue8m0":
         cfg["scale_fmt"] = "ue8m0"
@@ -108,7 +109,7 @@ def convert_hf_to_fp8(hf_dir: str, out_dir: str, scale_format: str = "fp32", ver
             if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name not in (
                     "config.json", "model.safetensors.index.json"):
                 shutil.copy2(extra, tmp / extra.name)
-        config["quantization_config"] = quantization_config(scale_format)
+        config["quantization_config"] = fp8_quantization_config(scale_format)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if len(files) > 1 or (src / "model.safetensors.index.json").exists():
             (tmp / "model.safetensors.index.json").write_text(json.dumps(

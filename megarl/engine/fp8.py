@@ -14,8 +14,7 @@ KB), so shard edges need not fall on block edges.
 """
 from __future__ import annotations
 
-import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -27,7 +26,6 @@ QUANTIZED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_
              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
              "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 FP8_KEY, SCALE_KEY = "#fp8", "#scale"
-SCALE_SUFFIX = "_scale_inv"
 
 
 def scale_grid(shape: Tuple[int, ...], block: int) -> Tuple[int, ...]:
@@ -73,10 +71,3 @@ class Fp8Store:
             for e in range(q.shape[0]):
                 dequantize_block_fp8(q[e], s[e], self.block, out.dtype, row0, col0, out=out[e])
 
-    def nbytes(self) -> int:
-        return sum(math.prod(shape) * dt.itemsize for _, shape, dt in self.entries())
-
-
-def split_scale_name(name: str) -> Optional[str]:
-    """``X.weight_scale_inv`` -> ``X.weight``; None for any other name."""
-    return name[: -len(SCALE_SUFFIX)] if name.endswith(".weight" + SCALE_SUFFIX) else None

@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from megarl.wire.numerics import fp32_logits
 
 from megarl.quant.fp8_block import quantize_block_fp8
-from megarl.quant.served import block_fp8_settings
+from megarl.quant.served import block_fp8_settings, scale_name, split_scale_name
 
-from .fp8 import FP8_KEY, SCALE_KEY, Fp8Store, split_scale_name
+from .fp8 import FP8_KEY, SCALE_KEY, Fp8Store
 from .graphs import DecodeGraphs
 from .lora import Adapter, lora_delta
 from .shard import local_part, local_shape
@@ -264,8 +264,8 @@ class DecoderModel:
             else:
                 out[n] = tuple(shp)
         if self.fp8 is not None:
-            out.update({name + "_scale_inv": self.hf_shape(name + "_scale_inv") for name in list(out)
-                        if self._internal(name) is not None and self.fp8.is_quantized(self._internal(name))})
+            out.update({scale_name(name): self.hf_shape(scale_name(name)) for name in list(out)
+                        if self._fp8_part(name) is not None})
         return out
 
     def _internal(self, name: str) -> Optional[str]:
@@ -288,11 +288,9 @@ class DecoderModel:
 
     def hf_shape(self, name: str) -> Optional[Tuple[int, ...]]:
         """Full HF shape of checkpoint name `name`, or None if the model has no such weight."""
-        part = self._fp8_part(name) if name.endswith("_scale_inv") else None
-        if part is not None:
-            return self.fp8.hf_scale_shape(part[0])
-        if name.endswith("_scale_inv"):
-            return None
+        if split_scale_name(name):
+            part = self._fp8_part(name)
+            return self.fp8.hf_scale_shape(part[0]) if part else None
         shp = self.full_shapes.get(name)
         if shp is not None:
             return tuple(shp)
@@ -312,8 +310,8 @@ class DecoderModel:
             stored = self.params[part[0] + part[1]]
             m = _EXPERT_RE.match(split_scale_name(name) or name)
             return stored[int(m.group(3))] if m else stored
-        if name.endswith("_scale_inv"):
-            return None
+        if split_scale_name(name):
+            return None        # a scale of a weight this model does not quantize
         t = self.params.get(name)
         if t is not None:
             return t
@@ -330,7 +328,7 @@ class DecoderModel:
         dst = self.target(name)
         if dst is None:
             raise KeyError(f"unknown weight name {name!r}")
-        if name.endswith("_scale_inv"):
+        if split_scale_name(name):
             return dst, full       # every rank holds the whole (small) scale grid
         return dst, local_part(name, full, self.tp_rank, self.tp_size)
 
@@ -372,13 +370,13 @@ class DecoderModel:
         whatever the TP size (each rank keeps its slice), so a TP-N dummy server equals TP-1."""
         g = torch.Generator(device=self.device).manual_seed(seed)
         for name, shp in sorted(self.hf_names().items()):
-            if name.endswith("_scale_inv"):
+            if split_scale_name(name):
                 continue           # made with its weight below
             full = torch.empty(shp, dtype=torch.float32, device=self.device)
             full.normal_(0.0, 0.02, generator=g) if len(shp) > 1 else full.fill_(1.0)
             if self._fp8_part(name) is not None:
                 q, scale = quantize_block_fp8(full, self.fp8.block)
-                self.load_state([(name, q), (name + "_scale_inv", scale)])
+                self.load_state([(name, q), (scale_name(name), scale)])
             else:
                 self.load_state([(name, full)])
 
@@ -635,10 +633,11 @@ class DecoderModel:
     @torch.inference_mode()
     def prefill(self, seqs: List[List[int]], row0: int, starts: Optional[List[int]] = None,
                 loras: Optional[Sequence[Optional[str]]] = None) -> Optional[torch.Tensor]:
-        """``loras``: each sequence's adapter name (None: the base model). Run ``seqs`` (right-padded into one batch) into cache rows ``row0, row0 + 1, ...``:
+        """Run ``seqs`` (right-padded into one batch) into cache rows ``row0, row0 + 1, ...``:
         ``seqs[u]`` takes positions ``starts[u]...`` of its row, whose positions before that were
-        already filled (copied from a row holding the same prefix). fp32 logits ``[U, V]`` of each
-        sequence's last token (None on TP ranks > 0)."""
+        already filled (copied from a row holding the same prefix); ``loras[u]`` is its LoRA
+        adapter's name (None: the base model). fp32 logits ``[U, V]`` of each sequence's last token
+        (None on TP ranks > 0)."""
         self._dequantize_if_pending()
         U = len(seqs)
         lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)

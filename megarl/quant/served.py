@@ -35,6 +35,11 @@ def scale_name(weight_name: str) -> str:
     return weight_name + SCALE_SUFFIX
 
 
+def split_scale_name(name: str) -> Optional[str]:
+    """``X.weight_scale_inv`` -> ``X.weight``; None for any other name."""
+    return name[: -len(SCALE_SUFFIX)] if name.endswith(".weight" + SCALE_SUFFIX) else None
+
+
 def quantization_config(hf_config: Any) -> Optional[dict]:
     """``quantization_config`` of an HF config (object or dict), or None."""
     q = hf_config.get("quantization_config") if isinstance(hf_config, Mapping) else \
@@ -77,10 +82,6 @@ class BlockFp8Format:
         small.sort(key=lambda nt: str(nt[1].dtype))
         yield from small
 
-    def push_bytes(self, numel: int, rows: int, cols: int) -> int:
-        """Bytes of one quantized weight on the wire (FP8 + fp32 scales)."""
-        return numel + 4 * (-(-rows // self.block)) * (-(-cols // self.block))
-
 
 def block_fp8_settings(hf_config: Any) -> Optional[Tuple[int, str]]:
     """(block, scale format) of a block-FP8 ``quantization_config``; None when the config declares
@@ -117,8 +118,7 @@ def served_format(hf_config: Any, checkpoint_names: Optional[Iterable[str]]) -> 
     if settings is None:
         return None
     block, scale_fmt = settings
-    names = set(checkpoint_names or ())
-    quantized = frozenset(n[: -len(SCALE_SUFFIX)] for n in names if n.endswith(".weight" + SCALE_SUFFIX))
+    quantized = frozenset(filter(None, map(split_scale_name, checkpoint_names or ())))
     if not quantized:
         raise ServedFormatError("quantization_config declares block FP8 but the checkpoint holds no "
                                 "'*.weight_scale_inv' tensors: is it a config-only folder?")
