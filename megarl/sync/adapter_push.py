@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from megarl.rollout.client import LoopThread, RequestFailed, SGLangClient
+from megarl.rollout.client import LoopThread, SGLangClient
 from megarl.sync.adapter import adapter_bytes, adapter_name, load_from_tensors_request
-from megarl.sync.session import SyncError
+from megarl.sync.session import SyncError, close_clients, server_failures
 
 
 class AdapterPush:
@@ -102,21 +102,9 @@ class AdapterPush:
         clients = {i: SGLangClient(urls[i], timeout_s=self.timeout_s, retries=0, api_key=self.servers.api_key)
                    for i in servers}
         try:
-            futs = {i: io.submit(fn(c, i)) for i, c in clients.items()}
-            errors = []
-            for i, f in futs.items():
-                try:
-                    f.result(self.timeout_s)
-                except RequestFailed as e:
-                    errors.append(f"{urls[i]}: {e.message}")
-                except Exception as e:  # noqa: BLE001 - reported together
-                    errors.append(f"{urls[i]}: {type(e).__name__}: {e}")
+            futs = [io.submit(fn(c, i)) for i, c in clients.items()]
+            errors = server_failures(list(clients.values()), futs, self.timeout_s)
             if errors:
-                raise SyncError(f"LoRA adapter push ({what}) failed: " + "; ".join(errors))
+                raise SyncError(f"LoRA adapter push ({what}) failed: " + "; ".join(errors)) from errors.first
         finally:
-            for c in clients.values():
-                try:
-                    io.run(c.close(), timeout=5)
-                except Exception:  # noqa: BLE001 - closing sockets
-                    pass
-            io.close()
+            close_clients(list(clients.values()), io)

@@ -30,7 +30,8 @@ class _Failures(list):
     first: Optional[BaseException] = None
 
 
-def _failures(clients: Sequence[SGLangClient], futures, timeout_s: float) -> _Failures:
+def server_failures(clients: Sequence[SGLangClient], futures, timeout_s: float) -> _Failures:
+    """Wait for one future per client; one line per failed server (naming its URL)."""
     errors = _Failures()
     for client, fut in zip(clients, futures):
         try:
@@ -50,7 +51,7 @@ def session_on(clients: Sequence[SGLangClient], io: LoopThread, timeout_s: float
     begun_futures = [io.submit(c.begin_weight_update()) for c in clients]
     errors, begun = _Failures(), []
     for client, fut in zip(clients, begun_futures):
-        failure = _failures([client], [fut], timeout_s)
+        failure = server_failures([client], [fut], timeout_s)
         (errors.extend(failure) if failure else begun.append(client))
         errors.first = errors.first or failure.first
     if errors:
@@ -67,7 +68,7 @@ def session_on(clients: Sequence[SGLangClient], io: LoopThread, timeout_s: float
 
 
 def _end(clients: Sequence[SGLangClient], io: LoopThread, timeout_s: float) -> _Failures:
-    return _failures(clients, [io.submit(c.end_weight_update()) for c in clients], timeout_s)
+    return server_failures(clients, [io.submit(c.end_weight_update()) for c in clients], timeout_s)
 
 
 @contextlib.contextmanager
@@ -80,9 +81,14 @@ def weight_update_session(urls: Sequence[str], api_key: Optional[str] = None,
         with session_on(clients, io, timeout_s):
             yield
     finally:
-        for c in clients:
-            try:
-                io.run(c.close(), timeout=5)
-            except Exception:  # noqa: BLE001 - closing sockets at teardown
-                pass
-        io.close()
+        close_clients(clients, io)
+
+
+def close_clients(clients: Sequence[SGLangClient], io: LoopThread) -> None:
+    """Close short-lived clients and their loop; never raises (teardown)."""
+    for c in clients:
+        try:
+            io.run(c.close(), timeout=5)
+        except Exception:  # noqa: BLE001 - closing sockets at teardown
+            pass
+    io.close()
