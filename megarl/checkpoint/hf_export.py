@@ -40,18 +40,12 @@ def export_peft_adapter(group: Any, lora_cfg: Any, model_dir: Path, out: Path) -
     """A LoRA actor's adapters as a PEFT adapter folder (``adapter_config.json`` +
     ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the HF base
     model; the adapters are megabytes, so the driver gathers them and writes one file."""
-    from safetensors.torch import save_file
-
-    from megarl.models.lora import gather_peft_tensors, peft_config, spec_from_config
+    from megarl.models.lora import gather_peft_tensors, peft_config, spec_from_config, write_peft_folder
 
     out = Path(out)
     tmp = out.with_name("." + out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = gather_peft_tensors(group)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    config = peft_config(spec_from_config(lora_cfg), base_model=str(model_dir))
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    write_peft_folder(tmp, gather_peft_tensors(group), peft_config(spec_from_config(lora_cfg),
+                                                                   base_model=str(model_dir)))
     replace_dir(tmp, out)
     return out

@@ -34,7 +34,7 @@ def _export_rank(rank: int, world: int, ckpt_actor: str, base: str, lora: dict, 
 
     from megarl.models import build_model, iter_hf_weights, load_hf_weights
     from megarl.models.lora import (apply_lora, checkpoint_sharded_state, load_checkpoint_state, peft_config,
-                                    peft_state_dict, spec_from_config)
+                                    peft_state_dict, spec_from_config, write_peft_folder)
     from megarl.parallel import init_model_parallel
 
     init_model_parallel()
@@ -45,9 +45,7 @@ def _export_rank(rank: int, world: int, ckpt_actor: str, base: str, lora: dict, 
     loaded = dist_checkpointing.load({"model": checkpoint_sharded_state(chunks[0])}, ckpt_actor)
     load_checkpoint_state(chunks[0], loaded["model"])
     tensors = peft_state_dict(chunks)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out) / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    (Path(out) / "adapter_config.json").write_text(json.dumps(peft_config(spec, base_model=base), indent=1))
+    write_peft_folder(out, tensors, peft_config(spec, base_model=base))
     if merged:
         save_file({k: v.contiguous() for k, v in iter_hf_weights(chunks)}, str(Path(merged) / "model.safetensors"),
                   metadata={"format": "pt"})

@@ -329,6 +329,21 @@ def gather_peft_tensors(group) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def write_peft_folder(folder, tensors: dict, config: dict) -> None:
+    """A PEFT adapter folder: ``adapter_model.safetensors`` + ``adapter_config.json``, what
+    ``peft.PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter`` read."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=1))
+
+
 def peft_config(spec: LoRASpec, base_model: str = "") -> dict:
     """``adapter_config.json`` of a PEFT LoRA adapter for a causal LM (what ``peft.LoraConfig`` reads)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,

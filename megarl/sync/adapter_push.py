@@ -78,17 +78,13 @@ class AdapterPush:
         self._call(servers, lambda c, i: c.update_weight_version(version), f"weight_version {version}")
 
     def _write_folder(self, name: str) -> Path:
-        import json
-
-        from safetensors.torch import save_file
+        from megarl.models.lora import write_peft_folder
 
         folder = Path(self.servers.weights_dir) / "lora" / name
         if not folder.exists():
             tmp = folder.with_name("." + name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            save_file({k: v.contiguous() for k, v in self._tensors.items()}, str(tmp / "adapter_model.safetensors"))
-            (tmp / "adapter_config.json").write_text(json.dumps(self.config))
+            write_peft_folder(tmp, self._tensors, self.config)
             tmp.rename(folder)
         return folder
 
