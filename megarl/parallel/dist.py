@@ -29,12 +29,13 @@ def default_backend() -> str:
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                      rank: Optional[int] = None, world_size: Optional[int] = None,
-                     init_method: Optional[str] = None) -> None:
+                     init_method: Optional[str] = None, store: Optional[dist.Store] = None) -> None:
     """Initialise the default process group (idempotent).
 
     Backend: ``nccl`` when a CUDA device exists, else ``gloo`` (and the CPU shim is applied).
     Rank / world size / address come from the usual env vars (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT, LOCAL_RANK) unless given. ``timeout_s`` bounds every collective on the
+    MASTER_PORT, LOCAL_RANK) unless given; ``store`` (a store rank 0 already holds) replaces the
+    env rendezvous. ``timeout_s`` bounds every collective on the
     default group (gloo honours it; NCCL through its watchdog).
     """
     global _TIMEOUT_S
@@ -44,16 +45,17 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = DEFAULT_T
     backend = backend or default_backend()
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    if init_method is None:
+    if store is None and init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         init_method = "env://"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
-    elif world_size > 1 and init_method == "env://":
+    elif world_size > 1 and (store is not None or init_method == "env://"):
         bind_gloo_towards(os.environ["MASTER_ADDR"])
     _TIMEOUT_S = float(timeout_s)
-    dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+    dist.init_process_group(backend=backend, init_method=None if store is not None else init_method,
+                            store=store, rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=float(timeout_s)))
     _GROUP_NAMES[id(dist.group.WORLD)] = "world"

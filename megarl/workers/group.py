@@ -19,7 +19,7 @@ from megarl.algos import LossSettings
 from megarl.config import max_sequence_len
 from megarl.data.batch import TokenBatch
 from megarl.data.packing import ShardPlan, StratifiedMinibatches, plan_ranges, plan_shards, stratified_minibatches
-from megarl.wire.addresses import free_port
+from megarl.parallel.dist import DEFAULT_TIMEOUT_S
 from megarl.wire.addresses import node_address
 from megarl.workers.dispatch import make_shards, unshard
 from megarl.workers.megatron_worker import MegatronWorker, WorkerSpec
@@ -31,12 +31,20 @@ class _RayRank(MegatronWorker):
     def execute(self, method: str, *args, **kwargs):
         return getattr(self, method)(*args, **kwargs)
 
-    @staticmethod
-    def node_address() -> tuple[str, int]:
-        """(this node's address as Ray reports it, a port free on it): the rendezvous that ranks
-        on other nodes dial (never 127.0.0.1 or the hostname's /etc/hosts entry)."""
+    def open_rendezvous(self) -> tuple[str, int]:
+        """Rank 0: listen for the other ranks now and keep listening until ``setup`` -- (this node's
+        address as Ray reports it, the port the store holds). Binding the port here instead of
+        probing a free one and binding it later closes the window in which another process on the
+        node (another role's group, a Ray worker) could take it (EADDRINUSE at init)."""
+        import dataclasses
+        import datetime
+
         address = node_address()
-        return address, free_port(address)
+        self.store = torch.distributed.TCPStore(address, 0, self.spec.world_size, is_master=True,
+                                                wait_for_workers=False,
+                                                timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+        self.spec = dataclasses.replace(self.spec, master_addr=address, master_port=self.store.port)
+        return address, self.store.port
 
 
 # mini-batches of sample indices, or stratified per rank (WorkerGroup.minibatches)
@@ -56,7 +64,8 @@ class WorkerGroup:
         if backend == "local":
             if self.world_size != 1:
                 raise ValueError(f"{role}.gpus = {self.world_size}: backend 'local' runs one rank; use cluster.backend=ray")
-            self.workers = [MegatronWorker(WorkerSpec(rank=0, master_addr="127.0.0.1", master_port=free_port(), **spec_args))]
+            # one rank: an in-process store, no port to race for
+            self.workers = [MegatronWorker(WorkerSpec(rank=0, master_addr="127.0.0.1", master_port=0, **spec_args))]
         else:
             import ray
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -71,10 +80,11 @@ class WorkerGroup:
                                scheduling_strategy=PlacementGroupSchedulingStrategy(
                                    placement_group=placement_group, placement_group_bundle_index=rank))
                 if rank == 0:
-                    # rank 0's node hosts the rendezvous; ask it for an address before creating the rest
-                    probe = remote.options(**options).remote(WorkerSpec(rank=0, master_addr="", master_port=0, **spec_args))
-                    master_addr, master_port = ray.get(probe.node_address.remote())
-                    ray.kill(probe)
+                    # rank 0's node hosts the rendezvous: it binds the store before the rest exist
+                    first = remote.options(**options).remote(WorkerSpec(rank=0, master_addr="", master_port=0, **spec_args))
+                    master_addr, master_port = ray.get(first.open_rendezvous.remote())
+                    self.workers.append(first)
+                    continue
                 spec = WorkerSpec(rank=rank, master_addr=master_addr, master_port=master_port, **spec_args)
                 self.workers.append(remote.options(**options).remote(spec))
 

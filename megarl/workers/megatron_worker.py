@@ -93,7 +93,12 @@ class MegatronWorker:
             apply_cpu_shim()
         else:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        init_distributed()
+        # rank 0 of a Ray group holds the TCP store it opened in `open_rendezvous`; a one-rank role
+        # needs none across processes (an in-process store: no port to bind)
+        store = getattr(self, "store", None)
+        if store is None and spec.world_size == 1 and spec.master_port == 0:
+            store = torch.distributed.HashStore()
+        init_distributed(store=store)
         from megatron.core import parallel_state as mpu
 
         # Backend 'local' hosts several one-rank roles in one process: they share one layout.
