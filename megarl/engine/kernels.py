@@ -1,0 +1,272 @@
+"""Triton kernels of the embedded engine's fused decode step (`fused_decode.py`).
+
+Why: a decode step of a small model is ~37 tiny kernels per layer in plain torch (RMSNorm alone
+is six, RoPE ten); inside a CUDA graph each still costs a few microseconds, so the step was
+launch-bound at 6% of the memory-bandwidth bound (benchmarks/RESULTS.md, sections 2 and 8). These
+kernels fold each elementwise chain into one kernel and replace attention over the padded key
+length with a split-K flash-decoding kernel that reads only the positions each row holds.
+
+Numerics follow the torch path op by op (fp32 math, rounded to the model dtype where torch rounds):
+RMSNorm is ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``, RoPE is ``x*cos + rotate_half(x)*sin``
+with each product rounded, SiLU-and-mul rounds ``silu(g)`` before the product. Only reduction
+orders differ (the norm's mean, attention's softmax), as they do between any two kernels.
+
+The same kernels run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``), which is
+how the tests check them against the torch path on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"   # kernels run on CPU tensors (tests)
+
+
+@triton.jit
+def _add_rms_kernel(x_ptr, y_ptr, w_ptr, h_ptr, H, eps, stride_x, stride_y, stride_h,
+                    HAS_Y: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``r``: ``x[r] += y[r]`` (in place, rounded to x's dtype) when HAS_Y, then
+    ``h[r] = w * rmsnorm(x[r])``."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
+    if HAS_Y:
+        y = tl.load(y_ptr + row * stride_y + offs, mask=m, other=0.0)
+        x = (x.to(tl.float32) + y.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * stride_x + offs, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / H
+    normed = (xf * tl.math.rsqrt(var + eps)).to(h_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0)
+    tl.store(h_ptr + row * stride_h + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(h_ptr.dtype.element_ty),
+             mask=m)
+
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr,
+                       stride_qkv, stride_qb, stride_kr, stride_kh, stride_kp, stride_cs, NH, NKV, eps,
+                       HALF: tl.constexpr, QK_NORM: tl.constexpr):
+    """Program (b, h): query head h < NH -> rotated into ``q[b, h]``; key head h - NH -> rotated
+    into the cache at row b, position pos[b], its value head copied beside it."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.load(pos_ptr + b)
+    d = tl.arange(0, HALF)
+    src = qkv_ptr + b * stride_qkv + h * (2 * HALF)
+    dt = q_ptr.dtype.element_ty
+    x1 = tl.load(src + d).to(tl.float32)
+    x2 = tl.load(src + HALF + d).to(tl.float32)
+    if QK_NORM:   # qwen3: RMSNorm over each head before RoPE (q_norm / k_norm weights)
+        inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        if h < NH:
+            w1 = tl.load(qn_ptr + d).to(tl.float32)
+            w2 = tl.load(qn_ptr + HALF + d).to(tl.float32)
+        else:
+            w1 = tl.load(kn_ptr + d).to(tl.float32)
+            w2 = tl.load(kn_ptr + HALF + d).to(tl.float32)
+        x1 = (w1 * (x1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + p * stride_cs + d).to(tl.float32)
+    s = tl.load(sin_ptr + p * stride_cs + d).to(tl.float32)
+    # x*cos + rotate_half(x)*sin, rotate_half(x) = (-x2, x1); each product rounded as torch does
+    o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    if h < NH:
+        dst = q_ptr + b * stride_qb + h * (2 * HALF)
+        tl.store(dst + d, o1)
+        tl.store(dst + HALF + d, o2)
+    else:
+        kh = h - NH
+        off = b * stride_kr + kh * stride_kh + p * stride_kp
+        tl.store(kc_ptr + off + d, o1)
+        tl.store(kc_ptr + off + HALF + d, o2)
+        vsrc = qkv_ptr + b * stride_qkv + (NH + NKV + kh) * (2 * HALF)
+        tl.store(vc_ptr + off + d, tl.load(vsrc + d))
+        tl.store(vc_ptr + off + HALF + d, tl.load(vsrc + HALF + d))
+
+
+@triton.jit
+def _attend_block(q, kc_ptr, vc_ptr, base, n0, end, stride_kp, scale, m_i, l_i, acc,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One block of keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``) into the online softmax."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    nm = n < end
+    k = tl.load(kc_ptr + base + n[:, None] * stride_kp + d[None, :], mask=nm[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(nm[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a block with no key yet: no -inf - -inf
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(vc_ptr + base + n[:, None] * stride_kp + d[None, :], mask=nm[:, None], other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr, scale, SPLIT_LEN, NH,
+                        stride_qb, stride_kr, stride_kh, stride_kp,
+                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                        INTERPRET_BLOCKS: tl.constexpr):
+    """Program (b, kv head, split): the GROUP query heads of one kv head over keys
+    ``[split * SPLIT_LEN, ...)`` up to pos[b] (inclusive), online softmax. One split: the output;
+    several: unnormalised partial sums + (max, sum) for `_combine_kernel`."""
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    sp = tl.program_id(2)
+    n_ctx = tl.load(pos_ptr + b) + 1
+    start = sp * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, n_ctx)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    gm = g < GROUP
+    heads = kh * GROUP + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    base = b * stride_kr + kh * stride_kh
+    if INTERPRET:   # Triton's interpreter needs host loop bounds: every block, masked past `end`
+        for j in range(0, INTERPRET_BLOCKS):
+            m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start + j * BLOCK_N, end, stride_kp, scale,
+                                          m_i, l_i, acc, D, BLOCK_N, IEEE)
+    else:           # compiled: only the blocks this row holds keys in
+        for j in range(0, tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)):
+            m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start + j * BLOCK_N, end, stride_kp, scale,
+                                          m_i, l_i, acc, D, BLOCK_N, IEEE)
+    if NUM_SPLITS == 1:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_qb + heads[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=gm[:, None])
+    else:
+        # partials [B, NH, NUM_SPLITS, D] and [B, NH, NUM_SPLITS, 2] (fp32)
+        row = (b * NH + heads) * NUM_SPLITS + sp
+        tl.store(part_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
+        tl.store(ml_ptr + row * 2, m_i, mask=gm)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D: tl.constexpr):
+    """Program (b * NH + head): merge the splits' partial softmax sums into the output row."""
+    r = tl.program_id(0)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, D)
+    m = tl.load(ml_ptr + (r * NUM_SPLITS + s) * 2)
+    l = tl.load(ml_ptr + (r * NUM_SPLITS + s) * 2 + 1)
+    mx = tl.max(m, axis=0)
+    w = tl.where(l > 0, tl.exp(m - mx), 0.0)
+    acc = tl.load(part_ptr + (r * NUM_SPLITS + s)[:, None] * D + d[None, :])
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + r * D + d, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr):
+    """``out[b] = silu(gate[b]) * up[b]`` where ``gu[b] = [gate | up]`` (the fused gate/up GEMM)."""
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < I
+    g = tl.load(gu_ptr + b * stride_gu + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + b * stride_gu + I + offs, mask=m, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(out_ptr + b * stride_o + offs, (act * u).to(dt), mask=m)
+
+
+# ------------------------------------------------------------------------------------ wrappers
+def add_rms_norm(x: torch.Tensor, y: Optional[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += y`` in place (when ``y`` is given), then RMSNorm(x) * w -> a new ``[B, H]`` tensor."""
+    B, H = x.shape
+    h = torch.empty_like(x)
+    _add_rms_kernel[(B,)](x, y if y is not None else x, w, h, H, eps, x.stride(0),
+                          y.stride(0) if y is not None else 0, h.stride(0),
+                          HAS_Y=y is not None, BLOCK=triton.next_power_of_2(H))
+    return h
+
+
+def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, nh: int, nkv: int,
+                   q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
+                   eps: float = 0.0) -> torch.Tensor:
+    """``qkv [B, (nh + 2 nkv) * D]`` -> rotated queries ``[B, nh, D]``; keys (rotated) and values go
+    to row b, position ``pos[b]`` of the layer's caches ``[rows, nkv, max_len, D]``."""
+    B = qkv.shape[0]
+    D = k_cache.shape[-1]
+    q = torch.empty(B, nh, D, dtype=qkv.dtype, device=qkv.device)
+    norm = q_norm is not None
+    _rope_store_kernel[(B, nh + nkv)](qkv, pos, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, q,
+                                      k_cache, v_cache, qkv.stride(0), q.stride(0), k_cache.stride(0),
+                                      k_cache.stride(1), k_cache.stride(2), cos.stride(0), nh, nkv, eps,
+                                      HALF=D // 2, QK_NORM=norm)
+    return q
+
+
+def attention_splits(key_len: int) -> int:
+    """How many key ranges a decode step splits into (flash-decoding): one per 256 keys, at most
+    16, a power of two. It depends on the key length only, so a row's result does not depend on
+    how many other rows share its step."""
+    return 1 << (min(16, max(1, key_len // 256)).bit_length() - 1)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     key_len: int, scale: float, splits: Optional[int] = None) -> torch.Tensor:
+    """``q [B, nh, D]`` over keys ``[0, pos[b]]`` of cache rows ``[0, B)`` -> ``[B, nh * D]``.
+    ``key_len`` bounds every pos[b] + 1 (it sizes the splits, not the work: each row reads only
+    the keys it has)."""
+    B, nh, D = q.shape
+    nkv = k_cache.shape[1]
+    group = nh // nkv
+    splits = splits or attention_splits(key_len)
+    block_n = 64 if D <= 128 else 32
+    split_len = triton.cdiv(triton.cdiv(key_len, splits), block_n) * block_n
+    out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
+    ieee = q.dtype == torch.float32
+    if splits == 1:
+        part = ml = out
+    else:
+        part = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B, nh, splits, 2, dtype=torch.float32, device=q.device)
+    _decode_attn_kernel[(B, nkv, splits)](q, k_cache, v_cache, pos, out, part, ml, scale, split_len, nh,
+                                          q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                          GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D,
+                                          BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=ieee, INTERPRET=_INTERPRET,
+                                          INTERPRET_BLOCKS=split_len // block_n if _INTERPRET else 0)
+    if splits > 1:
+        _combine_kernel[(B * nh,)](part, ml, out, NUM_SPLITS=splits, D=D)
+    return out.view(B, nh * D)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[B, 2I]`` (gate | up) -> ``silu(gate) * up`` ``[B, I]``."""
+    B, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(B, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(B, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+                                                      BLOCK=block)
+    return out
+
+
+def supported(head_dim: int, dtype: torch.dtype) -> Tuple[bool, str]:
+    """Can the fused decode step serve this shape? (why not, in words)"""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return False, f"head_dim {head_dim} is not a power of two >= 16"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False, f"dtype {dtype}"
+    return True, ""

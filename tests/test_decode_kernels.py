@@ -1,0 +1,143 @@
+"""The embedded engine's Triton decode step (engine/kernels.py, engine/fused_decode.py).
+
+Checked on CPU under Triton's own interpreter (TRITON_INTERPRET=1 runs the same kernel code on CPU
+tensors) against independent references: torch's scaled_dot_product_attention, the engine's torch
+decode body (the path every other forward uses) and HF transformers' generate. On a GPU the same
+tests run compiled (no interpreter) when CUDA is there.
+"""
+import importlib
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers.servers import make_tiny_hf_model
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """megarl.engine.kernels, interpreted on CPU (compiled on a GPU machine)."""
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import megarl.engine.kernels as k
+    k = importlib.reload(k)
+    yield k
+    if not CUDA:   # leave compiled kernels behind for whoever imports them next
+        monkeypatch.delenv("TRITON_INTERPRET")
+        importlib.reload(k)
+
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _model(path, mode):
+    from transformers import AutoConfig
+
+    from megarl.engine.model import DecoderModel
+    m = DecoderModel(AutoConfig.from_pretrained(path), device=DEV, dtype=torch.float32)
+    m.load_hf_dir(path)
+    m.decode_kernels = mode
+    m.use_cuda_graphs = False
+    m.alloc_cache(6, 320)
+    return m
+
+
+@pytest.mark.parametrize("family,splits", [("llama", 1), ("qwen2", 4), ("qwen3", 2), ("qwen3_moe", 1)])
+def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, family, splits):
+    """Logits and the keys/values written, step after step, rows at different positions (some
+    past one 64-key block, so several splits hold keys and the last ones none)."""
+    d = str(tmp_path / family)
+    make_tiny_hf_model(d, family, std=0.3)
+    monkeypatch.setattr(kernels, "attention_splits", lambda key_len: splits)
+    ref, fused = _model(d, "torch"), _model(d, "triton")
+    g = torch.Generator().manual_seed(1)
+    lens = [3, 70, 130, 1, 66]
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+    for m in (ref, fused):
+        m.prefill(seqs, 0)
+    toks, pos = np.array([5, 6, 7, 8, 9]), np.array(lens)
+    for _ in range(4):
+        a, b = ref.decode(toks, pos), fused.decode(toks, pos)
+        assert fused._fused_views, "the fused step did not run"
+        assert (a - b).abs().max().item() < 2e-5
+        toks, pos = a.argmax(-1).cpu().numpy(), pos + 1
+    for c in ("k_cache", "v_cache"):
+        assert (getattr(ref, c) - getattr(fused, c)).abs().max().item() < 2e-5, c
+
+
+def test_engine_with_the_fused_step_generates_what_hf_generates(tmp_path, kernels):
+    from megarl.engine.engine import Engine, Request, Sampling
+    d = str(tmp_path / "qwen2")
+    hf = make_tiny_hf_model(d, "qwen2", std=0.3)
+    model = _model(d, "triton")
+    eng = Engine(model, max_running=4, max_len=64)
+    eng.start()
+    prompts = [[1, 2, 3, 4], [9, 8, 7], [5] * 11]
+    try:
+        outs = [f.result(timeout=300) for f in eng.submit_many(
+            [Request(p, Sampling(max_new_tokens=10, temperature=0, ignore_eos=True), return_logprob=True) for p in prompts])]
+    finally:
+        eng.stop()
+    assert model._fused_views
+    for p, o in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]
+        assert o["output_ids"] == ref.tolist()
+        with torch.no_grad():
+            full = torch.tensor([p + o["output_ids"]])
+            lp = torch.log_softmax(hf(full).logits[0, len(p) - 1:-1].float(), -1)
+        want = lp.gather(1, torch.tensor(o["output_ids"])[:, None])[:, 0]
+        got = torch.tensor([lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+        assert (want - got).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("group,splits", [(1, 1), (3, 2), (4, 8)])
+def test_attention_reads_each_rows_keys_only(kernels, group, splits):
+    """Against SDPA over each row's own prefix; the cache beyond pos[b] holds garbage that must
+    not leak in, rows sit at position 0 and past several blocks."""
+    g = torch.Generator().manual_seed(group)
+    nkv, D, L = 2, 32, 300
+    pos = torch.tensor([0, 5, 63, 64, 200, 299])
+    B = len(pos)
+    kc = torch.randn(B + 1, nkv, L, D, generator=g)
+    vc = torch.randn(B + 1, nkv, L, D, generator=g)
+    q = torch.randn(B, nkv * group, D, generator=g)
+    out = kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), pos.to(DEV), L, 1 / math.sqrt(D), splits)
+    for b in range(B):
+        n = int(pos[b]) + 1
+        k = kc[b, :, :n].repeat_interleave(group, 0)
+        v = vc[b, :, :n].repeat_interleave(group, 0)
+        want = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=1 / math.sqrt(D))[:, 0]
+        assert (out[b].cpu().view(-1, D) - want).abs().max().item() < 1e-5, b
+
+
+def test_norm_and_activation_kernels(kernels):
+    from megarl.engine.model import _rms
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g)
+    w = torch.randn(96, generator=g)
+    xd = x.clone().to(DEV)
+    h = kernels.add_rms_norm(xd, y.to(DEV), w.to(DEV), 1e-6)
+    assert torch.allclose(xd.cpu(), x + y) and (h.cpu() - _rms(x + y, w, 1e-6)).abs().max().item() < 1e-5
+    assert (kernels.add_rms_norm(x.to(DEV), None, w.to(DEV), 1e-6).cpu() - _rms(x, w, 1e-6)).abs().max() < 1e-5
+    gu = torch.randn(3, 2 * 1500, generator=g)
+    want = F.silu(gu[:, :1500]) * gu[:, 1500:]
+    assert (kernels.silu_mul(gu.to(DEV)).cpu() - want).abs().max().item() < 1e-5
+
+
+def test_the_torch_body_serves_what_the_kernels_do_not(tmp_path, kernels):
+    """A head dim that is not a power of two: 'auto' falls back to the torch body, 'triton' says why."""
+    d = str(tmp_path / "odd")
+    make_tiny_hf_model(d, "llama", head_dim=24, num_attention_heads=4, num_key_value_heads=2)
+    m = _model(d, "triton")
+    m.prefill([[1, 2, 3]], 0)
+    with pytest.raises(RuntimeError, match="head_dim 24 is not a power of two"):
+        m.decode(np.array([4]), np.array([3]))
+    m.decode_kernels = "auto"
+    m._fused_views = None
+    assert m.decode(np.array([4]), np.array([3])).shape == (1, 256)
+    assert m._fused_decode_views() is None
