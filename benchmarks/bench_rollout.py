@@ -36,9 +36,12 @@ def main():
     ap.add_argument("--fp8", action="store_true", help="GPU: also decode with the block-FP8 copy of the model "
                     "(megarl convert hf-to-fp8), same batches, same run")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--profile", default=None, help="GPU: write a torch.profiler table of one engine run per "
+                                                     "batch (the last decode step mode) to this file")
     ap.add_argument("--kernels", default="auto",
-                    help="decode step(s) to time, comma list of auto (triton on CUDA, torch on CPU) | triton (fused) | torch "
-                         "(the reference body); the first is the baseline of the ratio")
+                    help="decode step(s) to time, comma list of auto (triton on CUDA, torch on CPU) | triton (fused) | "
+                         "torch (the reference body); a +sync suffix turns off launching step t+1 before step t is "
+                         "read; the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
     a = ap.parse_args()
@@ -187,7 +190,9 @@ def main_gpu(a):
 
         per_mode, outputs = {}, {}
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
-            model.decode_kernels, model._fused_views, model.graphs = mode, None, None
+            kern_mode, _, sync = mode.partition("+")   # "triton+sync": no step launched ahead
+            model.decode_kernels, model._fused_views, model.graphs = kern_mode, None, None
+            model.decode_overlap = sync != "sync"
             run_engine()
             te, ne = min(run_engine() for _ in range(2))
             per_mode[mode], outputs[mode] = ne / te, run_engine.outputs
@@ -197,6 +202,13 @@ def main_gpu(a):
             same = [x == y for x, y in zip(outputs[modes[0]], outputs[modes[-1]])]
             kern.update({f"ratio_{modes[-1]}_over_{modes[0]}": per_mode[modes[-1]] / per_mode[modes[0]],
                          "greedy_sequences_identical_across_kernels": sum(same) / len(same)})
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                tp_, np_ = run_engine()
+            with open(a.profile, "a") as f:
+                f.write(f"== batch {B}, kernels {modes[-1]}: {np_} tokens in {tp_:.3f} s\n")
+                f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25) + "\n")
         run_eager()
         tx, nx = min(run_eager() for _ in range(2))
         eng.stop()

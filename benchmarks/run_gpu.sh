@@ -65,6 +65,15 @@ mps) # issue 29: sync / one_step_off / async on ONE GPU, megarl starting and sto
      # (cluster.mps: auto; after smollm2); MPS_ARGS e.g. "--override cluster.mps_rollout_sm_percent=60"
      run 590 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps 8 --prompts 64 --n 8 --new-tokens 40 --work /tmp/bench_mps $MPS_ARGS
      grep -h "MPS:" /tmp/bench_mps/run_*/logs/*.log $OUT/stderr.log 2>/dev/null | sort | uniq -c | tee -a $OUT/log ;;
+decode) # issue 29: the fused Triton decode step -- its tests compiled on the GPU (fp32, against SDPA, the
+        # torch body and HF), then decode speed of the torch body vs the fused step in the same run
+        python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest/*.whl
+        python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py 2>&1 | tail -15 | tee -a $OUT/log
+        run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
+          --new 128 --kernels torch+sync,triton+sync,triton --profile $OUT/prof_decode.txt
+        # seeded sampling as in the RL loop (the one-pass Triton sampler vs the torch sampler)
+        run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 128,512 --prompt 32 \
+          --new 128 --temperature 1 --no-hf --kernels torch+sync,triton ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20

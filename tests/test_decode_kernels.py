@@ -141,3 +141,26 @@ def test_the_torch_body_serves_what_the_kernels_do_not(tmp_path, kernels):
     m._fused_views = None
     assert m.decode(np.array([4]), np.array([3])).shape == (1, 256)
     assert m._fused_decode_views() is None
+
+
+def test_fused_sampling_draws_what_the_torch_sampler_draws(kernels):
+    """Seeded Gumbel-max and greedy rows in one pass (kernels.sample_rows_fused) against
+    sampler.sample_rows' torch path: the same tokens, logprobs within rounding."""
+    from megarl.engine.sampler import RowParams, sample_rows
+    g = torch.Generator().manual_seed(0)
+    B, V = 6, 5000   # several vocabulary blocks and a ragged last one
+    logits = (torch.randn(B, V, generator=g) * 3).to(DEV)
+    rp = RowParams(temperature=torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 0.5], device=DEV),
+                   greedy=torch.tensor([False, False, True, False, False, False], device=DEV),
+                   seeds=torch.tensor([3, 4, 5, -7, 2**40 + 1, 9], device=DEV),
+                   steps=torch.tensor([0, 1, 2, 300, 5, 77], device=DEV),
+                   top_k=torch.zeros(B, dtype=torch.int64, device=DEV), top_p=torch.ones(B, device=DEV),
+                   min_p=torch.zeros(B, device=DEV))
+    for stochastic in (True, False):
+        if not stochastic:
+            rp.greedy[:] = True
+            rp.temperature[:] = 1.0
+        want_t, want_lp = sample_rows(logits, rp, stochastic)
+        got_t, got_lp = sample_rows(logits, rp, stochastic, fused=True)
+        assert torch.equal(got_t, want_t)
+        assert (got_lp - want_lp).abs().max().item() < 1e-5

@@ -106,7 +106,7 @@ class RunningBatch:
         return self.plen[:s] + self.n[:s] - 1
 
     # ---------------------------------------------------------------- one step's tokens
-    def record(self, a: int, b: int, tokens: np.ndarray, lps: np.ndarray) -> Dict[int, dict]:
+    def record(self, a: int, b: int, tokens: np.ndarray, lps: np.ndarray, count_steps: bool = True) -> Dict[int, dict]:
         """Append one token per row of ``[a, b)``; returns {row: finish reason} of the rows done
         (SGLang's reasons: a stop token once ``min_new_tokens`` are out, else the length limit
         ``max_new_tokens``, else the context)."""
@@ -116,7 +116,8 @@ class RunningBatch:
         self.out_lp[rows, n] = lps
         n += 1
         self.pending[a:b] = tokens
-        self.d["steps"][a:b] += 1
+        if count_steps:   # (a sampled decode launch advances them on the device itself)
+            self.d["steps"][a:b] += 1
         stop = (self.stop[a:b] == tokens[:, None]).any(axis=1) & (n >= self.min_new[a:b])
         length = n >= self.max_new[a:b]
         context = self.plen[a:b] + n >= self.max_len

@@ -107,6 +107,7 @@ class Engine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._backlog: "collections.deque[Request]" = collections.deque()
+        self._inflight = None     # a decode step launched ahead, not read yet (`_decode`)
         self._thread: Optional[threading.Thread] = None
         model.alloc_cache(max_running, max_len)
 
@@ -274,6 +275,8 @@ class Engine:
     def _loop(self):
         while not self._stop.is_set():
             try:
+                if self._inflight is not None and self._must_drain():
+                    self._drain()
                 self._run_controls()
                 if self.paused:
                     self._wake.wait(timeout=0.05)
@@ -287,6 +290,7 @@ class Engine:
                 self._decode()
             except Exception as e:  # never die silently: fail the running requests
                 log.exception("engine step failed")
+                self._inflight = None
                 for r in self.batch.clear():
                     self._resolve(r, {"type": "abort", "message": f"engine error: {e}"}, error=e)
 
@@ -380,41 +384,96 @@ class Engine:
         b = self.batch
         B = b.size
         loras = [r.lora if r is not None else None for r in b.reqs[:B]]
+        launch = getattr(self.model, "decode_launch", None)
+        if launch is None or any(loras) or b.filter_rows(0, B) is not None:
+            self._count_step(B)
+            logits = self.model.decode(b.pending[:B], b.positions(), loras if any(loras) else None)[:B]
+            self._sample_and_record(logits, 0, B)
+            return
+        # forward + sampling in one launch (one CUDA graph): rows [0, n) with their own params
+        stochastic = b.any_stochastic(0, B)
+        one_pass = bool(getattr(self.model, "uses_triton", lambda: False)())   # the Triton sampler too
+
+        def sample(logits: torch.Tensor, n: int) -> torch.Tensor:
+            return _pack(*sample_rows(logits, b.params(0, n), stochastic, None, fused=one_pass))
+
+        key = (stochastic, one_pass) + tuple(t.data_ptr() for t in b.d.values())
+        step = self._inflight
+        self._inflight = None
+        if step is None:
+            step = launch(b.pending[:B], b.positions(), sample, key)
+            self._after_launch(B)
+        # Overlap: while the GPU runs step t+1 (its tokens fed back on the device), the host reads
+        # and records step t. If step t finished a row, step t+1 is read at once too (its finished
+        # rows' extra token is dropped) and the batch compacts; otherwise step t+1 stays in flight.
+        ahead = None
+        if self.model.can_chain() and not self._must_drain():
+            ahead = launch(None, b.positions() + 1, sample, key)
+            self._after_launch(B)
+        done = self._record_step(step, B)
+        if ahead is not None:
+            if not done:
+                self._inflight = ahead
+                return
+            done += self._record_step(ahead, B)
+        self._compact(done)
+
+    def _count_step(self, B: int) -> None:
         self.stats["steps"] += 1
         self.stats["decode_tokens"] += B
         self.stats["max_batch"] = max(self.stats["max_batch"], B)
-        fused = getattr(self.model, "decode_sampled", None)
-        if fused is not None and not any(loras) and b.filter_rows(0, B) is None:
-            # forward + sampling in one call (one CUDA graph): rows [0, n) with their own params
-            stochastic = b.any_stochastic(0, B)
 
-            def sample(logits: torch.Tensor, n: int) -> torch.Tensor:
-                return _pack(*sample_rows(logits, b.params(0, n), stochastic, None))
+    def _after_launch(self, B: int) -> None:
+        """A sampled step is queued: its rows' sampling step counters advance on the device, in
+        stream order before the next launch reads them."""
+        self.batch.d["steps"][:B] += 1
+        self._count_step(B)
 
-            key = (stochastic,) + tuple(t.data_ptr() for t in b.d.values())
-            self._record(0, B, *_unpack(fused(b.pending[:B], b.positions(), sample, key)[:, :B].cpu().numpy()))
-            return
-        logits = self.model.decode(b.pending[:B], b.positions(), loras if any(loras) else None)[:B]
-        self._sample_and_record(logits, 0, B)
+    def _must_drain(self) -> bool:
+        """Must the batch settle before the next step (a control op, a pause, requests that could be
+        admitted now)? Then no step is launched ahead."""
+        b = self.batch
+        admit = b.size < b.cap and (self._backlog or not self.waiting.empty())
+        return bool(admit or not self.controls.empty() or self.paused or self._stop.is_set())
+
+    def _drain(self) -> None:
+        """Read the step in flight, finish its rows and compact: the batch is settled."""
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            self._compact(self._record_step(step, len(step.host[0])))
+
+    def _record_step(self, step, B: int) -> List[int]:
+        """Record a launched step's tokens for the rows still running; their finished rows resolve
+        (compaction is the caller's)."""
+        toks, lp = _unpack(self.model.decode_result(step))
+        return self._finish(self.batch.record(0, B, toks, lp, count_steps=False))
 
     def _sample_and_record(self, logits: torch.Tensor, a: int, z: int) -> None:
         """Sample rows ``[a, z)`` from ``logits`` (one row each), record, finish, compact."""
         b = self.batch
         tokens, lps = sample_rows(logits, b.params(a, z), b.any_stochastic(a, z), b.filter_rows(a, z))
-        self._record(a, z, *_to_host(tokens, lps))
+        self._compact(self._finish(b.record(a, z, *_to_host(tokens, lps))))
 
-    def _record(self, a: int, z: int, toks: np.ndarray, lp: np.ndarray) -> None:
-        """Record one token per row of ``[a, z)``; finished requests resolve, the batch compacts."""
+    def _finish(self, done: Dict[int, dict]) -> List[int]:
+        """Resolve the requests of the rows ``done`` names (rows already finished are skipped: an
+        overlapped step ran them once more); returns the rows finished now."""
         b = self.batch
-        done = b.record(a, z, toks, lp)
-        if not done:
-            return
+        rows = []
         for row, reason in done.items():
+            if b.reqs[row] is None:
+                continue
             r = b.take(row)        # the row's cache stays intact until compact() below
             if r.return_routed_experts:
                 self._collect_routes(r, row)
             self._resolve(r, reason)
-        src, dst, length = b.compact(list(done))
+            rows.append(row)
+        return rows
+
+    def _compact(self, rows: List[int]) -> None:
+        """Close the gaps finished ``rows`` left (their KV rows move with them)."""
+        if not rows:
+            return
+        src, dst, length = self.batch.compact(rows)
         if src:
             self.model.copy_rows(src, dst, length)
         self._drop_unused_loras()

@@ -22,6 +22,7 @@ recaptured lazily.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
@@ -46,6 +47,14 @@ def len_bucket(n: int, max_len: int) -> int:
     return min(((n + step - 1) // step) * step, max_len)
 
 
+@dataclass
+class StepHandle:
+    """A launched decode step: its output's host copy (filled once ``event`` has passed)."""
+
+    host: torch.Tensor
+    event: Optional["torch.cuda.Event"]
+
+
 class DecodeGraphs:
     """Captured decode steps of one model. ``body(ids, pos, rows, Lk)`` is the eager decode over
     rows ``[0, rows)`` returning fp32 logits ``[rows, V]``; ``signature()`` lists the addresses of
@@ -58,6 +67,10 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_rows)
         self.io = torch.zeros(2, max_rows, dtype=torch.long, device=device)   # static inputs: tokens, positions
         self.host = torch.zeros(2, max_rows, dtype=torch.long, pin_memory=device.type == "cuda")
+        # sampled steps' outputs on the host, two slots: step t is read while step t+1 runs
+        self.results = [torch.zeros(2, max_rows, dtype=torch.float64, pin_memory=device.type == "cuda")
+                        for _ in range(2)]
+        self.turn = 0
         self.graphs: Dict[Tuple, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.sig: Optional[Tuple[int, ...]] = None         # signature(): every address
@@ -72,13 +85,46 @@ class DecodeGraphs:
     def clear(self) -> None:
         self.graphs, self.pool, self.sig, self.quick = {}, None, None, None
 
-    def run(self, tokens: np.ndarray, positions: np.ndarray,
-            sample: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None, sample_key: Tuple = ()) -> torch.Tensor:
-        """Logits ``[B, V]`` for rows ``[0, B)`` -- or, with ``sample``, what ``sample(logits, rows)``
-        returns (the step's tokens and logprobs, sampled inside the same graph) for those rows; a
-        view of the graph's static output, valid until the next step. ``sample_key`` names what
-        the sampler reads (graphs are kept per key): the same key must mean the same sampler."""
-        B = len(tokens)
+    def run(self, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Logits ``[B, V]`` for rows ``[0, B)`` (a view of the graph's static output, valid until
+        the next step)."""
+        graph, out = self._prepare(tokens, positions, len(tokens), None, ())
+        graph.replay()
+        return out[:len(tokens)]
+
+    def launch(self, tokens: Optional[np.ndarray], positions: np.ndarray, sample: Callable[[torch.Tensor, int], torch.Tensor],
+               sample_key: Tuple = ()) -> "StepHandle":
+        """Queue one decode step of rows ``[0, B)`` and its sampling (``sample(logits, rows)`` ->
+        ``[2, rows]`` tokens and logprobs, captured into the same graph) without waiting for it;
+        `result` waits. ``tokens`` None: the rows' tokens are the ones the previous launch sampled
+        (fed back on the device, positions + 1), so the host can queue step t+1 before it has read
+        step t. ``positions``: the rows' positions for this step (they size the key-length bucket).
+        ``sample_key`` names what ``sample`` reads (graphs are kept per key)."""
+        B = len(positions)
+        graph, out = self._prepare(tokens, positions, B, sample, sample_key)
+        graph.replay()
+        Bb = out.shape[-1]
+        self.io[0, :Bb].copy_(out[0])       # the next chained step's tokens and positions
+        self.io[1, :Bb] += 1
+        slot = self.results[self.turn]
+        self.turn ^= 1
+        slot[:, :B].copy_(out[:, :B], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return StepHandle(slot[:, :B], event)
+
+    @staticmethod
+    def result(handle: "StepHandle") -> np.ndarray:
+        """The launched step's ``[2, B]`` float64 (tokens, logprobs), once it has finished."""
+        if handle.event is not None:
+            handle.event.synchronize()
+        return handle.host.numpy().copy()
+
+    def _prepare(self, tokens: Optional[np.ndarray], positions: np.ndarray, B: int,
+                 sample: Optional[Callable[[torch.Tensor, int], torch.Tensor]], sample_key: Tuple):
+        """Inputs in place and the graph for this step (captured on first use)."""
         Bb = next(b for b in self.buckets if b >= B)
         Lk = len_bucket(int(positions.max()) + 1, self.max_len)
         if self.sig is not None:
@@ -87,19 +133,18 @@ class DecodeGraphs:
             elif not self.dirty and self.signature(params=False) != self.quick:
                 self.clear()
         self.dirty = False
-        host = self.host
-        host[0, :B] = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-        host[1, :B] = torch.from_numpy(np.asarray(positions, dtype=np.int64))
-        host[:, B:Bb] = 0
-        self.io[:, :Bb].copy_(host[:, :Bb], non_blocking=True)
+        if tokens is not None:
+            host = self.host
+            host[0, :B] = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+            host[1, :B] = torch.from_numpy(np.asarray(positions, dtype=np.int64))
+            host[:, B:Bb] = 0
+            self.io[:, :Bb].copy_(host[:, :Bb], non_blocking=True)
         key = (Bb, Lk) + ((sample_key,) if sample is not None else ())
         entry = self.graphs.get(key)
         if entry is None:
             body = self.body if sample is None else (lambda i, p, n, k: sample(self.body(i, p, n, k), n))
             entry = self.graphs[key] = self._capture(body, Bb, Lk)
-        graph, out = entry
-        graph.replay()
-        return out[:B] if sample is None else out[..., :B]
+        return entry
 
     def _capture(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor], Bb: int,
                  Lk: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:

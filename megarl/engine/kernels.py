@@ -189,7 +189,68 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexp
     tl.store(out_ptr + b * stride_o + offs, (act * u).to(dt), mask=m)
 
 
+@triton.jit
+def _hash32(x):
+    """sampler._hash32 on uint32 (wrapping multiplications, logical shifts)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, tok_ptr, lp_ptr, stride,
+                   V: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r, one pass over the vocabulary: z = logits / T; token = argmax(z + gumbel) (argmax(z)
+    for greedy rows; first index on ties), logprob = z[token] - logsumexp(z). The noise is
+    sampler.seeded_gumbel's: bits = hash32(row key ^ hash32(token id)), -log(-log(u)) in fp64."""
+    r = tl.program_id(0)
+    t = tl.load(temp_ptr + r)
+    greedy = tl.load(greedy_ptr + r) != 0
+    key = tl.load(key_ptr + r).to(tl.uint32, bitcast=True)
+    m = tl.full([1], float("-inf"), tl.float32)
+    ssum = tl.zeros([1], tl.float32)
+    best = tl.full([1], float("-inf"), tl.float32)
+    best_i = tl.zeros([1], tl.int32)
+    best_z = tl.zeros([1], tl.float32)
+    for v0 in range(0, V, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        ok = v < V
+        z = tl.load(logits_ptr + r * stride + v, mask=ok, other=float("-inf")) / t
+        bm = tl.max(z, axis=0)
+        m_new = tl.maximum(m, bm)
+        ssum = ssum * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+        bits = _hash32(key ^ _hash32(v.to(tl.uint32)))
+        u = (bits.to(tl.float64) + 0.5) / 4294967296.0
+        g = (-tl.log(-tl.log(u))).to(tl.float32)
+        score = tl.where(ok, z + tl.where(greedy, 0.0, g), float("-inf"))
+        i = tl.argmax(score, axis=0, tie_break_left=True)
+        sc = tl.max(score, axis=0)
+        zi = tl.sum(tl.where(tl.arange(0, BLOCK) == i, z, 0.0), axis=0)
+        take = sc > best
+        best_i = tl.where(take, v0 + i, best_i)
+        best_z = tl.where(take, zi, best_z)
+        best = tl.where(take, sc, best)
+    lse = m + tl.log(ssum)
+    tl.store(tok_ptr + r + tl.arange(0, 1), best_i.to(tl.int64))
+    tl.store(lp_ptr + r + tl.arange(0, 1), best_z - lse)
+
+
 # ------------------------------------------------------------------------------------ wrappers
+def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+                      row_keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """sampler.sample_rows for rows without top-k/top-p/min-p, in one pass over ``logits [B, V]``
+    (fp32): (tokens int64 [B], logprobs fp32 [B]); ``row_keys``: sampler's per-row noise keys."""
+    B, V = logits.shape
+    logits = logits.contiguous()
+    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
+    lps = torch.empty(B, dtype=torch.float32, device=logits.device)
+    _sample_kernel[(B,)](logits, temperature, greedy.to(torch.int8), row_keys.to(torch.int32), tokens, lps,
+                         logits.stride(0), V=V, BLOCK=2048)
+    return tokens, lps
+
+
+
 def add_rms_norm(x: torch.Tensor, y: Optional[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
     """``x += y`` in place (when ``y`` is given), then RMSNorm(x) * w -> a new ``[B, H]`` tensor."""
     B, H = x.shape

@@ -214,7 +214,10 @@ class DecoderModel:
         # Triton decode step (fused_decode.py): "auto" = on CUDA when Triton can serve the shape;
         # "triton" forces it (on CPU under TRITON_INTERPRET=1: the tests); "torch" = the reference
         self.decode_kernels = os.environ.get("MEGARL_DECODE_KERNELS", "auto")
+        # queue decode step t+1 before step t's tokens reach the host (engine.py; graphs only)
+        self.decode_overlap = os.environ.get("MEGARL_DECODE_OVERLAP", "1") != "0"
         self._fused_views: Optional[list] = None          # fused projection views (rebuilt on _carve)
+        self._tensor_attrs: Optional[List[str]] = None    # attributes holding tensors (tensor_addresses)
         self.rope_cos: Optional[torch.Tensor] = None      # [max_len, head_dim / 2] in the model dtype
         self.rope_sin: Optional[torch.Tensor] = None
         # LoRA adapters by served name (`lora.py`), and the ones the current forward applies:
@@ -440,13 +443,22 @@ class DecoderModel:
         """Addresses of every tensor the forward reads: the parameters (``params``) and any tensor
         attribute (the cache, rope tables, ...), one level into dicts/lists. Decode graphs
         captured under one set of addresses are valid exactly while it stays the same. Without
-        ``params`` it is a handful of pointers, cheap enough to check every step."""
+        ``params`` it reads only the attributes that held tensors at the last full walk (a few
+        pointers, cheap enough for every step; walking every attribute cost ~0.1 ms a step)."""
+        if params or self._tensor_attrs is None:
+            names = []
+            for k, v in vars(self).items():
+                if k in ("params", "_fused_views", "_tensor_attrs"):   # parameter views: listed above
+                    continue
+                items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
+                if any(isinstance(t, torch.Tensor) for t in items):
+                    names.append(k)
+            self._tensor_attrs = names
         out = [t.data_ptr() for t in self.params.values()] if params else []
-        for k, v in vars(self).items():
-            if k in ("params", "_fused_views"):   # views of the parameters: their addresses are above
-                continue
+        for k in self._tensor_attrs:
+            v = getattr(self, k)
             items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
-            out.extend(t.data_ptr() for t in items if isinstance(t, torch.Tensor))
+            out.extend(t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in items)
         return tuple(out)
 
     def load_hf_dir(self, path: str):
@@ -734,25 +746,38 @@ class DecoderModel:
         finally:
             self._lora = []
 
+    def can_chain(self) -> bool:
+        """Can a decode step be launched before the previous one's tokens reach the host
+        (`decode_launch` with ``tokens`` None)? Only with CUDA graphs (they feed tokens back)."""
+        return self.decode_overlap and self.use_cuda_graphs and not self.spec.moe_layers
+
     @torch.inference_mode()
-    def decode_sampled(self, tokens: Sequence[int], positions: Sequence[int],
-                       sample: Callable[[torch.Tensor, int], torch.Tensor], sample_key: Tuple = ()) -> torch.Tensor:
-        """One decode step of rows ``[0, B)`` and its sampling in one go: ``sample(logits, rows)``
-        turns the fp32 logits of ``rows`` rows into the step's output (tokens and logprobs); with
-        CUDA graphs it is captured into the step's graph (no launches of its own, nothing on the
-        host between the forward and the sample). ``sample_key``: see `DecodeGraphs.run`.
-        Rank 0 only (TP > 1 runs `decode`)."""
+    def decode_launch(self, tokens: Optional[Sequence[int]], positions: Sequence[int],
+                      sample: Callable[[torch.Tensor, int], torch.Tensor], sample_key: Tuple = ()):
+        """One decode step of rows ``[0, B)`` and its sampling, queued: ``sample(logits, rows)`` turns
+        the fp32 logits of ``rows`` rows into ``[2, rows]`` (tokens, logprobs); with CUDA graphs it is
+        captured into the step's graph and nothing waits for the GPU here (``tokens`` None: the
+        tokens the previous launch sampled, see `DecodeGraphs.launch`). `decode_result` gives the
+        output. Rank 0 only (TP > 1 runs `decode`)."""
         self._dequantize_if_pending()
-        tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
-        if self.use_cuda_graphs and not self.spec.moe_layers:
+        if self.can_chain():
             if self.graphs is None:
                 self.graphs = DecodeGraphs(self._decode_body, self.tensor_addresses, self.device,
                                            self.max_slots, self.max_len)
-            return self.graphs.run(tokens, positions, sample, sample_key)
-        ids = torch.from_numpy(tokens).to(self.device)
+            return self.graphs.launch(None if tokens is None else np.asarray(tokens, dtype=np.int64), positions,
+                                      sample, sample_key)
+        if tokens is None:
+            raise RuntimeError("decode_launch without tokens needs CUDA graphs (can_chain)")
+        ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
         pos = torch.from_numpy(positions).to(self.device)
-        return sample(self._decode_body(ids, pos, len(tokens), int(positions.max()) + 1, record=True), len(tokens))
+        return sample(self._decode_body(ids, pos, len(positions), int(positions.max()) + 1, record=True),
+                      len(positions)).cpu().numpy()
+
+    @staticmethod
+    def decode_result(handle) -> np.ndarray:
+        """``[2, B]`` float64 tokens and logprobs of a `decode_launch` (waits for it)."""
+        return handle if isinstance(handle, np.ndarray) else DecodeGraphs.result(handle)
 
     def _decode_body(self, ids: torch.Tensor, pos: torch.Tensor, B: int, Lk: int,
                      record: bool = False) -> Optional[torch.Tensor]:
@@ -773,6 +798,10 @@ class DecoderModel:
         finally:
             self._route_ctx = None
         return self._head(x[:, 0])
+
+    def uses_triton(self) -> bool:
+        """Does a decode step run the Triton kernels (so the engine samples with them too)?"""
+        return self._fused_decode_views() is not None
 
     def _fused_decode_views(self) -> Optional[list]:
         """The fused projection views when this decode step runs the Triton body, else None (the

@@ -132,21 +132,28 @@ class RowParams:
 
 
 def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True,
-                filter_rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                filter_rows: Optional[torch.Tensor] = None, fused: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``logits [B, V]`` -> (tokens [B] int64, logprobs [B] fp32), all on the device.
 
     ``any_stochastic`` False (every row greedy, known on the host) skips the noise;
-    ``filter_rows`` (int64 row indices, or None) are the rows with a top-k/top-p/min-p filter."""
+    ``filter_rows`` (int64 row indices, or None) are the rows with a top-k/top-p/min-p filter;
+    ``fused``: without filters, one Triton kernel does it all in one pass over the logits
+    (`kernels.sample_rows_fused`: the same noise; Gumbel-max over ``logits / T`` instead of over
+    its log-softmax -- the same argmax up to rounding)."""
     B, V = logits.shape
+    if fused and (filter_rows is None or not filter_rows.numel()):
+        from . import kernels
+        return kernels.sample_rows_fused(logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps))
+    if not any_stochastic:   # every row greedy (temperature 1): one reduction, no [B, V] log-softmax
+        tokens = logits.argmax(dim=-1)
+        return tokens, logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     logp = torch.log_softmax(logits / rp.temperature[:, None], dim=-1)
-    tokens = logits.argmax(dim=-1)
-    if any_stochastic:
-        rows = logp
-        if filter_rows is not None and filter_rows.numel():
-            rows = logp.clone()
-            rows[filter_rows] = filtered_logp(logp[filter_rows], rp.top_k[filter_rows], rp.top_p[filter_rows],
-                                              rp.min_p[filter_rows])
-        drawn = (rows + seeded_gumbel(rp.seeds, rp.steps, V)).argmax(dim=-1)
-        tokens = torch.where(rp.greedy, tokens, drawn)
+    rows = logp
+    if filter_rows is not None and filter_rows.numel():
+        rows = logp.clone()
+        rows[filter_rows] = filtered_logp(logp[filter_rows], rp.top_k[filter_rows], rp.top_p[filter_rows],
+                                          rp.min_p[filter_rows])
+    drawn = (rows + seeded_gumbel(rp.seeds, rp.steps, V)).argmax(dim=-1)
+    tokens = torch.where(rp.greedy, logits.argmax(dim=-1), drawn)
     lps = logp.gather(1, tokens[:, None])[:, 0]
     return tokens, lps
