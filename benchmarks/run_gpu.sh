@@ -70,7 +70,7 @@ decode) # issue 29: the fused Triton decode step -- its tests compiled on the GP
         python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest/*.whl
         python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py 2>&1 | tail -15 | tee -a $OUT/log
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
-          --new 128 --kernels torch+sync,triton+sync,triton --profile $OUT/prof_decode.txt
+          --new 128 --kernels torch+sync,triton+sync,triton --profile $OUT/prof_decode.txt $DECODE_ARGS
         # seeded sampling as in the RL loop (the one-pass Triton sampler vs the torch sampler)
         run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 128,512 --prompt 32 \
           --new 128 --temperature 1 --no-hf --kernels torch+sync,triton ;;

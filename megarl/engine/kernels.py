@@ -198,12 +198,15 @@ def _hash32(x):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, tok_ptr, lp_ptr, stride,
-                   V: tl.constexpr, BLOCK: tl.constexpr):
-    """Row r, one pass over the vocabulary: z = logits / T; token = argmax(z + gumbel) (argmax(z)
-    for greedy rows; first index on ties), logprob = z[token] - logsumexp(z). The noise is
-    sampler.seeded_gumbel's: bits = hash32(row key ^ hash32(token id)), -log(-log(u)) in fp64."""
+def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, part_ptr, idx_ptr, stride,
+                        V: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr):
+    """Program (row r, chunk c) over vocabulary ids ``[c * CHUNK, (c + 1) * CHUNK)``: z = logits / T,
+    running (max, sum exp) of z, and the best of z + gumbel (z for greedy rows; first id on ties)
+    with its z. The noise is sampler.seeded_gumbel's: bits = hash32(row key ^ hash32(token id)),
+    u = (bits + 0.5) / 2^32, -log(-log(u)) in fp64, rounded to fp32."""
     r = tl.program_id(0)
+    c = tl.program_id(1)
+    S = tl.num_programs(1)
     t = tl.load(temp_ptr + r)
     greedy = tl.load(greedy_ptr + r) != 0
     key = tl.load(key_ptr + r).to(tl.uint32, bitcast=True)
@@ -212,43 +215,79 @@ def _sample_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, tok_ptr, lp_ptr, s
     best = tl.full([1], float("-inf"), tl.float32)
     best_i = tl.zeros([1], tl.int32)
     best_z = tl.zeros([1], tl.float32)
-    for v0 in range(0, V, BLOCK):
-        v = v0 + tl.arange(0, BLOCK)
+    lane = tl.arange(0, BLOCK)
+    for j in range(0, CHUNK // BLOCK):
+        v0 = c * CHUNK + j * BLOCK
+        v = v0 + lane
         ok = v < V
         z = tl.load(logits_ptr + r * stride + v, mask=ok, other=float("-inf")) / t
-        bm = tl.max(z, axis=0)
-        m_new = tl.maximum(m, bm)
-        ssum = ssum * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a chunk wholly past V
+        ssum = ssum * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
         m = m_new
-        bits = _hash32(key ^ _hash32(v.to(tl.uint32)))
-        u = (bits.to(tl.float64) + 0.5) / 4294967296.0
-        g = (-tl.log(-tl.log(u))).to(tl.float32)
-        score = tl.where(ok, z + tl.where(greedy, 0.0, g), float("-inf"))
+        score = z
+        if NOISE:
+            bits = _hash32(key ^ _hash32(v.to(tl.uint32)))
+            u = (bits.to(tl.float64) + 0.5) / 4294967296.0
+            g = (-tl.log(-tl.log(u))).to(tl.float32)
+            score = tl.where(greedy, z, z + g)
+        score = tl.where(ok, score, float("-inf"))
         i = tl.argmax(score, axis=0, tie_break_left=True)
         sc = tl.max(score, axis=0)
-        zi = tl.sum(tl.where(tl.arange(0, BLOCK) == i, z, 0.0), axis=0)
+        zi = tl.sum(tl.where(lane == i, z, 0.0), axis=0)
         take = sc > best
         best_i = tl.where(take, v0 + i, best_i)
         best_z = tl.where(take, zi, best_z)
         best = tl.where(take, sc, best)
-    lse = m + tl.log(ssum)
-    tl.store(tok_ptr + r + tl.arange(0, 1), best_i.to(tl.int64))
-    tl.store(lp_ptr + r + tl.arange(0, 1), best_z - lse)
+    o = (r * S + c) * 4 + tl.arange(0, 1)
+    tl.store(part_ptr + o, m)
+    tl.store(part_ptr + o + 1, ssum)
+    tl.store(part_ptr + o + 2, best)
+    tl.store(part_ptr + o + 3, best_z)
+    tl.store(idx_ptr + r * S + c + tl.arange(0, 1), best_i)
+
+
+@triton.jit
+def _sample_combine_kernel(part_ptr, idx_ptr, tok_ptr, lp_ptr, S, BLOCK_S: tl.constexpr):
+    """Row r: merge its chunks -- logsumexp of z, the best score (first chunk on ties) -> token
+    and logprob z[token] - logsumexp(z)."""
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK_S)
+    ok = c < S
+    base = (r * S + c) * 4
+    m = tl.load(part_ptr + base, mask=ok, other=float("-inf"))
+    ssum = tl.load(part_ptr + base + 1, mask=ok, other=0.0)
+    best = tl.load(part_ptr + base + 2, mask=ok, other=float("-inf"))
+    best_z = tl.load(part_ptr + base + 3, mask=ok, other=0.0)
+    mx = tl.max(m, axis=0)
+    lse = mx + tl.log(tl.sum(tl.where(ssum > 0, ssum * tl.exp(m - mx), 0.0), axis=0))
+    w = tl.argmax(best, axis=0, tie_break_left=True)
+    tok = tl.sum(tl.where(c == w, tl.load(idx_ptr + r * S + c, mask=ok, other=0), 0), axis=0)
+    z = tl.sum(tl.where(c == w, best_z, 0.0), axis=0)
+    tl.store(tok_ptr + r, tok.to(tl.int64))
+    tl.store(lp_ptr + r, z - lse)
 
 
 # ------------------------------------------------------------------------------------ wrappers
 def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
-                      row_keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                      row_keys: torch.Tensor, noise: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """sampler.sample_rows for rows without top-k/top-p/min-p, in one pass over ``logits [B, V]``
-    (fp32): (tokens int64 [B], logprobs fp32 [B]); ``row_keys``: sampler's per-row noise keys."""
+    (fp32), split into 4096-id chunks so that even one row spreads over the GPU: (tokens int64
+    [B], logprobs fp32 [B]); ``row_keys``: sampler's per-row noise keys; ``noise`` False: every
+    row is greedy."""
     B, V = logits.shape
     logits = logits.contiguous()
-    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
-    lps = torch.empty(B, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(B,)](logits, temperature, greedy.to(torch.int8), row_keys.to(torch.int32), tokens, lps,
-                         logits.stride(0), V=V, BLOCK=2048)
+    chunk = 4096
+    S = triton.cdiv(V, chunk)
+    dev = logits.device
+    part = torch.empty(B, S, 4, dtype=torch.float32, device=dev)
+    idx = torch.empty(B, S, dtype=torch.int32, device=dev)
+    _sample_part_kernel[(B, S)](logits, temperature, greedy.to(torch.int8), row_keys.to(torch.int32), part, idx,
+                                logits.stride(0), V=V, CHUNK=chunk, BLOCK=1024, NOISE=noise)
+    tokens = torch.empty(B, dtype=torch.int64, device=dev)
+    lps = torch.empty(B, dtype=torch.float32, device=dev)
+    _sample_combine_kernel[(B,)](part, idx, tokens, lps, S, BLOCK_S=triton.next_power_of_2(S))
     return tokens, lps
-
 
 
 def add_rms_norm(x: torch.Tensor, y: Optional[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -143,7 +143,8 @@ def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True
     B, V = logits.shape
     if fused and (filter_rows is None or not filter_rows.numel()):
         from . import kernels
-        return kernels.sample_rows_fused(logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps))
+        return kernels.sample_rows_fused(logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps),
+                                         noise=any_stochastic)
     if not any_stochastic:   # every row greedy (temperature 1): one reduction, no [B, V] log-softmax
         tokens = logits.argmax(dim=-1)
         return tokens, logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
