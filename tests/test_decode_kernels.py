@@ -5,8 +5,8 @@ tensors) against independent references: torch's scaled_dot_product_attention, t
 decode body (the path every other forward uses) and HF transformers' generate. On a GPU the same
 tests run compiled (no interpreter) when CUDA is there.
 """
-import importlib
 import math
+import os
 
 import numpy as np
 import pytest
@@ -19,16 +19,13 @@ CUDA = torch.cuda.is_available()
 
 
 @pytest.fixture
-def kernels(monkeypatch):
-    """megarl.engine.kernels, interpreted on CPU (compiled on a GPU machine)."""
+def kernels():
+    """megarl.engine.kernels: compiled on a GPU machine, interpreted on CPU (tests/conftest.py sets
+    TRITON_INTERPRET before triton is first imported: it cannot be switched on afterwards)."""
     if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert os.environ.get("TRITON_INTERPRET") == "1", "run under tests/conftest.py (TRITON_INTERPRET=1)"
     import megarl.engine.kernels as k
-    k = importlib.reload(k)
-    yield k
-    if not CUDA:   # leave compiled kernels behind for whoever imports them next
-        monkeypatch.delenv("TRITON_INTERPRET")
-        importlib.reload(k)
+    return k
 
 
 DEV = "cuda" if CUDA else "cpu"

@@ -8,7 +8,8 @@ Loop (one iteration = one "step"):
      prefilled once and the prompt's KV is copied to the others' rows (prefix sharing); a prompt
      already held by a running row is copied from it and only its last token recomputed;
   3. one decode step over every running row, sampled in one batched op (`sampler.py`), one
-     device->host transfer of the step's tokens and logprobs;
+     device->host transfer of the step's tokens and logprobs; with CUDA graphs the step and its
+     sampling are one graph, and step t+1 is queued before step t is read (`_decode`);
   4. finished requests resolve; the last running rows move into their gaps, so the next step
      decodes rows [0, B) of the cache (`batch.py`): cost follows the rows still running.
 

@@ -14,6 +14,11 @@ Key lengths: attention reads positions ``[0, Lk)`` of each row, with Lk rounded 
 (64 up to 512 positions, then an eighth of the next power of two), so a step costs the context
 actually in use rather than ``max_len``.
 
+Sampled steps (`launch`): the engine's sampler is captured into the same graph, the step's tokens
+and logprobs come back through a pinned host buffer (two slots) and an event, and the graph's sampled
+tokens (positions + 1) are copied into its own inputs after each replay -- so the next step can be
+launched before the host has read this one (engine.py).
+
 Graphs bake in the addresses of every tensor they read. They stay valid across a memory release
 and resume (`/release_memory_occupation`, every RL step when colocated) as long as the weights and
 the cache come back at the same addresses, which `signature` checks (all of them after a

@@ -86,7 +86,7 @@ class MegatronWorker:
     # ------------------------------------------------------------------ set-up
     def _rendezvous_store(self) -> torch.distributed.Store:
         """Rank 0 of a Ray group holds the TCP store it opened in ``open_rendezvous`` (group.py);
-        the other ranks dial it (a store on both sides: the same keys, no env:// prefix on one);
+        the other ranks dial it (a store on every rank: the same keys, no env:// prefix on some);
         a one-rank role needs none across processes (an in-process store, no port to bind)."""
         spec = self.spec
         store = getattr(self, "store", None)
@@ -94,7 +94,9 @@ class MegatronWorker:
             return store
         if spec.world_size == 1:
             return torch.distributed.HashStore()
-        return torch.distributed.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+        # rank 0 hosts it here when nobody opened it beforehand (ranks spawned with MASTER_PORT)
+        return torch.distributed.TCPStore(spec.master_addr, spec.master_port, spec.world_size,
+                                          is_master=spec.rank == 0, wait_for_workers=False,
                                           timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
 
     def setup(self) -> dict[str, Any]:
