@@ -176,23 +176,6 @@ def _nothing():
     return contextlib.nullcontext()
 
 
-@pytest.mark.e2e
-def test_grpo_launching_an_sglang_server_distributed(model, tmp_path, monkeypatch):
-    """The trainer starts SGLang itself (rollout.server_command), with a generated API key in a
-    0600 --config file, and pushes over the distributed transport (TP2 servers: the push test and
-    the ipc run below). It runs before the module's `servers` start: after them, in the full suite
-    on 2 cores, it took 119 s; alone, 26 s."""
-    monkeypatch.delenv("MEGARL_API_KEY", raising=False)
-    monkeypatch.setenv("PYTHONPATH", harness_env()["PYTHONPATH"])
-    out = tmp_path / "run"
-    cfg = _sglang_cfg(model, out, "rollout.tp=1", "sync.transport=gloo")
-    results = Trainer(cfg).run()
-    _check_run(results, out)
-    key_files = list((out / "logs").glob("sglang_server_0_node0.yaml"))
-    assert key_files and oct(key_files[0].stat().st_mode & 0o777) == "0o600"
-    assert "api-key" not in (out / "logs" / "rollout_server_0.log").read_text().split("server_args=")[0]
-
-
 def test_tp2_megatron_push_into_tp1_and_tp2_sglang_servers_is_bit_exact(model, servers, tmp_path):
     """Distributed (world 1 + 1 + 2, SGLang's rank numbering), tensor (one payload per TP rank,
     flattened_bucket with SGLang's FlattenedTensorMetadata) and disk: every TP rank of both servers
@@ -306,6 +289,22 @@ def _check_run(results, out: Path):
     # step 0's logprob check passed at a tight bound (1e-3): the pushed weights are what generated
     assert all(s["rollout/logprob_diff_mean"] < 1e-3 for s in steps)
     assert all(s["sync/bytes"] > 1e5 for s in steps)
+
+
+@pytest.mark.e2e
+def test_grpo_launching_an_sglang_server_distributed(model, tmp_path, monkeypatch):
+    """The trainer starts SGLang itself (rollout.server_command), with a generated API key in a
+    0600 --config file, and pushes over the distributed transport (TP2 servers: the push test above
+    and the ipc run below)."""
+    monkeypatch.delenv("MEGARL_API_KEY", raising=False)
+    monkeypatch.setenv("PYTHONPATH", harness_env()["PYTHONPATH"])
+    out = tmp_path / "run"
+    cfg = _sglang_cfg(model, out, "rollout.tp=1", "sync.transport=gloo")
+    results = Trainer(cfg).run()
+    _check_run(results, out)
+    key_files = list((out / "logs").glob("sglang_server_0_node0.yaml"))
+    assert key_files and oct(key_files[0].stat().st_mode & 0o777) == "0o600"
+    assert "api-key" not in (out / "logs" / "rollout_server_0.log").read_text().split("server_args=")[0]
 
 
 @pytest.mark.parametrize("transport,tp", [("ipc", 2), ("disk", 1)])
