@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 from typing import Iterator, Optional
 
@@ -11,7 +12,9 @@ import torch.distributed as dist
 
 from .cpu_shim import apply_cpu_shim, cuda_available
 
-from megarl.wire.process_group import bind_gloo_towards
+from megarl.wire.process_group import bind_gloo_towards, has_abandoned_groups
+
+log = logging.getLogger("megarl.parallel")
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGARL_DIST_TIMEOUT_S", 600))
 
@@ -174,6 +177,14 @@ def destroy_model_parallel() -> None:
 
 
 def destroy_distributed() -> None:
+    """Destroy megatron's groups and the default process group -- unless a weight-update group
+    with an abandoned broadcast lives in this process (a refused push): destroying every group
+    would wait for that broadcast, so the default group stays (idempotent `init_distributed`
+    reuses it; process exit releases both)."""
     destroy_model_parallel()
     if dist.is_initialized():
+        if has_abandoned_groups():
+            log.warning("torch.distributed left initialized: a weight-update group abandoned by a refused "
+                        "push would make its destroy wait for the abandoned broadcast")
+            return
         dist.destroy_process_group()

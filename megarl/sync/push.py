@@ -64,7 +64,7 @@ from megarl.quant.served import BlockFp8Format
 from megarl.rollout.client import LoopThread, RequestFailed, SGLangClient
 from megarl.wire import flattened as wire
 from megarl.wire.checksum import checksum
-from megarl.wire.process_group import destroy_group, init_custom_process_group, tcp
+from megarl.wire.process_group import abandon_group, destroy_group, init_custom_process_group, tcp
 from megarl.wire.protocol import FLATTENED_BUCKET
 
 from .bucket import Bucket, iter_buckets
@@ -261,6 +261,7 @@ class WeightPusher:
         destroy with an abandoned broadcast may hang), ask the servers to drop it (best effort), and
         connect a fresh one under a new name."""
         old = self.group_name
+        abandon_group(self.pg)
         self.pg, self._poisoned = None, None
         futs = [self._io.submit(c.destroy_weights_update_group(old)) for c in self.clients]
         concurrent.futures.wait(futs, timeout=10)
@@ -269,7 +270,8 @@ class WeightPusher:
 
     def close(self) -> None:
         if self.pg is not None and self._poisoned:
-            self.pg = None  # a destroy with an abandoned broadcast in flight may hang: drop it
+            abandon_group(self.pg)   # a destroy with an abandoned broadcast in flight hangs: keep it aside
+            self.pg = None
         if self.pg is not None:
             try:
                 self._all(lambda c: c.destroy_weights_update_group(self.group_name))

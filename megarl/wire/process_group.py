@@ -52,6 +52,21 @@ def bind_gloo_towards(master_addr: str) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
+_ABANDONED: list = []   # groups left with a broadcast in flight: never destroyed in this process
+
+
+def abandon_group(pg) -> None:
+    """Keep ``pg`` (a weight-update group whose broadcast was abandoned, e.g. refused by a server)
+    alive and out of the way: destroying it -- directly or by destroying every group -- waits for
+    that broadcast (~100 s seen). Process exit releases it."""
+    if pg is not None:
+        _ABANDONED.append(pg)
+
+
+def has_abandoned_groups() -> bool:
+    return bool(_ABANDONED)
+
+
 def destroy_group(pg) -> None:
     try:
         dist.destroy_process_group(pg)
