@@ -733,11 +733,8 @@ class DecoderModel:
         self._dequantize_if_pending()
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
-        if self.use_cuda_graphs and not self.spec.moe_layers and not (loras and any(loras)):
-            if self.graphs is None:
-                self.graphs = DecodeGraphs(self._decode_body, self.tensor_addresses, self.device,
-                                           self.max_slots, self.max_len)
-            return self.graphs.run(tokens, positions)
+        if self._graphed() and not (loras and any(loras)):
+            return self._decode_graphs().run(tokens, positions)
         ids = torch.from_numpy(tokens).to(self.device)
         pos = torch.from_numpy(positions).to(self.device)
         self.use_adapters(loras)
@@ -750,6 +747,13 @@ class DecoderModel:
         """Can a decode step be launched before the previous one's tokens reach the host
         (`decode_launch` with ``tokens`` None)? Only with CUDA graphs (they feed tokens back)."""
         return self.decode_overlap and self._graphed()
+
+    def _decode_graphs(self) -> DecodeGraphs:
+        """The decode steps' CUDA graphs (created on first use)."""
+        if self.graphs is None:
+            self.graphs = DecodeGraphs(self._decode_body, self.tensor_addresses, self.device,
+                                       self.max_slots, self.max_len)
+        return self.graphs
 
     def _graphed(self) -> bool:
         """Do decode steps run as CUDA graphs (single GPU, dense model)?"""
@@ -766,10 +770,7 @@ class DecoderModel:
         self._dequantize_if_pending()
         positions = np.asarray(positions, dtype=np.int64)
         if self._graphed():
-            if self.graphs is None:
-                self.graphs = DecodeGraphs(self._decode_body, self.tensor_addresses, self.device,
-                                           self.max_slots, self.max_len)
-            return self.graphs.launch(None if tokens is None else np.asarray(tokens, dtype=np.int64), positions,
+            return self._decode_graphs().launch(None if tokens is None else np.asarray(tokens, dtype=np.int64), positions,
                                       sample, sample_key)
         if tokens is None:
             raise RuntimeError("decode_launch without tokens needs CUDA graphs (can_chain)")
