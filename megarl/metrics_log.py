@@ -6,7 +6,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Callable, ContextManager, Iterator, Mapping, Optional, Sequence
 
 CONSOLE_KEYS = [("reward/mean", "reward", "{:.3f}"), ("response/length_mean", "len", "{:.0f}"),
                 ("actor/pg_loss", "pg", "{:+.4f}"), ("actor/clip_frac", "clip", "{:.3f}"),
@@ -60,14 +60,16 @@ class PhaseTimer:
     timer("train"): ...``), reported as ``time/<phase>_s``, their sum ``time/step_s`` and, for the
     token-bound phases, ``throughput/<phase>_tokens_per_s``."""
 
-    def __init__(self) -> None:
+    def __init__(self, around: Optional[Callable[[str], ContextManager[None]]] = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.around = around   # e.g. a profiler of this step's phases (megarl.profiling)
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.time()
         try:
-            yield
+            with self.around(phase) if self.around else contextlib.nullcontext():
+                yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.time() - start
 

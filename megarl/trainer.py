@@ -10,6 +10,7 @@ declared here. This module only decides what happens in which order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 import signal
@@ -35,6 +36,7 @@ from megarl.metrics_sinks import build_sinks
 from megarl.models.routing_replay import agreement_metrics
 from megarl.placement import RunPlacement
 from megarl.placement.mps import MpsSession, start_mps
+from megarl.profiling import phase_profiler
 from megarl.rollout.agent import agent_metrics
 from megarl.rollout.healing import RolloutServerLost
 from megarl.rollout.launch import RolloutServers, rollout_dtype
@@ -91,6 +93,8 @@ class Trainer:
         self.residency = Residency({}, {}, cuda=False)   # what each role keeps on the GPU, phase by phase
         self.stop_requested = False
         self.mps: Optional[MpsSession] = None          # CUDA MPS daemon of a one-GPU disaggregated run
+        log = cfg.logging
+        self.profiler = phase_profiler(log.profile_steps, log.profile_phases, Path(log.profile_dir or self.out / "profile"))
 
     # ------------------------------------------------------------------ set-up
     def setup_data(self) -> None:
@@ -166,7 +170,7 @@ class Trainer:
     # ------------------------------------------------------------------ one RL step
     def step(self, step: int) -> dict[str, float]:
         a = self.cfg.algorithm
-        timer = PhaseTimer()
+        timer = PhaseTimer(functools.partial(self.profiler.phase, step + 1) if self.profiler else None)
         manager = self.rollout.manager
         with timer("rollout"):
             restarted = manager.restarted

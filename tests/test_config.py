@@ -118,6 +118,8 @@ def test_malformed_override():
     (["actor.parallel.vpp=2"], "actor.parallel.vpp", ["needs pp >= 2"]),
     (["cluster.device=cuda"], "cluster.gpus_per_node", ["gpus_per_node is 0"]),
     (["trainer.total_steps=0"], "trainer.total_steps", [">= 1"]),
+    (["logging.profile_steps=[0]"], "logging.profile_steps", ["counted from 1"]),
+    (["logging.profile_phases=[trian]"], "logging.profile_phases", ["'trian'", "train"]),
 ])
 def test_validation_rule_names_field(overrides, field, fragments):
     assert_one_problem(overrides, field, *fragments)

@@ -2,6 +2,8 @@
 real tensorboard files, checkpoints and resume."""
 from __future__ import annotations
 
+import gzip
+import json
 import math
 from pathlib import Path
 
@@ -32,9 +34,17 @@ def comparable(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def test_grpo_three_steps_tensorboard_checkpoint_export(model, tmp_path):
-    cfg = tiny_run_config(model, tmp_path / "run", "checkpoint.interval=2")
+    cfg = tiny_run_config(model, tmp_path / "run", "checkpoint.interval=2", "logging.profile_steps=[2]",
+                          "logging.profile_phases=[train, sync]")
     results = Trainer(cfg).run()
     assert len(results["steps"]) == 3
+    # torch.profiler ran around exactly the asked phases of step 2: a table and a loadable trace each
+    profiles = tmp_path / "run" / "profile"
+    assert sorted(p.name for p in profiles.iterdir()) == [
+        "step_2_sync.json.gz", "step_2_sync.txt", "step_2_train.json.gz", "step_2_train.txt"]
+    assert "aten::mm" in (profiles / "step_2_train.txt").read_text()   # the actor's matmuls, forward and backward
+    with gzip.open(profiles / "step_2_train.json.gz", "rt") as f:
+        assert any(e.get("name") == "aten::mm" for e in json.load(f)["traceEvents"])
     scalars = read_scalars(tmp_path / "run" / "tensorboard")
     for key in ("reward/mean", "reward/std", "response/length_mean", "actor/pg_loss", "actor/clip_frac",
                 "actor/entropy", "actor/grad_norm", "rollout/logprob_diff_mean", "rollout/logprob_diff_max",

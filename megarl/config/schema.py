@@ -377,6 +377,12 @@ class LoggingConfig:
     mlflow_uri: Optional[str] = opt(None, "MLflow tracking URI (default: file store OUTPUT_DIR/mlruns)")
     log_interval: int = opt(1, "console line every N steps")
     progress_bar: bool = opt(True, "console progress bar")
+    profile_steps: list[int] = opt([], "steps (1-based) whose phases run under torch.profiler: a table of the top "
+                                   "operations and a Chrome trace per phase (local backend: actor and embedded "
+                                   "engine included; Ray: the driver process only)")
+    profile_phases: list[str] = opt([], "phases to profile in those steps (rollout, old_logprobs, ref_logprobs, "
+                                    "values, train, sync); empty = all")
+    profile_dir: Optional[str] = opt(None, "profile tables and traces (default: OUTPUT_DIR/profile)")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from megarl.config.schema import LoRAConfig, ModelArch, ParallelConfig, RoleConf
 
 GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"}
 ROLES = ("actor", "critic", "ref", "reward_model")
+PROFILED_PHASES = ("rollout", "old_logprobs", "ref_logprobs", "values", "train", "sync")  # Trainer.step's timers
 
 # HF config.json key(s) -> ModelArch field; the first key present wins.
 HF_ARCH_KEYS: dict[str, tuple[str, ...]] = {
@@ -447,6 +448,11 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
     bound = cfg.rollout.logprob_diff_bound
     if bound is not None and bound <= 0:
         problems.append(f"rollout.logprob_diff_bound: must be > 0 or null (calibrated), got {bound}")
+    if any(s < 1 for s in cfg.logging.profile_steps):
+        problems.append(f"logging.profile_steps: steps are counted from 1, got {cfg.logging.profile_steps}")
+    odd = sorted(set(cfg.logging.profile_phases) - set(PROFILED_PHASES))
+    if odd:
+        problems.append(f"logging.profile_phases: unknown phase(s) {odd}; choose from {', '.join(PROFILED_PHASES)}")
     unknown = sorted(set(cfg.logging.sinks) - {"tensorboard", "wandb", "mlflow"})
     if unknown:
         problems.append(f"logging.sinks: unknown sink(s) {unknown}; choose from tensorboard, wandb, mlflow")

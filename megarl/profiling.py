@@ -1,0 +1,68 @@
+"""torch.profiler around chosen phases of chosen steps (``logging.profile_steps``/``profile_phases``).
+
+Phase times say *which* phase is slow; only a kernel-level profile says *why* (host-bound gaps,
+one kernel, a sync per micro-batch). The profiler runs in the trainer process: with
+``cluster.backend: local`` that is where the actor and the embedded engine run, so the whole phase
+is in it; with Ray the workers are other processes and only the driver's share is recorded.
+
+Each profiled phase writes two files under ``logging.profile_dir`` (default OUTPUT_DIR/profile):
+``step_<N>_<phase>.txt``, the top operations by device time (by host time on CPU), and
+``step_<N>_<phase>.json.gz``, a Chrome/Perfetto trace.
+"""
+from __future__ import annotations
+
+import contextlib
+import gzip
+import shutil
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+ROWS = 40   # operations in the text table
+
+
+class PhaseProfiler:
+    """Decides per (step, phase) whether to profile and writes the result where it said it would."""
+
+    def __init__(self, steps: Sequence[int], phases: Sequence[str], out_dir: Path) -> None:
+        self.steps = set(int(s) for s in steps)
+        self.phases = set(phases)
+        self.out_dir = Path(out_dir)
+
+    def wanted(self, step: int, phase: str) -> bool:
+        """``step`` is 1-based, as the console and the metric sinks number steps."""
+        return step in self.steps and (not self.phases or phase in self.phases)
+
+    @contextlib.contextmanager
+    def phase(self, step: int, phase: str) -> Iterator[None]:
+        if not self.wanted(step, phase):
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            yield
+            if cuda:
+                torch.cuda.synchronize()   # the phase's kernels belong to the phase
+        self.write(prof, f"step_{step}_{phase}", cuda)
+
+    def write(self, prof: "torch.profiler.profile", stem: str, cuda: bool) -> Path:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=ROWS)
+        text = self.out_dir / f"{stem}.txt"
+        text.write_text(table + "\n")
+        raw = self.out_dir / f"{stem}.json"
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+        return text
+
+
+def phase_profiler(steps: Sequence[int], phases: Sequence[str], out_dir: Path) -> Optional[PhaseProfiler]:
+    """None when nothing is to be profiled (the common case costs one ``if``)."""
+    return PhaseProfiler(steps, phases, out_dir) if steps else None
