@@ -2,8 +2,9 @@
 
 Phase times say *which* phase is slow; only a kernel-level profile says *why* (host-bound gaps,
 one kernel, a sync per micro-batch). The profiler runs in the trainer process: with
-``cluster.backend: local`` that is where the actor and the embedded engine run, so the whole phase
-is in it; with Ray the workers are other processes and only the driver's share is recorded.
+``cluster.backend: local`` the actor's ranks run there, so its whole forward, backward and
+optimizer step are in it; with Ray the workers are other processes and only the driver's share is
+recorded. Rollout servers are always processes of their own: the rollout phase shows the client.
 
 Each profiled phase writes two files under ``logging.profile_dir`` (default OUTPUT_DIR/profile):
 ``step_<N>_<phase>.txt``, the top operations by device time (by host time on CPU), and

@@ -95,3 +95,39 @@ def test_batched_requests_give_the_per_sample_results(model_dir):
         finally:
             batched.close()
             old.close()
+
+
+def test_single_sample_requests_issued_together_share_one_request(model_dir):
+    """``generate_one`` calls of one ``batch_key`` and one loop turn (a group's samples, the
+    off-policy sources) go out as one batched /generate: the same tokens as one request each
+    (per-sample seeds), one request per key; an item the server refuses fails alone, the others
+    are answered."""
+    import asyncio
+
+    from megarl.rollout.client import RequestFailed
+
+    with ServerProcess(model_dir) as s:
+        together, alone = RolloutManager([s.url]), RolloutManager([s.url], coalesce_max_samples=1)
+        sp = sampling_params(max_new_tokens=6, temperature=1.0)
+        prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
+
+        async def group(mgr, bad_item=None):
+            items = [(p, dict(sp, n=1, sampling_seed=100 + 4 * j + k)) for j, p in enumerate(prompts) for k in range(4)]
+            if bad_item is not None:
+                items[bad_item] = (items[bad_item][0], dict(items[bad_item][1], max_new_tokens=-3))
+            return await asyncio.gather(*(mgr.generate_one(ids, params, job_index=i, batch_key=i // 4)
+                                          for i, (ids, params) in enumerate(items)), return_exceptions=True)
+        try:
+            a = together.io.run(group(together))
+            b = alone.io.run(group(alone))
+            assert together.requests == 5 and alone.requests == 20   # one per prompt's 4 samples
+            for oa, ob in zip(a, b):
+                assert oa.output_ids == ob.output_ids and len(oa.output_ids) == 6
+                assert max(abs(x - y) for x, y in zip(oa.logprobs, ob.logprobs)) < 1e-5
+            refused = together.io.run(group(together, bad_item=7))
+            assert isinstance(refused[7], RequestFailed) and refused[7].status == 400
+            good = [o for i, o in enumerate(refused) if i != 7]
+            assert all(o.output_ids == ob.output_ids for o, ob in zip(good, b[:7] + b[8:]))
+        finally:
+            together.close()
+            alone.close()

@@ -200,6 +200,9 @@ class RolloutConfig:
     mem_fraction: float = opt(0.7, "SGLang --mem-fraction-static")
     max_running_requests: int = opt(64, "concurrent sequences per server")
     request_timeout_s: float = opt(600.0, "per-request timeout")
+    coalesce_max_samples: int = opt(64, "one_step_off/async: the samples of a group, issued together, go out as "
+                                    "one batched /generate of at most this many items (each keeps its seed); "
+                                    "1 = one request per sample")
     request_retries: int = opt(2, "times one generation request is sent again after failing on a server "
                                   "that still answers /health (a server that does not is dropped for the run)")
     max_restarts: int = opt(2, "restarts of one rollout server megarl started (dead, or hung: no /health answer) "
@@ -378,8 +381,8 @@ class LoggingConfig:
     log_interval: int = opt(1, "console line every N steps")
     progress_bar: bool = opt(True, "console progress bar")
     profile_steps: list[int] = opt([], "steps (1-based) whose phases run under torch.profiler: a table of the top "
-                                   "operations and a Chrome trace per phase (local backend: actor and embedded "
-                                   "engine included; Ray: the driver process only)")
+                                   "operations and a Chrome trace per phase, of the trainer's process (local "
+                                   "backend: the actor's ranks included; Ray: the driver only)")
     profile_phases: list[str] = opt([], "phases to profile in those steps (rollout, old_logprobs, ref_logprobs, "
                                     "values, train, sync); empty = all")
     profile_dir: Optional[str] = opt(None, "profile tables and traces (default: OUTPUT_DIR/profile)")

@@ -448,6 +448,8 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
     bound = cfg.rollout.logprob_diff_bound
     if bound is not None and bound <= 0:
         problems.append(f"rollout.logprob_diff_bound: must be > 0 or null (calibrated), got {bound}")
+    if cfg.rollout.coalesce_max_samples < 1:
+        problems.append(f"rollout.coalesce_max_samples: must be >= 1, got {cfg.rollout.coalesce_max_samples}")
     if any(s < 1 for s in cfg.logging.profile_steps):
         problems.append(f"logging.profile_steps: steps are counted from 1, got {cfg.logging.profile_steps}")
     odd = sorted(set(cfg.logging.profile_phases) - set(PROFILED_PHASES))

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import aiohttp
 
 from megarl.rollout.client import GenerateOutput, LoopThread, RequestFailed, SGLangClient, ServerError
+from megarl.rollout.coalesce import coalescer
 from megarl.wire.protocol import ENDPOINTS
 
 log = logging.getLogger("megarl.rollout.manager")
@@ -98,7 +99,7 @@ class RolloutManager:
     def __init__(self, urls: Sequence[str], max_concurrency: int = 64, timeout_s: float = 600.0,
                  request_retries: int = 2, health_timeout_s: float = 10.0, api_key: Optional[str] = None,
                  healer: Optional[Any] = None, chunks_per_server: int = 4, min_chunk_samples: int = 16,
-                 lora_name: Callable[[], Optional[str]] = lambda: None):
+                 lora_name: Callable[[], Optional[str]] = lambda: None, coalesce_max_samples: int = 64):
         if not urls:
             raise ValueError("RolloutManager needs at least one server URL")
         if request_retries < 0:
@@ -128,6 +129,8 @@ class RolloutManager:
         self._revivals: dict[int, asyncio.Task] = {}
         self._healing_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-healer")
                               if healer is not None else None)
+        # single-sample requests of one loop turn go out as one batched /generate (coalesce.py)
+        self._coalescer = coalescer(self._send_items, coalesce_max_samples)
 
     @property
     def dead_urls(self) -> list[str]:
@@ -146,11 +149,15 @@ class RolloutManager:
         return self.io.run(go())
 
     async def generate_one(self, input_ids: list[int], params: dict[str, Any], job_index: int = 0,
-                           routes_start: Optional[int] = None) -> GenerateOutput:
+                           routes_start: Optional[int] = None, batch_key: Optional[Any] = None) -> GenerateOutput:
         """One request (``params`` with its own ``n = 1`` and seed), with the retries of
         :meth:`generate`, on the least loaded server (ties from ``job_index`` round-robin); an
         answer that finished with ``abort`` (a pause) is returned like any other. ``routes_start``
-        (MoE routing replay): also return the routed experts of positions from there on."""
+        (MoE routing replay): also return the routed experts of positions from there on. Without
+        routes, requests of one ``batch_key`` (a group) issued in the same loop turn share one batched
+        request (coalesce.py)."""
+        if self._coalescer is not None and routes_start is None and batch_key is not None:
+            return await self._coalescer.submit(batch_key, input_ids, params, job_index)
         outs = await self._send(job_index, _Chunk(0, 1, 1), input_ids, params, f"request {job_index}",
                                 routes_start is not None, routes_start or 0)
         return outs[0] if isinstance(outs, list) else outs
@@ -263,6 +270,12 @@ class RolloutManager:
             for j in range(c.count):
                 emit((c.first + j, outs[j * n:(j + 1) * n]))
         await self._gather(one_chunk(i, c) for i, c in enumerate(chunks))
+
+    async def _send_items(self, input_ids: list[list[int]], params: list[dict[str, Any]],
+                          order: int) -> list[GenerateOutput]:
+        """Coalesced single-sample requests (``n = 1`` each) as one batched request."""
+        count = len(input_ids)
+        return await self._send(order, _Chunk(0, count, count), input_ids, params, f"{count} coalesced request(s)")
 
     @staticmethod
     async def _gather(coros) -> None:

@@ -254,7 +254,8 @@ def build_pipeline(cfg: Any, tokenizer: Any, servers: Any, moe_routing: Optional
               if servers.restartable and push_to_restarted is not None else None)
     manager = RolloutManager(servers.urls, max_concurrency=r.max_running_requests, timeout_s=r.request_timeout_s,
                              request_retries=r.request_retries, api_key=servers.api_key, healer=healer,
-                             lora_name=lambda: getattr(servers, "lora_name", None))
+                             lora_name=lambda: getattr(servers, "lora_name", None),
+                             coalesce_max_samples=r.coalesce_max_samples)
     model_reward = cfg.reward.kind == "model"
     pool = None if model_reward else RewardPool(build_reward_fn(cfg.reward), cfg.reward.workers, cfg.reward.executor)
     scorer = SampleScorer(cfg, pool, reward_model_scores if model_reward else None, tokenizer.eos_token_id)

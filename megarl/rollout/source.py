@@ -148,7 +148,8 @@ class SingleTurnRollout:
 
     async def __call__(self, job: GroupJob) -> list[Sample]:
         async def one(k: int, seed: int) -> Sample:
-            send = functools.partial(self.manager.generate_one, job_index=job.job_index + k)
+            send = functools.partial(self.manager.generate_one, job_index=job.job_index + k,
+                                     batch_key=("group", job.job_index))   # a group's samples: one request
             t = await generate_resumable(send, job.prompt_ids, self.sampling, seed,
                                          0 if self.routes is not None else None)
             self.resumed += t.resumed
