@@ -64,7 +64,7 @@ def main() -> None:
     prompts = [[1, 2, 3, 4 + i] * 8 for i in range(args.prompts)]
     result = {"bench": "client_cpu", "samples": samples, "new_tokens": args.new_tokens}
     tokens = {}
-    with ServerProcess(str(model), extra=["--max-running-requests", str(samples)]) as server:
+    with ServerProcess(str(model)) as server:
         for name, coalesce in (("per_sample", 1), ("per_group", 64)):
             manager = RolloutManager([server.url], max_concurrency=samples, coalesce_max_samples=coalesce)
             try:
