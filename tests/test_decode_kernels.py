@@ -161,3 +161,10 @@ def test_fused_sampling_draws_what_the_torch_sampler_draws(kernels):
         got_t, got_lp = sample_rows(logits, rp, stochastic, fused=True)
         assert torch.equal(got_t, want_t)
         assert (got_lp - want_lp).abs().max().item() < 1e-5
+        # the Triton step hands the sampler its bf16 logits: read and upcast in the kernel, the
+        # draw and the logprobs are exactly those of the fp32 copy the step no longer makes
+        half = logits.to(torch.bfloat16)
+        got_t, got_lp = sample_rows(half, rp, stochastic, fused=True)
+        want_t, want_lp = sample_rows(half.float(), rp, stochastic, fused=True)
+        assert torch.equal(got_t, want_t) and torch.equal(got_lp, want_lp)
+        assert torch.equal(sample_rows(half, rp, stochastic)[0], sample_rows(half.float(), rp, stochastic)[0])

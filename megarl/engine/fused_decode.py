@@ -73,7 +73,7 @@ def layer_views(model: "DecoderModel") -> Optional[List[LayerViews]]:
 def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tensor, pos: torch.Tensor,
                 B: int, Lk: int, route_ctx=None) -> Optional[torch.Tensor]:
     """Decode rows ``[0, B)`` (token ``ids[b]`` at ``pos[b]``) attending over at most ``Lk`` keys;
-    fp32 logits ``[B, V]`` (None on TP ranks > 0). No host sync: graph-capturable."""
+    logits ``[B, V]`` in the model's dtype (None on TP ranks > 0). No host sync: graph-capturable."""
     from . import kernels   # triton: imported only where the fused step runs
     s, P = model.spec, model.params
     nh, nkv, D, eps = model.nh, model.nkv, s.head_dim, s.rms_norm_eps
@@ -101,4 +101,5 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
         model._route_ctx = None
     if model.tp_rank != 0:
         return None
-    return model._logits(kernels.add_rms_norm(x, y, P["model.norm.weight"], eps))
+    # in the model's dtype: the sampler upcasts as it reads (no [B, V] fp32 copy in the step)
+    return model._logits(kernels.add_rms_norm(x, y, P["model.norm.weight"], eps), upcast=False)

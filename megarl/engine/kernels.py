@@ -220,7 +220,7 @@ def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, part_ptr, idx
         v0 = c * CHUNK + j * BLOCK
         v = v0 + lane
         ok = v < V
-        z = tl.load(logits_ptr + r * stride + v, mask=ok, other=float("-inf")) / t
+        z = tl.load(logits_ptr + r * stride + v, mask=ok, other=float("-inf")).to(tl.float32) / t
         m_new = tl.maximum(m, tl.max(z, axis=0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a chunk wholly past V
         ssum = ssum * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
@@ -272,7 +272,8 @@ def _sample_combine_kernel(part_ptr, idx_ptr, tok_ptr, lp_ptr, S, BLOCK_S: tl.co
 def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
                       row_keys: torch.Tensor, noise: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """sampler.sample_rows for rows without top-k/top-p/min-p, in one pass over ``logits [B, V]``
-    (fp32), split into 4096-id chunks so that even one row spreads over the GPU: (tokens int64
+    (fp32, or the model's bf16/fp16 logits: upcast exactly as they are read, so no fp32 copy of
+    ``[B, V]`` is written and read again), split into 4096-id chunks so that even one row spreads over the GPU: (tokens int64
     [B], logprobs fp32 [B]); ``row_keys``: sampler's per-row noise keys; ``noise`` False: every
     row is greedy."""
     B, V = logits.shape

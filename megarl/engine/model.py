@@ -675,12 +675,15 @@ class DecoderModel:
             return None   # the head is replicated: only rank 0 (which samples) computes logits
         return self._logits(_rms(x, self.params["model.norm.weight"], self.spec.rms_norm_eps))
 
-    def _logits(self, x) -> torch.Tensor:
-        """fp32 logits of the final-normed hidden states ``x``."""
+    def _logits(self, x, upcast: bool = True) -> torch.Tensor:
+        """Logits of the final-normed hidden states ``x``: fp32, or (``upcast`` False) in the
+        model's dtype for a consumer that upcasts as it reads (`sampler.sample_rows`); the values
+        are the same either way."""
         w = self.params["model.embed_tokens.weight"] if self.spec.tie_word_embeddings else self.params["lm_head.weight"]
         if self.fp32_lm_head:
             return fp32_logits(x, w)
-        return F.linear(x, w).float()
+        out = F.linear(x, w)
+        return out.float() if upcast else out
 
     @torch.inference_mode()
     def prefill(self, seqs: List[List[int]], row0: int, starts: Optional[List[int]] = None,
@@ -728,8 +731,8 @@ class DecoderModel:
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                loras: Optional[Sequence[Optional[str]]] = None) -> Optional[torch.Tensor]:
         """``loras``: each row's adapter name (None: the base; any adapter: no CUDA graph). One step for the B running rows ``[0, B)``: token b sits at ``positions[b]`` of row b.
-        fp32 logits ``[B, V]`` (None on TP ranks > 0); with CUDA graphs a view of the graph's
-        output, valid until the next step."""
+        logits ``[B, V]``, fp32 (the Triton step: the model's dtype, see `_logits`; None on TP
+        ranks > 0); with CUDA graphs a view of the graph's output, valid until the next step."""
         self._dequantize_if_pending()
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)

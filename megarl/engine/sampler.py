@@ -133,7 +133,8 @@ class RowParams:
 
 def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True,
                 filter_rows: Optional[torch.Tensor] = None, fused: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``logits [B, V]`` -> (tokens [B] int64, logprobs [B] fp32), all on the device.
+    """``logits [B, V]`` -> (tokens [B] int64, logprobs [B] fp32), all on the device. Logits in a
+    16-bit dtype (the Triton decode step's) are upcast first, exactly, as `_logits` does.
 
     ``any_stochastic`` False (every row greedy, known on the host) skips the noise;
     ``filter_rows`` (int64 row indices, or None) are the rows with a top-k/top-p/min-p filter;
@@ -145,6 +146,7 @@ def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True
         from . import kernels
         return kernels.sample_rows_fused(logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps),
                                          noise=any_stochastic)
+    logits = logits.float()   # a no-op for fp32 logits
     if not any_stochastic:   # every row greedy (temperature 1): one reduction, no [B, V] log-softmax
         tokens = logits.argmax(dim=-1)
         return tokens, logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
