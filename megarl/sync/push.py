@@ -54,6 +54,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Collection, ContextManager, Iterable, List, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
@@ -202,22 +203,24 @@ class WeightPusher:
         if self.transport != "distributed" or self.pg is not None:
             return
         backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        from megarl.wire.addresses import free_port
-
         if self.master_address is None:
             self.master_address = dial_back_address(self.servers)
-        port = self.master_port or free_port("")
+        store = None
+        if self.master_port:
+            port = self.master_port
+        else:   # bound now, before the servers are told the port: nothing else can take it meanwhile
+            store = dist.TCPStore(self.master_address, 0, self.world_size, is_master=True,
+                                               wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s))
+            port = store.port
         self.master_port_used = port
         futs = [self._io.submit(c.init_weights_update_group(self.master_address, port, o, self.world_size,
                                                             self.group_name, backend))
                 for c, o in zip(self.clients, self.rank_offsets)]
         # the rendezvous waits for every server rank; a server that refuses to join (bad group
         # args, unreachable master address) must fail this call, not hang it
-        from datetime import timedelta
-
         join = self._waiter.submit(
             init_custom_process_group, backend, tcp(self.master_address, port), self.world_size, 0,
-            self.group_name, timedelta(seconds=self.timeout_s))
+            self.group_name, timedelta(seconds=self.timeout_s), store)
         errs = self._answers_while(join, futs)
         if errs:
             raise SyncError(f"init_weights_update_group (master {self.master_address}:{port}, world "

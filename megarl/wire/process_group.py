@@ -17,7 +17,10 @@ from megarl.wire.addresses import gloo_interface
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int,
-                              group_name: str, timeout: Optional[timedelta] = None):
+                              group_name: str, timeout: Optional[timedelta] = None, store=None):
+    """SGLang's ``init_custom_process_group``: a process group outside the default one. ``store``:
+    a store this rank already holds (rank 0's TCPStore bound before the others were told its port,
+    so no other process can take the port in between); otherwise ``init_method``'s rendezvous."""
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
                                                     _world, default_pg_timeout, rendezvous)
     timeout = timeout or default_pg_timeout
@@ -27,7 +30,8 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
         from urllib.parse import urlparse
 
         bind_gloo_towards(urlparse(init_method).hostname or "127.0.0.1")
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
