@@ -182,8 +182,7 @@ def _plan(args) -> "tuple[Any, Any, Optional[str]]":
     refused before a process is spawned or a weight is read."""
     import torch
 
-    from megarl.wire.addresses import free_port
-
+    from .tp import open_tp_store
     from .worker import RankOptions, check_tp
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -212,7 +211,7 @@ def _plan(args) -> "tuple[Any, Any, Optional[str]]":
         weights_dir = os.path.realpath(args.weights_dir)
     opts = RankOptions(model=args.model, device=dev, dtype=dt, load_format=args.load_format,
                        random_seed=args.random_seed, tp_size=args.tp_size,
-                       tp_port=free_port() if args.tp_size > 1 else 0, weights_dir=weights_dir,
+                       tp_port=open_tp_store(args.tp_size) if args.tp_size > 1 else 0, weights_dir=weights_dir,
                        num_threads=args.num_threads, fp32_lm_head=args.enable_fp32_lm_head,
                        return_routed_experts=args.enable_return_routed_experts)
     return opts, hf_config, None

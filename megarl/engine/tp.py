@@ -95,11 +95,27 @@ class TPComm:
         return box[0]
 
 
+_BOUND_STORES: dict = {}   # port -> the TCP store rank 0's process bound before spawning the other ranks
+
+
+def open_tp_store(size: int) -> int:
+    """Rank 0's process, before the other ranks exist: bind the TP group's loopback store on a port
+    the kernel picks and keep it for `init_tp`. Probing a free port and binding it later left a
+    window in which another process could take it (EADDRINUSE at start-up)."""
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=300))
+    _BOUND_STORES[store.port] = store
+    return store.port
+
+
 def init_tp(rank: int, size: int, port: int, device: torch.device) -> TPComm:
-    """Join the server's TP group (loopback TCP store on `port`, served by rank 0)."""
+    """Join the server's TP group (loopback TCP store on `port`, served by rank 0: the one
+    `open_tp_store` bound, or bound here)."""
     if size == 1:
         return TPComm()
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=(rank == 0), timeout=timedelta(seconds=300))
+    store = _BOUND_STORES.pop(port, None) if rank == 0 else None
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=(rank == 0), timeout=timedelta(seconds=300))
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
     ctrl = dist.new_group(list(range(size)), backend="gloo", timeout=IDLE_TIMEOUT)
