@@ -30,6 +30,15 @@ def default_backend() -> str:
     return "nccl" if cuda_available() else "gloo"
 
 
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"   # "True": a launcher (torchelastic, spawn) hosts the store
+
+
+def hosts_rendezvous_store(rank: int) -> bool:
+    """Does this rank bind the rendezvous store? Rank 0, unless a launcher holds it already
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's own convention, which env:// honours too)."""
+    return rank == 0 and os.environ.get(AGENT_STORE) != "True"
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                      rank: Optional[int] = None, world_size: Optional[int] = None,
                      init_method: Optional[str] = None, store: Optional[dist.Store] = None) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional
 
 import multiprocessing as mp
 
-from megarl.wire.addresses import free_port
+from .dist import AGENT_STORE
 
 
 class SpawnError(RuntimeError):
@@ -37,7 +37,8 @@ class SpawnError(RuntimeError):
 def _worker(fn, rank, world_size, port, args, q, backend, timeout_s, init):
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"})
+                       "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
+                       AGENT_STORE: "True"})   # the launcher holds the store: every rank is its client
     try:
         import torch
         torch.set_num_threads(1)
@@ -105,7 +106,15 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: Optional[str]
     if method == "fork" and preload:
         _preload(preload)  # import once in the parent instead of N times in the children
     ctx = mp.get_context(method)
-    port = free_port()
+    # the rendezvous store is bound here, now, and every rank dials it (torchelastic's agent-store
+    # convention, TORCHELASTIC_USE_AGENT_STORE): no window between finding a free port and binding it
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    port = store.port
     q = ctx.Queue()
     cto = collective_timeout_s if collective_timeout_s is not None else min(timeout_s, 120.0)
     procs = [ctx.Process(target=_worker, daemon=False,

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megarl.models.builder import unwrap
-from megarl.parallel.dist import DEFAULT_TIMEOUT_S
+from megarl.parallel.dist import DEFAULT_TIMEOUT_S, hosts_rendezvous_store
 from megarl.algos import LossSettings, PolicyLossConfig, entropy_bonus, get_policy_loss, kl_loss, value_loss
 from megarl.data.batch import TokenBatch
 from megarl.sync.rank import PushTarget, RankSender
@@ -94,9 +94,10 @@ class MegatronWorker:
             return store
         if spec.world_size == 1:
             return torch.distributed.HashStore()
-        # rank 0 hosts it here when nobody opened it beforehand (ranks spawned with MASTER_PORT)
+        # rank 0 hosts it here when nobody opened it beforehand (ranks started with MASTER_PORT and
+        # no launcher holding the store)
         return torch.distributed.TCPStore(spec.master_addr, spec.master_port, spec.world_size,
-                                          is_master=spec.rank == 0, wait_for_workers=False,
+                                          is_master=hosts_rendezvous_store(spec.rank), wait_for_workers=False,
                                           timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
 
     def setup(self) -> dict[str, Any]:
