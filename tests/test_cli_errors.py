@@ -20,7 +20,7 @@ from megarl.config import ConfigError, load_config
 from megarl.config.validate import api_key_env_problem
 from megarl.data.sources import DataError
 from megarl.errors import UserError, find_user_error, user_error_line
-from megarl.parallel.launcher import free_port
+from megarl.wire.addresses import free_port
 from megarl.rollout.client import ServerDown, Unauthorized
 from tests.helpers.servers import ServerProcess
 from megarl.sync.session import SyncError
