@@ -256,8 +256,17 @@ def full(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> dict:
     from megarl.checkpoint.manager import latest_checkpoint
     from megarl.trainer import Trainer
 
+    class EngineTimed(Trainer):
+        """Reads the embedded servers' own time counters after every step (megarl_stats)."""
+
+        def _step_or_checkpoint(self, step: int) -> dict[str, float]:
+            metrics = super()._step_or_checkpoint(step)
+            self.engine_stats.append(_engine_seconds(self.rollout.manager))
+            return metrics
+
     t0 = time.time()
-    trainer = Trainer(cfg)
+    trainer = EngineTimed(cfg)
+    trainer.engine_stats = []
     device_peak = _DevicePeak(args.device == "cuda")
     with device_peak:
         results = trainer.run()
@@ -277,6 +286,12 @@ def full(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> dict:
            "sync_s": round(mean("sync/seconds"), 3), "sync_GBps": round(mean("sync/bytes_per_s") / 1e9, 2),
            "reward_curve": [round(s["reward/mean"], 3) for s in results["steps"]],
            "wall_s": round(time.time() - t0, 1)}
+    seen = trainer.engine_stats
+    if len(seen) >= 2 and all(seen):
+        # inside the engine per timed step (summed over servers): the rest of the rollout phase is
+        # HTTP, the client, prompt building and scoring
+        timed = len(seen) - 1
+        out["engine_s_per_step"] = {k: round((seen[-1][k] - seen[0][k]) / timed, 3) for k in seen[0]}
     memory = {k[len("memory/"):]: round(max(s.get(k, 0.0) for s in results["steps"]), 3)
               for k in sorted({k for s in results["steps"] for k in s if k.startswith("memory/")})}
     if memory or device_peak.peak:
@@ -295,6 +310,18 @@ def full(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> dict:
         out["resume_check"] = {"steps_run_after_resume": len(resumed),  # 1 = it went on from step `steps`
                                "reward": [round(s["reward/mean"], 3) for s in resumed]}
     return out
+
+
+def _engine_seconds(manager: Any) -> dict[str, float]:
+    """The embedded servers' admit/decode seconds so far, summed ({} for servers without them)."""
+    total = {"admit": 0.0, "decode": 0.0}
+    for info in manager.call_all("get_model_info").values():
+        stats = info.get("megarl_stats") if isinstance(info, dict) else None
+        if not stats or "admit_s" not in stats:
+            return {}
+        total["admit"] += stats["admit_s"]
+        total["decode"] += stats["decode_s"]
+    return total
 
 
 class _DevicePeak:

@@ -28,6 +28,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -99,8 +100,10 @@ class Engine:
         self.weight_version = "default"
         self.gen = torch.Generator().manual_seed(seed)
         self.epoch = 0
+        # counts, and the engine thread's wall seconds admitting (prefill + first token) and
+        # decoding: what a rollout phase spent inside the engine, against its own wall time
         self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0,
-                      "max_batch": 0, "admissions": 0}
+                      "max_batch": 0, "admissions": 0, "admit_s": 0.0, "decode_s": 0.0}
         self.released: set = set()
         self.paused: Optional[str] = None   # SGLang pause mode (retract | in_place) while paused
         self.loras: set = set()            # LoRA adapters new requests may name (loaded, not unloaded)
@@ -283,12 +286,16 @@ class Engine:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     continue
+                t = time.perf_counter()
                 self._admit()
+                self.stats["admit_s"] += time.perf_counter() - t
                 if not self.batch.size:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     continue
+                t = time.perf_counter()
                 self._decode()
+                self.stats["decode_s"] += time.perf_counter() - t
             except Exception as e:  # never die silently: fail the running requests
                 log.exception("engine step failed")
                 self._inflight = None
