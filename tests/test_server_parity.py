@@ -92,6 +92,7 @@ def test_concurrent_requests_are_batched(tmp_path, capsys):
     async def run(url):
         async with SGLangClient(url) as c:
             await c.generate([1, 2, 3], sampling_params(max_new_tokens=4))  # warm up
+            t0 = time.perf_counter()
             t = time.perf_counter()
             await c.generate([1, 2, 3], sp)
             await c.generate([4, 5, 6], sp)
@@ -99,14 +100,19 @@ def test_concurrent_requests_are_batched(tmp_path, capsys):
             t = time.perf_counter()
             a, b = await asyncio.gather(c.generate([1, 2, 3], sp), c.generate([4, 5, 6], sp))
             conc = time.perf_counter() - t
-            return seq, conc, await c.get_model_info()
+            return seq, conc, await c.get_model_info(), time.perf_counter() - t0
 
     with ServerProcess(d) as s:
-        seq, conc, info = asyncio.run(run(s.url))
+        seq, conc, info, wall = asyncio.run(run(s.url))
     with capsys.disabled():
         print(f"\n[batching] two requests in a row: {seq:.3f}s, at once: {conc:.3f}s "
               f"(x{seq / conc:.2f}), max decode batch {info['megarl_stats']['max_batch']}")
     assert info["megarl_stats"]["max_batch"] >= 2  # both were in one decode batch
+    # the engine thread's own seconds: some admitting and decoding, no more than the client waited
+    # (plus the warm-up, which the counters include)
+    stats = info["megarl_stats"]
+    assert stats["admit_s"] > 0 and stats["decode_s"] > 0
+    assert stats["admit_s"] + stats["decode_s"] < wall + 60
 
 
 def test_batch_form_with_n_and_per_item_params(tmp_path):
