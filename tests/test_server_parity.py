@@ -91,8 +91,8 @@ def test_concurrent_requests_are_batched(tmp_path, capsys):
 
     async def run(url):
         async with SGLangClient(url) as c:
-            await c.generate([1, 2, 3], sampling_params(max_new_tokens=4))  # warm up
             t0 = time.perf_counter()
+            await c.generate([1, 2, 3], sampling_params(max_new_tokens=4))  # warm up
             t = time.perf_counter()
             await c.generate([1, 2, 3], sp)
             await c.generate([4, 5, 6], sp)
@@ -108,11 +108,11 @@ def test_concurrent_requests_are_batched(tmp_path, capsys):
         print(f"\n[batching] two requests in a row: {seq:.3f}s, at once: {conc:.3f}s "
               f"(x{seq / conc:.2f}), max decode batch {info['megarl_stats']['max_batch']}")
     assert info["megarl_stats"]["max_batch"] >= 2  # both were in one decode batch
-    # the engine thread's own seconds: some admitting and decoding, no more than the client waited
-    # (plus the warm-up, which the counters include)
+    # the engine thread's own seconds: some admitting and decoding, within the time the client
+    # waited for its requests (the slack: the idle loop's empty admissions before the first one)
     stats = info["megarl_stats"]
     assert stats["admit_s"] > 0 and stats["decode_s"] > 0
-    assert stats["admit_s"] + stats["decode_s"] < wall + 60
+    assert stats["admit_s"] + stats["decode_s"] < wall + 1.0
 
 
 def test_batch_form_with_n_and_per_item_params(tmp_path):
