@@ -1,10 +1,10 @@
-"""Single-sample requests issued together go out as one batched ``/generate``.
+"""A group's single-sample requests, issued together, go out as one batched ``/generate``.
 
-The off-policy sources and the agent loop ask for one sample at a time (each is resumable on its
-own after an abort). Sent as they are, a step of 512 samples is 512 HTTP requests, ~1 ms of
-Python each in the trainer's process (measured: 0.52 s of CPU on the HTTP thread per 512, against
-0.05 s batched). That time holds the interpreter lock while the trainer launches its kernels on
-the main thread, so a one_step_off or async step loses it from its train side.
+The off-policy sources ask for one sample at a time (each is resumable on its own after an
+abort). Sent as they are, a step of 512 samples is 512 HTTP requests, each costing Python time on
+the client's HTTP thread in the trainer's process (``benchmarks/bench_client_cpu.py``: 0.14 s of
+CPU per step one request per sample, 0.05 s one per group). That thread shares the interpreter lock
+with the main thread, which launches the trainer's kernels beside an overlapped rollout.
 
 Requests submitted with the same key (a GRPO group) in the same turn of the event loop
 (``asyncio.gather`` over a group's samples starts them all in one turn) are collected until the
@@ -12,9 +12,9 @@ loop comes back around, then sent as one request in SGLang's batch form (a list 
 one ``sampling_params`` each; answers in the same order). Only one key's requests share a batch:
 a batch answers when its last item is done, and a group is only usable whole anyway, while two
 groups coupled would hold the first finished one back (and, in async mode, keep it from meeting
-the next weight push in flight). Each sample keeps its own sampling seed, so the tokens are the same as sent one
-by one. A batch the server refuses as a whole (4xx) is sent again one item at a time, so only the
-item that is wrong fails.
+the next weight push in flight). Each sample keeps its own sampling seed, so the tokens are the
+same as sent one by one. A batch the server refuses as a whole (4xx) is sent again one item at a
+time, so only the item that is wrong fails.
 """
 from __future__ import annotations
 

@@ -129,7 +129,7 @@ class RolloutManager:
         self._revivals: dict[int, asyncio.Task] = {}
         self._healing_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-healer")
                               if healer is not None else None)
-        # single-sample requests of one loop turn go out as one batched /generate (coalesce.py)
+        # a group's single-sample requests of one loop turn go out as one batched /generate (coalesce.py)
         self._coalescer = coalescer(self._send_items, coalesce_max_samples)
 
     @property

@@ -210,7 +210,7 @@ class WeightPusher:
             port = self.master_port
         else:   # bound now, before the servers are told the port: nothing else can take it meanwhile
             store = dist.TCPStore(self.master_address, 0, self.world_size, is_master=True,
-                                               wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s))
+                                  wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s))
             port = store.port
         self.master_port_used = port
         futs = [self._io.submit(c.init_weights_update_group(self.master_address, port, o, self.world_size,
