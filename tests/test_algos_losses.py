@@ -388,3 +388,31 @@ def test_value_loss_no_grad_into_targets():
 def test_entropy_bonus_aggregates_like_a_loss():
     close(entropy_bonus(LOSS, MASK, "token-mean"), 2.5)
     close(entropy_bonus(LOSS, MASK, "seq-mean-token-mean"), 3.0)
+
+
+def test_masked_max_min_equal_boolean_indexing_and_read_nothing_on_the_host():
+    from torch.profiler import ProfilerActivity, profile
+
+    from megarl.algos.metrics import masked_max, masked_min
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 9, generator=g) * 5
+    cases = [torch.rand(4, 9, generator=g) > 0.6, torch.zeros(4, 9, dtype=torch.bool), torch.ones(4, 9)]
+    for m in cases:
+        mb = m.bool()
+        want_max = x[mb].max() if mb.any() else torch.tensor(0.0)
+        want_min = x[mb].min() if mb.any() else torch.tensor(0.0)
+        assert torch.equal(masked_max(x, m), want_max) and torch.equal(masked_min(x, m), want_min)
+    # a selected -inf / nan is the answer, as with boolean indexing
+    y = x.clone()
+    y[0, 0], y[1, 1] = float("-inf"), float("nan")
+    only = torch.zeros(4, 9, dtype=torch.bool)
+    only[0, 0] = True
+    assert masked_max(y, only).item() == float("-inf")
+    only[1, 1] = True
+    assert masked_min(y, only).isnan()
+    assert masked_max(torch.empty(0), torch.empty(0, dtype=torch.bool)).item() == 0.0
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        masked_max(x, cases[0]), masked_min(x, cases[0])
+    reads = [e.key for e in prof.key_averages() if e.key in ("aten::_local_scalar_dense", "aten::nonzero")]
+    assert not reads, reads

@@ -14,17 +14,28 @@ from .masked import as_bool_mask, masked_mean, masked_var, sanitize
 
 
 def masked_max(x: Tensor, mask: Tensor) -> Tensor:
-    m = as_bool_mask(mask)
-    if not bool(m.any()):
-        return torch.zeros((), dtype=x.dtype, device=x.device)
-    return x.detach()[m].max()
+    return _masked_extreme(x, mask, largest=True)
 
 
 def masked_min(x: Tensor, mask: Tensor) -> Tensor:
+    return _masked_extreme(x, mask, largest=False)
+
+
+def _masked_extreme(x: Tensor, mask: Tensor, largest: bool) -> Tensor:
+    """Max (min) of ``x`` where ``mask``, 0 when nothing is selected -- without reading the mask on
+    the host: these run in every micro-batch's loss, where a host sync stalls the GPU queue."""
     m = as_bool_mask(mask)
-    if not bool(m.any()):
-        return torch.zeros((), dtype=x.dtype, device=x.device)
-    return x.detach()[m].min()
+    x = x.detach()
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return zero
+    if x.is_floating_point():
+        bound = float("-inf") if largest else float("inf")
+    else:
+        bound = torch.iinfo(x.dtype).min if largest else torch.iinfo(x.dtype).max
+    fill = torch.full((), bound, dtype=x.dtype, device=x.device)
+    kept = torch.where(m, x, fill)
+    return torch.where(m.any(), kept.amax() if largest else kept.amin(), zero)
 
 
 def _stats(x: Tensor, mask: Tensor, prefix: str) -> Dict[str, Tensor]:

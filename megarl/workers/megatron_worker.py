@@ -57,6 +57,18 @@ def _all_params_in(chunks: list[torch.nn.Module], dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
+def _metrics_to_host(outputs: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """A mini-batch's per-micro-batch metrics as floats, read in one device-to-host copy after the
+    optimizer step (a copy per metric inside the loss would stall the GPU queue once per metric)."""
+    keys = [(i, k) for i, metrics in enumerate(outputs) for k in metrics]
+    out: list[dict[str, float]] = [{} for _ in outputs]
+    if keys:
+        values = torch.stack([outputs[i][k].reshape(()).float() for i, k in keys]).cpu().tolist()
+        for (i, k), v in zip(keys, values):
+            out[i][k] = v
+    return out
+
+
 @dataclass
 class WorkerSpec:
     """Everything a rank needs to start, picklable for Ray."""
@@ -165,6 +177,8 @@ class MegatronWorker:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+        from megarl.parallel.optimizer_kernels import install_optimizer_kernels
+
         o = self.role_cfg.optim
         # The distributed optimizer shards states over data-parallel ranks (on CPU too, through the
         # CPU shim). With one data-parallel rank there is nothing to shard and the plain optimizer
@@ -191,6 +205,8 @@ class MegatronWorker:
                                   optimizer_cpu_offload=cpu_optimizer,
                                   optimizer_offload_fraction=o.cpu_offload_fraction,
                                   overlap_cpu_optimizer_d2h_h2d=cpu_optimizer)
+        # megatron's no-Apex/no-TE norm and copies loop per tensor (a host sync per tensor for the norm)
+        install_optimizer_kernels()
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
         total = max(1, self.cfg.trainer.total_steps * self._optimizer_steps_per_rl_step())
         self.scheduler = OptimizerParamScheduler(
@@ -359,7 +375,7 @@ class MegatronWorker:
 
             def per_output(out, mi, _denom=denom, _scale=scale):
                 value, metrics = loss_fn(out, mi, _denom, loss)
-                return value * _scale, {k: v.detach().float().cpu() for k, v in metrics.items()}
+                return value * _scale, {k: v.detach().float() for k, v in metrics.items()}
 
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
@@ -368,12 +384,12 @@ class MegatronWorker:
             ok, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
             self.steps += 1
-            for metrics in outputs:
+            for metrics in _metrics_to_host(outputs):
                 for k, v in metrics.items():
                     if k.endswith("_sum"):
-                        totals[k] = totals.get(k, 0.0) + float(v) / len(minibatches)
+                        totals[k] = totals.get(k, 0.0) + v / len(minibatches)
                     else:
-                        means.setdefault(k, []).append(float(v))
+                        means.setdefault(k, []).append(v)
             means.setdefault("grad_norm", []).append(float(grad_norm) if grad_norm is not None else 0.0)
             means.setdefault("update_skipped", []).append(float(not ok))
         out = dict(totals)
