@@ -81,6 +81,9 @@ decode) # issue 29: the fused Triton decode step -- its tests compiled on the GP
         # seeded sampling as in the RL loop (the one-pass Triton sampler vs the torch sampler)
         run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 128,512 --prompt 32 \
           --new 128 --temperature 1 --no-hf --kernels torch+sync,triton ;;
+optstep) # megatron's optimizer step: its no-Apex loops vs megarl's foreach kernels (host reads per step)
+         run 120 python3 benchmarks/bench_optimizer_step.py --device cuda --shape smollm2-135m --steps 10
+         run 150 python3 benchmarks/bench_optimizer_step.py --device cuda --shape qwen2.5-1.5b --steps 6 ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20
