@@ -4,7 +4,7 @@ the same numbers, and a whole megatron bf16 optimizer step (norm, clipping, main
 that ends on the same parameters with one host sync for the norm instead of one per tensor."""
 import torch
 
-from dist_utils import sample_ids, tiny_hf_config
+from dist_utils import sample_ids
 
 from megarl.parallel import spawn
 

@@ -34,6 +34,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megarl.wire.process_group import bound_store
+
 log = logging.getLogger("megarl.rollout.tp")
 
 # Followers wait in the control broadcast between calls for as long as the server is idle.
@@ -102,8 +104,7 @@ def open_tp_store(size: int) -> int:
     """Rank 0's process, before the other ranks exist: bind the TP group's loopback store on a port
     the kernel picks and keep it for `init_tp`. Probing a free port and binding it later left a
     window in which another process could take it (EADDRINUSE at start-up)."""
-    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=300))
+    store = bound_store("127.0.0.1", size, 300)
     _BOUND_STORES[store.port] = store
     return store.port
 

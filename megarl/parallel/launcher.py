@@ -108,12 +108,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: Optional[str]
     ctx = mp.get_context(method)
     # the rendezvous store is bound here, now, and every rank dials it (torchelastic's agent-store
     # convention, TORCHELASTIC_USE_AGENT_STORE): no window between finding a free port and binding it
-    import datetime
+    from megarl.wire.process_group import bound_store
 
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = bound_store("127.0.0.1", world_size, timeout_s)
     port = store.port
     q = ctx.Queue()
     cto = collective_timeout_s if collective_timeout_s is not None else min(timeout_s, 120.0)

@@ -65,7 +65,7 @@ from megarl.quant.served import BlockFp8Format
 from megarl.rollout.client import LoopThread, RequestFailed, SGLangClient
 from megarl.wire import flattened as wire
 from megarl.wire.checksum import checksum
-from megarl.wire.process_group import abandon_group, destroy_group, init_custom_process_group, tcp
+from megarl.wire.process_group import abandon_group, bound_store, destroy_group, init_custom_process_group, tcp
 from megarl.wire.protocol import FLATTENED_BUCKET
 
 from .bucket import Bucket, iter_buckets
@@ -209,8 +209,7 @@ class WeightPusher:
         if self.master_port:
             port = self.master_port
         else:   # bound now, before the servers are told the port: nothing else can take it meanwhile
-            store = dist.TCPStore(self.master_address, 0, self.world_size, is_master=True,
-                                  wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s))
+            store = bound_store(self.master_address, self.world_size, self.timeout_s)
             port = store.port
         self.master_port_used = port
         futs = [self._io.submit(c.init_weights_update_group(self.master_address, port, o, self.world_size,

@@ -16,6 +16,15 @@ import torch.distributed as dist
 from megarl.wire.addresses import gloo_interface
 
 
+def bound_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A rendezvous store that this process serves, bound on ``host`` at a port the kernel picks;
+    its ``.port`` is what the other ranks are told. Probing a free port and binding it later
+    leaves a window in which another process takes it (EADDRINUSE at start-up); a bound store
+    has none. Returns at once: the ranks join when they are started."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int,
                               group_name: str, timeout: Optional[timedelta] = None, store=None):
     """SGLang's ``init_custom_process_group``: a process group outside the default one. ``store``:

@@ -21,6 +21,7 @@ from megarl.data.batch import TokenBatch
 from megarl.data.packing import ShardPlan, StratifiedMinibatches, plan_ranges, plan_shards, stratified_minibatches
 from megarl.parallel.dist import DEFAULT_TIMEOUT_S
 from megarl.wire.addresses import node_address
+from megarl.wire.process_group import bound_store
 from megarl.workers.dispatch import make_shards, unshard
 from megarl.workers.megatron_worker import MegatronWorker, WorkerSpec
 
@@ -37,12 +38,9 @@ class _RayRank(MegatronWorker):
         probing a free one and binding it later closes the window in which another process on the
         node (another role's group, a Ray worker) could take it (EADDRINUSE at init)."""
         import dataclasses
-        import datetime
 
         address = node_address()
-        self.store = torch.distributed.TCPStore(address, 0, self.spec.world_size, is_master=True,
-                                                wait_for_workers=False,
-                                                timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+        self.store = bound_store(address, self.spec.world_size, DEFAULT_TIMEOUT_S)
         self.spec = dataclasses.replace(self.spec, master_addr=address, master_port=self.store.port)
         return address, self.store.port
 
