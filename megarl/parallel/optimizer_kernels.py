@@ -94,15 +94,17 @@ def install_optimizer_kernels() -> list[str]:
     from megatron.core import utils as mcore_utils
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
-    bindings = ([(m, "l2_norm_impl", mcore_utils.local_multi_tensor_l2_norm, foreach_l2_norm) for m in _L2_NORM_SITES]
-                + [(m, "multi_tensor_scale_impl", mcore_utils.local_multi_tensor_scale, foreach_scale)
-                   for m in _SCALE_SITES]
-                + [(_COPY_SITE, "_multi_tensor_copy_this_to_that", _MEGATRON_COPY.setdefault(
-                    "loop", mcore_optimizer._multi_tensor_copy_this_to_that), foreach_copy_this_to_that)])
+    # checked against megatron-core 0.16.1 and 0.19.2; a name another version lacks is left alone
+    l2_fallback = getattr(mcore_utils, "local_multi_tensor_l2_norm", None)
+    scale_fallback = getattr(mcore_utils, "local_multi_tensor_scale", None)
+    copy_loop = _MEGATRON_COPY.setdefault("loop", getattr(mcore_optimizer, "_multi_tensor_copy_this_to_that", None))
+    bindings = ([(m, "l2_norm_impl", l2_fallback, foreach_l2_norm) for m in _L2_NORM_SITES]
+                + [(m, "multi_tensor_scale_impl", scale_fallback, foreach_scale) for m in _SCALE_SITES]
+                + [(_COPY_SITE, "_multi_tensor_copy_this_to_that", copy_loop, foreach_copy_this_to_that)])
     replaced = []
     for site, name, theirs, ours in bindings:
         module = importlib.import_module(site)
-        if getattr(module, name, None) is theirs:
+        if theirs is not None and getattr(module, name, None) is theirs:
             setattr(module, name, ours)
             replaced.append(f"{site}.{name}")
     return replaced
