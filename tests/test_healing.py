@@ -293,6 +293,16 @@ def test_driver_killed_leaves_no_server_process_behind(model, tmp_path, engine):
                 break
             time.sleep(0.2)
         assert len(tree) >= (3 if engine == "sglang" else 2), tree
+        if engine == "sglang":   # told to exit at once on SIGTERM, not to finish its requests first
+            environ = Path(f"/proc/{started['pid']}/environ").read_bytes().split(b"\0")
+            assert b"SGL_FORCE_SHUTDOWN=1" in environ
+            # ... the variable SGLang's own SIGTERM watchdog reads to skip draining its requests
+            import importlib.util
+
+            spec = importlib.util.find_spec("sglang")
+            manager = Path(spec.origin).parent / "srt" / "managers" / "tokenizer_manager.py"
+            watchdog = manager.read_text().split("async def sigterm_watchdog", 1)[1].split("\n    def ", 1)[0]
+            assert 'get_bool_env_var("SGL_FORCE_SHUTDOWN")' in watchdog and "force_exit_handler" in watchdog
         t1 = time.time()
         driver.send_signal(signal.SIGKILL)
         driver.wait(300)

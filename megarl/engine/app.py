@@ -25,7 +25,7 @@ from aiohttp import web
 
 from .auth import api_key_middleware
 from .engine import Engine, Request, Sampling
-from .pause import PAUSE_MODES, GenerationGate
+from .pause import PAUSE_MODES, GenerationGate, ServerClosing
 from .session import SessionError, SessionGate, applies_to_target, check_selector
 from .tp import RankFailure
 from .weights import receive_layout, resolve_disk_path
@@ -128,8 +128,11 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
     async def generate(request):
         eng = engine()
         body = await _body(request)
-        async with state.generation.generating():   # waits out a pause; holds off weight updates
-            return await _generate(eng, body)
+        try:
+            async with state.generation.generating():   # waits out a pause; holds off weight updates
+                return await _generate(eng, body)
+        except ServerClosing as e:
+            return _json_error(503, str(e))
 
     async def _generate(eng: Engine, body: Dict[str, Any]) -> web.Response:
         if body.get("stream"):

@@ -139,6 +139,9 @@ async def _amain(args, opts, hf_config, followers, api_key: Optional[str]) -> in
     if state.ready:
         print(f"megarl serve: ready ({args.model}, tp {opts.tp_size})", flush=True)
     await stop.wait()
+    # answer what the server holds before the web runner waits for its handlers: requests waiting
+    # out a pause (503) and those in the engine (aborted with their tokens)
+    await state.generation.close()
     if state.engine:
         state.engine.stop()
     if state.handle is not None:

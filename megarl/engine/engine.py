@@ -121,10 +121,26 @@ class Engine:
         self._thread.start()
 
     def stop(self):
+        """End the engine thread, then finish everything it held: running and queued requests as
+        aborted (finish reason ``abort``, with the tokens they have, as SGLang's abort answers),
+        pending control calls with an error. A server told to exit (SIGTERM; the trainer's death
+        through PR_SET_PDEATHSIG) otherwise kept its HTTP handlers waiting on futures no thread
+        would resolve, and its web runner waited out its shutdown timeout before exiting."""
         self._stop.set()
         self._wake.set()
         if self._thread:
             self._thread.join(timeout=10)
+        if self._thread is None or not self._thread.is_alive():   # else it is stuck in a step: leave its state be
+            if self._inflight is not None:
+                self._drain()            # the step launched ahead: its tokens belong to the answers
+            self.abort(abort_all=True, message="server shutting down")
+        while True:
+            try:
+                _, fut, _ = self.controls.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("server shutting down"))
 
     def submit(self, req: Request) -> concurrent.futures.Future:
         return self.submit_many([req])[0]
@@ -180,7 +196,7 @@ class Engine:
                 r.version_events.append((self.weight_version, n))
         self.weight_version = version
 
-    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+    def abort(self, rid: str = "", abort_all: bool = False, message: str = "Aborted") -> int:
         """Finish the matching requests now with the tokens they have (SGLang's ``AbortReq``: an
         empty rid without ``abort_all`` matches nothing; a rid matches by prefix, as SGLang's
         scheduler does, so the sub-requests of a batch go with it). Returns how many."""
@@ -188,7 +204,7 @@ class Engine:
             return 0
         self._drain_waiting()
         hit = lambda r: abort_all or r.rid.startswith(rid)  # noqa: E731
-        reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        reason = {"type": "abort", "message": message, "status_code": None, "err_type": None}
         b = self.batch
         rows = [i for i, r in enumerate(b.reqs[:b.size]) if r is not None and hit(r)]
         queued = [r for r in self._backlog if hit(r)]

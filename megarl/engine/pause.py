@@ -70,22 +70,36 @@ class RWLock:
         return self._writer or self._readers > 0
 
 
+class ServerClosing(RuntimeError):
+    """The server is exiting: a request that waited out a pause is not started."""
+
+
 class GenerationGate:
     """The pause flag and the model-update lock of one server."""
 
     def __init__(self) -> None:
         self.paused = False
+        self.closed = False
         self.mode: str | None = None
         self._pause_cond = asyncio.Condition()
         self.lock = RWLock()
 
     @contextlib.asynccontextmanager
     async def generating(self) -> AsyncIterator[None]:
-        """Around one ``/generate`` request: wait out a pause, then hold the reader lock."""
+        """Around one ``/generate`` request: wait out a pause, then hold the reader lock.
+        Raises ``ServerClosing`` once the server exits (a pause it waited on will never end)."""
         async with self._pause_cond:
-            await self._pause_cond.wait_for(lambda: not self.paused)
+            await self._pause_cond.wait_for(lambda: not self.paused or self.closed)
+            if self.closed:
+                raise ServerClosing("server shutting down")
         async with self.lock.reader():
             yield
+
+    async def close(self) -> None:
+        """The server exits: requests waiting out a pause are answered now (``ServerClosing``)."""
+        async with self._pause_cond:
+            self.closed = True
+            self._pause_cond.notify_all()
 
     @contextlib.asynccontextmanager
     async def updating(self) -> AsyncIterator[None]:

@@ -31,6 +31,8 @@ from megarl.config.validate import api_key_env_problem, max_sequence_len
 from megarl.rollout.client import ServerDown
 
 API_KEY_ENV = "MEGARL_API_KEY"  # what the embedded server reads its key from (never argv)
+# read by SGLang's tokenizer manager: on SIGTERM, exit at once instead of finishing every request
+SGLANG_FORCE_SHUTDOWN_ENV = "SGL_FORCE_SHUTDOWN"
 
 
 def _set_parent_death_signal() -> None:
@@ -426,6 +428,9 @@ class RolloutServers:
             private: dict[str, str] = {}
             node_env = dict(env)
             if r.engine == "sglang":
+                # SGLang drains its requests on SIGTERM before exiting (TokenizerManager.sigterm_watchdog);
+                # a server megarl stops, or whose trainer died (PR_SET_PDEATHSIG), has no one to answer
+                node_env.setdefault(SGLANG_FORCE_SHUTDOWN_ENV, "1")
                 key_file = None
                 if self.api_key:
                     key_file = str(self._log_dir / f"sglang_server_{i}_node{node}.yaml")
