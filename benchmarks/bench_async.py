@@ -75,11 +75,12 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         def _step_or_checkpoint(self, step: int) -> dict[str, float]:
             metrics = super()._step_or_checkpoint(step)
             self.step_ends.append(time.time())
+            self.thread_cpu.append(python_threads_cpu_s())
             return metrics
 
     cfg = validate_config(load_config(ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml", overrides(args, mode)))
     trainer = Timed(cfg)
-    trainer.step_ends = []
+    trainer.step_ends, trainer.thread_cpu = [], []
     results = trainer.run()
     steps = results["steps"]
     ends = trainer.step_ends
@@ -95,6 +96,13 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
            "eval_accuracy_before": results.get("eval_before", {}).get("eval/accuracy"),
            "eval_accuracy_after": results.get("eval_after", {}).get("eval/accuracy"),
            "eval_reward_after": results.get("eval_after", {}).get("eval/reward_mean")}
+    # the trainer process's Python threads: what the rollout client, scoring and rewards take of
+    # the interpreter lock the trainer's kernel launches need (CPU seconds per timed step)
+    cpu = trainer.thread_cpu
+    if len(cpu) >= 2:
+        names = sorted(set(cpu[-1]) | set(cpu[0]))
+        out["trainer_threads_cpu_s_per_step"] = {
+            n: round((cpu[-1].get(n, 0.0) - cpu[0].get(n, 0.0)) / (len(cpu) - 1), 3) for n in names}
     if mode != "sync":
         out.update({"staleness_mean": round(mean("offpolicy/staleness_mean"), 3),
                     "staleness_max": max(s["offpolicy/staleness_max"] for s in steps),
@@ -104,6 +112,26 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                     "stale_groups_dropped": sum(s.get("rollout/stale_groups_dropped", 0) for s in steps),
                     "fresh_logprob_diff_mean": max((s["offpolicy/fresh_logprob_diff_mean"] for s in steps
                                                     if "offpolicy/fresh_logprob_diff_mean" in s), default=None)})
+    return out
+
+
+def python_threads_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system, from /proc) of this process's Python threads so far, summed by
+    name without the pool index (``megarl-reward_0`` and ``_1`` -> ``megarl-reward``). Threads
+    that ended are not counted."""
+    import os
+    import re
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        try:
+            fields = open(f"/proc/self/task/{t.native_id}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):
+            continue
+        name = re.sub(r"_\d+$", "", t.name)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
