@@ -72,6 +72,8 @@ mps) # issue 29: sync / one_step_off / async on ONE GPU, megarl starting and sto
      # (cluster.mps: auto; after smollm2); MPS_ARGS e.g. "--override cluster.mps_rollout_sm_percent=60"
      run 590 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps 8 --prompts 64 --n 8 --new-tokens 40 --work /tmp/bench_mps $MPS_ARGS
      grep -h "MPS:" /tmp/bench_mps/run_*/logs/*.log $OUT/stderr.log 2>/dev/null | sort | uniq -c | tee -a $OUT/log ;;
+mps_prio) # the same two off-policy modes with the rollout server at MPS's below-normal client priority
+     run 590 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps 8 --prompts 64 --n 8 --new-tokens 40 --work /tmp/bench_mps_prio --override cluster.mps_rollout_priority=below_normal $MPS_ARGS ;;
 decode) # issue 29: the fused Triton decode step -- its tests compiled on the GPU (fp32, against SDPA, the
         # torch body and HF), then decode speed of the torch body vs the fused step in the same run
         python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest/*.whl

@@ -48,8 +48,9 @@ def test_sm_shares_are_validated_and_reach_the_server_process(tmp_path):
     with pytest.raises(ConfigError, match="cluster.mps_rollout_sm_percent"):
         validate_config(_cfg(tmp_path, *ONE_GPU, "cluster.mps_rollout_sm_percent=0"))
     session = MpsSession(str(tmp_path / "pipe"), str(tmp_path / "log"), started=False,
-                         shares={"trainer": 40, "rollout": 60})
+                         shares={"trainer": 40, "rollout": 60}, below_normal=frozenset({"rollout"}))
     assert session.env_for("trainer")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in session.env_for("trainer")
     # a real embedded server started by megarl's launcher carries the rollout share in its environment
     model = tiny_model(tmp_path)
     cfg = tiny_run_config(model, tmp_path / "run")
@@ -61,6 +62,29 @@ def test_sm_shares_are_validated_and_reach_the_server_process(tmp_path):
             time.sleep(0.1)
         environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
         assert environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "60"
+        assert environ["CUDA_MPS_CLIENT_PRIORITY"] == "1"
         assert environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "pipe")
     finally:
         servers.stop()
+
+
+def test_rollout_priority_below_normal_reaches_the_rollout_only(tmp_path, monkeypatch):
+    """``cluster.mps_rollout_priority: below_normal`` -> the rollout's CUDA_MPS_CLIENT_PRIORITY=1
+    (NVIDIA's value for below normal), the trainer's process keeps normal priority; a bad value is
+    a config error naming the field."""
+    import megarl.placement.mps as mps
+    from megarl.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match="mps_rollout_priority"):
+        _cfg(tmp_path, *ONE_GPU, "cluster.mps_rollout_priority=low")
+    monkeypatch.setattr(mps, "_find_or_start",   # no daemon on a CPU box: a running one, found
+                        lambda *a: MpsSession(str(tmp_path / "pipe"), str(tmp_path / "log"), started=False))
+    monkeypatch.setattr(mps, "_warn_if_context_exists", lambda note: None)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    lines: list[str] = []
+    session = start_mps(_cfg(tmp_path, *ONE_GPU, "cluster.mps_rollout_priority=below_normal"), tmp_path, lines.append)
+    assert session.env_for("rollout")["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in session.env_for("trainer") and "CUDA_MPS_CLIENT_PRIORITY" not in os.environ
+    assert any("below-normal" in line for line in lines)
+    default = start_mps(_cfg(tmp_path, *ONE_GPU), tmp_path, lines.append)
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in default.env_for("rollout")

@@ -161,6 +161,9 @@ class ClusterConfig:
     mps_trainer_sm_percent: Optional[int] = opt(None, "MPS: the trainer's share of the SMs "
                                                 "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); null = no limit")
     mps_rollout_sm_percent: Optional[int] = opt(None, "MPS: the rollout server's share of the SMs; null = no limit")
+    mps_rollout_priority: Literal["normal", "below_normal"] = opt(
+        "normal", "MPS: the rollout server's client priority (CUDA_MPS_CLIENT_PRIORITY); below_normal = the "
+        "trainer's kernels are scheduled first and the rollout fills what is left (one_step_off/async)")
     host_bandwidth_gbps: float = opt(55.0, "pinned host<->device copy bandwidth per GPU (GB/s) for the plan's "
                                      "offload/onload seconds; 55 measured on an H200 (PCIe Gen5 x16)")
 

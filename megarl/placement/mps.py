@@ -15,7 +15,9 @@ What megarl does (``cluster.mps``: auto | required | disabled), only for the one
   line and runs time-sliced; ``required`` makes that an error.
 
 SM shares: ``cluster.mps_trainer_sm_percent`` / ``cluster.mps_rollout_sm_percent`` become each
-process's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (null: no limit). A client reads the MPS variables
+process's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (null: no limit). ``cluster.mps_rollout_priority:
+below_normal`` sets the server's ``CUDA_MPS_CLIENT_PRIORITY`` so the trainer's kernels go first and
+the overlapped rollout takes the SMs they leave. A client reads the MPS variables
 when it creates its CUDA context, so everything here runs before the trainer touches CUDA: the
 trainer's rank runs in this process under ``cluster.backend=local``.
 """
@@ -30,6 +32,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 CONTROL = "nvidia-cuda-mps-control"
+# CUDA_MPS_CLIENT_PRIORITY's values (NVIDIA's MPS guide, "Environment Variables"): like a stream
+# priority across clients -- a hint for the scheduler, running work is not preempted
+CLIENT_PRIORITY = {"normal": "0", "below_normal": "1"}
 DEFAULT_PIPE = "/tmp/nvidia-mps"
 
 
@@ -45,6 +50,7 @@ class MpsSession:
     log_dir: str
     started: bool
     shares: dict[str, Optional[int]] = field(default_factory=dict)   # role -> SM percent
+    below_normal: frozenset = frozenset()   # roles whose MPS client priority is below normal
 
     def env_for(self, role: str) -> dict[str, str]:
         """What a process of ``role`` (trainer | rollout) needs in its environment."""
@@ -52,6 +58,8 @@ class MpsSession:
         share = self.shares.get(role)
         if share:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(int(share))
+        if role in self.below_normal:
+            env["CUDA_MPS_CLIENT_PRIORITY"] = CLIENT_PRIORITY["below_normal"]
         return env
 
     def stop(self) -> None:
@@ -105,6 +113,9 @@ def start_mps(cfg: Any, run_dir: Path, note=print) -> Optional[MpsSession]:
     session = _find_or_start(cfg, Path(run_dir), shares, note)
     if session is None:
         return None
+    if cfg.cluster.mps_rollout_priority == "below_normal":
+        session.below_normal = frozenset({"rollout"})
+        note("MPS: the rollout server's kernels run at below-normal priority (cluster.mps_rollout_priority)")
     _warn_if_context_exists(note)
     os.environ.update(session.env_for("trainer"))
     if session.started:
