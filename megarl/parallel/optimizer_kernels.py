@@ -2,7 +2,7 @@
 installed (megatron-core 0.16.1's ``local_multi_tensor_l2_norm`` / ``local_multi_tensor_scale``).
 
 Why: megatron's fallbacks loop in Python over every parameter tensor. The L2 norm builds
-``torch.tensor([torch.norm(g) for g in grads])``, one device-to-host copy per tensor (183 host
+``torch.tensor([torch.norm(g) for g in grads])``, one device-to-host copy per tensor (182 host
 syncs per optimizer step for SmolLM2-135M, every step, on the GPU too); the scale launches a
 multiply and a copy per tensor and allocates a temporary each time (the fp32 main params are copied
 into the bf16 model params through it after every step, and clipped gradients are scaled through
