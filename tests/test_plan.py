@@ -69,6 +69,47 @@ def test_tiny_plan_equals_hand_calculation():
     assert plan.fits and plan.nodes_needed == 1
 
 
+
+def test_forward_budget_plans_forward_passes_by_hand():
+    """``forward_max_tokens_per_micro_batch``: the driver plans forward passes with it (training
+    keeps ``max_tokens_per_micro_batch``), and the plan counts one layer's activations plus the
+    logits of that many tokens, for the frozen reference and for the actor's forward pass when that
+    is larger than its training step."""
+    from megarl.config import validate_config
+    from megarl.config.loader import ConfigError
+    from megarl.workers.group import token_budget
+
+    h, f, nh, nkv, hd, V, L = 64, 128, 4, 2, 16, 1000, 2
+    one_layer = 8 * h + 4 * nh * hd + 4 * nkv * hd + 6 * f          # bytes per token, as above
+    base = make_plan(load_config(CPU_RECIPE, TINY + ["ref.enabled=true", "ref.gpus=2",
+                                                      "ref.max_tokens_per_micro_batch=100"]))
+    assert base.roles["ref"].activations == 100 * one_layer and base.roles["ref"].logits == 100 * V * 6
+    cfg = load_config(CPU_RECIPE, TINY + ["ref.enabled=true", "ref.gpus=2",
+                                          "ref.max_tokens_per_micro_batch=100",
+                                          "ref.forward_max_tokens_per_micro_batch=400",
+                                          "actor.forward_max_tokens_per_micro_batch=2000"])
+    assert token_budget(cfg, "actor") == 100 and token_budget(cfg, "actor", forward_only=True) == 2000
+    assert token_budget(cfg, "ref", forward_only=True) == 400
+    # the driver's plans: WorkerGroup.forward's micro-batches hold up to 2000 tokens, train's 100
+    from megarl.data.batch import TokenBatch
+    from megarl.workers.group import WorkerGroup
+
+    group = WorkerGroup.__new__(WorkerGroup)     # the planning half only: no ranks started
+    group.role, group.cfg, group.role_cfg = "actor", cfg, cfg.actor
+    group._topology = [{"dp": 1, "dp_rank": 0}]
+    batch = TokenBatch.from_sequences([[1] * 10] * 40, [[2] * 20] * 40)   # 40 samples of 30 tokens
+    assert group.plan(batch, forward_only=True).micro_sizes[0] == [[40]]          # 1200 tokens <= 2000
+    train = group.plan(batch).micro_sizes[0][0]
+    assert sum(train) == 40 and max(train) == 3 and len(train) == 14            # 3 x 30 <= 100
+    plan = make_plan(cfg)
+    ref, actor = plan.roles["ref"], plan.roles["actor"]
+    assert ref.activations == 400 * one_layer and ref.logits == 400 * V * 6
+    # actor: training 100 * (L * 1664 + 10 V) = 1.33 MB < forward 2000 * (1664 + 6 V) = 15.3 MB
+    assert actor.activations == 2000 * one_layer and actor.logits == 2000 * V * 6
+    assert any("2000 tokens per forward-only micro-batch (the peak" in n for n in actor.notes)
+    with pytest.raises(ConfigError, match="actor.forward_max_tokens_per_micro_batch"):
+        validate_config(load_config(CPU_RECIPE, TINY + ["actor.forward_max_tokens_per_micro_batch=-1"]))
+
 def test_tp_pp_sharding_by_hand():
     """tp2 pp2 with uneven last stage: embedding on stage 0, output on the last, layers split."""
     over = TINY + ["model.arch.num_layers=5", "actor.gpus=4", "rollout.gpus=4", "rollout.num_servers=4",

@@ -138,6 +138,10 @@ class RoleConfig:
     max_tokens_per_micro_batch: int = opt(0, "token budget per micro-batch (packed: tokens laid end to end; padded: "
                                              "samples x longest); 0 = packed: micro_batch_size x (max_prompt_len + "
                                              "max_new_tokens), padded: micro_batch_size samples")
+    forward_max_tokens_per_micro_batch: int = opt(
+        0, "token budget per micro-batch of forward-only passes (old/ref logprobs, values, scores): they keep no "
+           "activations for a backward, so fewer, larger micro-batches fit (verl's log_prob_max_token_len_per_gpu); "
+           "0 = max_tokens_per_micro_batch")
     packing: bool = opt(True, "pack whole sequences end to end into THD micro-batches (no padding compute); "
                               "false = pad each micro-batch to its longest sample")
     lora: LoRAConfig = section(LoRAConfig, "LoRA adapters (actor only; rank 0 = off)")

@@ -160,6 +160,8 @@ def _check_parallel(name: str, role: RoleConfig, arch: ModelArch, device: str, p
         problems.append(f"{name}.parallel.cp: context parallel with multi-latent attention (MLA) is not implemented")
     if role.max_tokens_per_micro_batch < 0:
         problems.append(f"{name}.max_tokens_per_micro_batch: must be >= 0")
+    if role.forward_max_tokens_per_micro_batch < 0:
+        problems.append(f"{name}.forward_max_tokens_per_micro_batch: must be >= 0")
     if role.micro_batch_size < 1:
         problems.append(f"{name}.micro_batch_size: must be >= 1, got {role.micro_batch_size}")
 
@@ -194,14 +196,15 @@ def _check_cp_budget(cfg: RunConfig, problems: list[str]) -> None:
     for name in ROLES:
         role = getattr(cfg, name)
         p = role.parallel
-        if not role.enabled or p.cp <= 1 or not role.packing or not role.max_tokens_per_micro_batch:
+        if not role.enabled or p.cp <= 1 or not role.packing:
             continue
         padded = -(-longest // (2 * p.cp)) * 2 * p.cp
-        budget = role.max_tokens_per_micro_batch * p.cp
-        if padded > budget:
-            problems.append(f"{name}.max_tokens_per_micro_batch: {role.max_tokens_per_micro_batch} x cp {p.cp} = "
-                            f"{budget} tokens is less than the longest sample (max_prompt_len + max_new_tokens = "
-                            f"{longest}, {padded} padded to a multiple of 2*cp)")
+        for field_name in ("max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch"):
+            per_rank = getattr(role, field_name)
+            if per_rank and padded > per_rank * p.cp:
+                problems.append(f"{name}.{field_name}: {per_rank} x cp {p.cp} = {per_rank * p.cp} tokens is less "
+                                f"than the longest sample (max_prompt_len + max_new_tokens = {longest}, {padded} "
+                                f"padded to a multiple of 2*cp)")
 
 
 def _check_batches(cfg: RunConfig, problems: list[str]) -> None:

@@ -288,15 +288,17 @@ def _per_token_layer_bytes(arch: ModelArch, layer: int, role: RoleConfig, recomp
     return (hsz + attn + mlp) * elem / 2
 
 
-def micro_batch_tokens(cfg: RunConfig, role: RoleConfig) -> int:
-    """Tokens one GPU of ``role`` holds per micro-batch: the budget (per CP rank already), but at
-    least the longest sample split over the CP group (a longer sample is packed alone, whatever
-    the budget); without a budget ``micro_batch_size`` longest samples split over the CP group."""
+def micro_batch_tokens(cfg: RunConfig, role: RoleConfig, forward_only: bool = False) -> int:
+    """Tokens one GPU of ``role`` holds per micro-batch: the budget (per CP rank already; a forward
+    pass's own budget when set), but at least the longest sample split over the CP group (a longer
+    sample is packed alone, whatever the budget); without a budget ``micro_batch_size`` longest
+    samples split over the CP group."""
     seq = max_sequence_len(cfg)
     cp = role.parallel.cp
     longest = math.ceil(seq / (2 * cp)) * 2 if cp > 1 else seq   # padded to 2 cp, one CP rank's share
-    if role.max_tokens_per_micro_batch:
-        return max(role.max_tokens_per_micro_batch, longest)
+    budget = (role.forward_max_tokens_per_micro_batch if forward_only else 0) or role.max_tokens_per_micro_batch
+    if budget:
+        return max(budget, longest)
     return math.ceil(role.micro_batch_size * seq / cp)
 
 
@@ -331,6 +333,8 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
     d_expert = edp if role.optim.distributed_optimizer else 1
     recompute = cfg.model.recompute if trained else "none"
     tokens = micro_batch_tokens(cfg, role)
+    fwd_tokens = micro_batch_tokens(cfg, role, forward_only=True)
+    forward_peak: dict[int, bool] = {}   # stage -> the forward pass, not training, sets its peak
     exchange = cp_exchange(arch, role, tokens, elem, cfg.cluster.gpus_per_node)
     best: Optional[RolePlan] = None
     shards = stage_shards(arch, mp, p)
@@ -356,19 +360,23 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
         per_token = [_per_token_layer_bytes(arch, i, role, recompute, elem) for i in sh.layers]
         if exchange is not None and recompute != "full":   # gathered K/V kept for the backward
             per_token = [b + exchange.gathered_kv_bytes / tokens for b in per_token]
+        last = sh.stage == len(shards) - 1
+        vocab_shard = math.ceil(arch.vocab_size / p.tp) if last and not value_head else 0
+        # a forward-only pass: one layer's activations live at a time (with CP, its gathered K/V), the
+        # logits and their fp32 chunk
+        kv = exchange.gathered_kv_bytes / tokens if exchange is not None else 0.0
+        one_layer = max((_per_token_layer_bytes(arch, i, role, "none", elem) for i in sh.layers), default=0)
+        forward = (fwd_tokens * (one_layer + kv if sh.layers else 0), fwd_tokens * vocab_shard * (2 + 4))
         if trained:
             acts = tokens * sum(per_token) * _in_flight(cfg, role, sh.stage)
             if recompute == "full" and sh.layers:
-                one = max(_per_token_layer_bytes(arch, i, role, "none", elem) for i in sh.layers)
-                acts += tokens * one
+                acts += tokens * one_layer
+            logits = tokens * vocab_shard * (2 + 4 + 4)
+            forward_peak[sh.stage] = sum(forward) > acts + logits
+            if forward_peak[sh.stage]:   # a large forward budget sets this role's peak
+                acts, logits = forward
         else:
-            # forward only: one layer's activations live at a time
-            acts = tokens * max(per_token, default=0)
-        last = sh.stage == len(shards) - 1
-        logits = 0
-        if last and not value_head:
-            vocab_shard = math.ceil(arch.vocab_size / p.tp)
-            logits = tokens * vocab_shard * ((2 + 4 + 4) if trained else (2 + 4))
+            acts, logits = forward
         layout = f"tp{p.tp} pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else "") + (f" cp{p.cp}" if p.cp > 1 else "") \
             + (f" ep{p.ep} etp{p.etp}" if arch.num_experts else "") + f" dp{dp}" + (" sp" if p.sequence_parallel else "")
         rp = RolePlan(role=name, layout=layout, trained=trained, gpus=role.gpus, dp=dp, expert_dp=edp,
@@ -382,6 +390,9 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
         best.notes.append("optimizer states replicated on every data-parallel rank (distributed_optimizer: false)")
     if trained:
         best.notes.append(f"{tokens} tokens per micro-batch, recompute {recompute}")
+    if fwd_tokens != tokens or not trained:
+        best.notes.append(f"{fwd_tokens} tokens per forward-only micro-batch"
+                          + (" (the peak: larger than training's)" if forward_peak.get(best.stage) else ""))
     if exchange is not None:
         best.cp_kv_bytes_per_layer = exchange.received_bytes
         best.cp_kv_seconds_per_layer = exchange.seconds

@@ -105,17 +105,18 @@ class WorkerGroup:
         return int(self.topology()[0]["dp"])
 
     def plan(self, batch: TokenBatch, minibatches: "Optional[Minibatches]" = None,
-             pairs: bool = False) -> ShardPlan:
+             pairs: bool = False, forward_only: bool = False) -> ShardPlan:
         """Data-parallel shards and micro-batches of this role for ``batch`` (all samples in one
         mini-batch when ``minibatches`` is None). Stratified mini-batches drawn for this role's
         data-parallel size give every rank its own contiguous range (:func:`plan_ranges`); drawn
         for another size (a critic with another dp than the actor's) they are planned like plain
         lists of samples (:func:`plan_shards`: exact token balance, but each rank's shard is gathered
         from scattered samples). ``pairs``: plan over adjacent sample pairs (2i, 2i + 1), which then
-        always share a micro-batch (reward-model training)."""
+        always share a micro-batch (reward-model training). ``forward_only``: a forward pass's
+        micro-batches (``forward_max_tokens_per_micro_batch``)."""
         role = self.role_cfg
         lengths = plan_lengths(self.cfg, self.role, batch.seq_lens.tolist())
-        budget = dict(packed=role.packing, max_tokens=token_budget(self.cfg, self.role),
+        budget = dict(packed=role.packing, max_tokens=token_budget(self.cfg, self.role, forward_only),
                       micro_batch_size=max(1, role.micro_batch_size // (2 if pairs else 1)),
                       micro_multiple=role.parallel.pp if role.parallel.vpp > 1 else 1)
         if isinstance(minibatches, StratifiedMinibatches):
@@ -159,7 +160,7 @@ class WorkerGroup:
         """A forward-only method over ``batch``: flat results in batch order, per response token
         (``compute_logprobs`` -> logprobs/entropy, ``compute_values`` -> values) or per sample
         (``compute_scores`` -> scores)."""
-        plan = self.plan(batch)
+        plan = self.plan(batch, forward_only=True)
         results = self.call_sharded(method, make_shards(batch, plan, fields), *args, **kwargs)
         by_dp: dict[int, dict] = {}
         for res, t in zip(results, self.topology()):
@@ -238,15 +239,17 @@ def plan_lengths(cfg: Any, role: str, lengths: list[int]) -> list[int]:
     return [cp_padded_len(n, cp) for n in lengths]
 
 
-def token_budget(cfg: Any, role: str) -> int:
+def token_budget(cfg: Any, role: str, forward_only: bool = False) -> int:
     """Tokens per micro-batch of ``role`` (the whole packed row, over all CP ranks):
-    ``max_tokens_per_micro_batch`` per rank (x ``cp`` when packed under context parallelism, each
-    CP rank holding ``1 / cp`` of the row), or (0) for packed micro-batches ``micro_batch_size``
-    longest possible samples (prompt + response), the memory a padded micro-batch of that size
-    could need at most."""
+    ``max_tokens_per_micro_batch`` per rank (``forward_max_tokens_per_micro_batch`` for a
+    forward-only pass when set; x ``cp`` when packed under context parallelism, each CP rank
+    holding ``1 / cp`` of the row), or (0) for packed micro-batches ``micro_batch_size`` longest
+    possible samples (prompt + response), the memory a padded micro-batch of that size could need
+    at most."""
     r = getattr(cfg, role)
-    if r.max_tokens_per_micro_batch:
-        return int(r.max_tokens_per_micro_batch) * (r.parallel.cp if r.packing else 1)
+    per_rank = (r.forward_max_tokens_per_micro_batch if forward_only else 0) or r.max_tokens_per_micro_batch
+    if per_rank:
+        return int(per_rank) * (r.parallel.cp if r.packing else 1)
     if not r.packing:
         return 0
     longest = plan_lengths(cfg, role, [max_sequence_len(cfg)])[0]
