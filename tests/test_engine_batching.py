@@ -249,3 +249,35 @@ def test_graph_path_gives_the_eager_outputs_and_is_invalidated_by_moved_tensors(
     for outs in (graphed, again, moved):
         for a, b in zip(outs, eager):
             _same(a, b)
+
+
+def test_stop_answers_what_the_engine_holds_and_refuses_what_comes_after(tiny):
+    """``Engine.stop``: a running request comes back aborted with the tokens it has (read while
+    paused, so the count is exact), a queued one aborted with none; after stop, a request or a
+    control call is refused at once (EngineStopped), never left waiting on a thread that has ended."""
+    from megarl.engine.engine import EngineStopped
+
+    d, _ = tiny
+    eng = Engine(_model(d), max_running=1, max_len=4096)
+    eng.start()
+    read = lambda: eng.control(eng.requests, new_epoch=False).result(timeout=300)  # noqa: E731
+    a = _req(PROMPT_A, seed=1, max_new=4000, ignore_eos=True)
+    b = _req(PROMPT_B, seed=2, max_new=4000, ignore_eos=True)
+    try:
+        eng.submit_many([a, b])
+        deadline = time.time() + 300   # a hang guard: ends once a is seen running
+        while a.rid not in (held := read())["running"] and time.time() < deadline:
+            time.sleep(0.005)
+        eng.control(lambda: eng.pause("in_place")).result(timeout=300)
+        frozen = read()
+        assert list(frozen["running"]) == [a.rid] and frozen["queued"] == [b.rid], frozen
+    finally:
+        eng.stop()
+    done_a, done_b = a.done.result(timeout=300), b.done.result(timeout=300)
+    assert done_a["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(done_a["output_ids"]) == frozen["running"][a.rid] >= 1
+    assert done_b["meta_info"]["finish_reason"]["type"] == "abort" and done_b["output_ids"] == []
+    with pytest.raises(EngineStopped):
+        eng.submit_many([_req(PROMPT_A, seed=3, max_new=4)])
+    with pytest.raises(EngineStopped):
+        eng.control(eng.requests, new_epoch=False).result(timeout=300)

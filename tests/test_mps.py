@@ -51,6 +51,10 @@ def test_sm_shares_are_validated_and_reach_the_server_process(tmp_path):
                          shares={"trainer": 40, "rollout": 60}, below_normal=frozenset({"rollout"}))
     assert session.env_for("trainer")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
     assert "CUDA_MPS_CLIENT_PRIORITY" not in session.env_for("trainer")
+    # a role without a share is not capped by the other's (servers inherit the trainer's environment)
+    only_trainer = MpsSession("p", "l", started=False, shares={"trainer": 40, "rollout": None})
+    assert only_trainer.env_for("rollout")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in MpsSession("p", "l", started=False).env_for("rollout")
     # a real embedded server started by megarl's launcher carries the rollout share in its environment
     model = tiny_model(tmp_path)
     cfg = tiny_run_config(model, tmp_path / "run")

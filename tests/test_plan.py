@@ -107,6 +107,16 @@ def test_forward_budget_plans_forward_passes_by_hand():
     # actor: training 100 * (L * 1664 + 10 V) = 1.33 MB < forward 2000 * (1664 + 6 V) = 15.3 MB
     assert actor.activations == 2000 * one_layer and actor.logits == 2000 * V * 6
     assert any("2000 tokens per forward-only micro-batch (the peak" in n for n in actor.notes)
+    # without a forward budget nothing changes, also where the forward estimate would count the
+    # gathered K/V that training under full recompute does not (context parallel); a forward budget
+    # below training's (16 tokens per CP rank: the longest sample) cannot set the peak, so that
+    # plan's activations are the training estimate
+    cp = TINY + ["critic.enabled=true", "critic.gpus=2", "critic.parallel.cp=2", "critic.max_tokens_per_micro_batch=100",
+                 "model.recompute=full", "algorithm.advantage=gae"]
+    same = make_plan(load_config(CPU_RECIPE, cp)).roles["critic"]
+    small = make_plan(load_config(CPU_RECIPE, cp + ["critic.forward_max_tokens_per_micro_batch=16"])).roles["critic"]
+    assert (same.activations, same.logits) == (small.activations, small.logits)
+    assert not any("forward-only" in n for n in same.notes)
     with pytest.raises(ConfigError, match="actor.forward_max_tokens_per_micro_batch"):
         validate_config(load_config(CPU_RECIPE, TINY + ["actor.forward_max_tokens_per_micro_batch=-1"]))
 

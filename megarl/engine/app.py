@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 from aiohttp import web
 
 from .auth import api_key_middleware
-from .engine import Engine, Request, Sampling
+from .engine import Engine, EngineStopped, Request, Sampling
 from .pause import PAUSE_MODES, GenerationGate, ServerClosing
 from .session import SessionError, SessionGate, applies_to_target, check_selector
 from .tp import RankFailure
@@ -193,6 +193,8 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
                     todo.append(k)
             for k, f in zip(todo, eng.submit_many([reqs[k] for k in todo])):
                 futs[k] = asyncio.wrap_future(f)
+        except EngineStopped as e:
+            return _json_error(503, str(e))
         except (ValueError, RuntimeError) as e:
             return _json_error(400, str(e))
         try:

@@ -81,6 +81,10 @@ def sample(logits: torch.Tensor, reqs: List[Request], default_gen: torch.Generat
     return tokens.tolist(), lps.tolist()
 
 
+class EngineStopped(RuntimeError):
+    """The server is exiting: the engine takes no more requests or control calls."""
+
+
 class Engine:
     """The scheduler loop. `model` is a `DecoderModel` (tests) or, in the server, a
     `worker.ModelHandle` whose every call runs on all TP ranks.
@@ -109,6 +113,7 @@ class Engine:
         self.loras: set = set()            # LoRA adapters new requests may name (loaded, not unloaded)
         self._unloading: set = set()       # unloaded while requests still ran them: dropped once they finish
         self._stop = threading.Event()
+        self._closing = threading.Lock()   # nothing is queued once stop() has begun
         self._wake = threading.Event()
         self._backlog: "collections.deque[Request]" = collections.deque()
         self._inflight = None     # a decode step launched ahead, not read yet (`_decode`)
@@ -126,21 +131,25 @@ class Engine:
         pending control calls with an error. A server told to exit (SIGTERM; the trainer's death
         through PR_SET_PDEATHSIG) otherwise kept its HTTP handlers waiting on futures no thread
         would resolve, and its web runner waited out its shutdown timeout before exiting."""
-        self._stop.set()
+        with self._closing:
+            self._stop.set()
         self._wake.set()
         if self._thread:
             self._thread.join(timeout=10)
         if self._thread is None or not self._thread.is_alive():   # else it is stuck in a step: leave its state be
-            if self._inflight is not None:
-                self._drain()            # the step launched ahead: its tokens belong to the answers
-            self.abort(abort_all=True, message="server shutting down")
+            try:
+                if self._inflight is not None:
+                    self._drain()            # the step launched ahead: its tokens belong to the answers
+                self.abort(abort_all=True, message="server shutting down")
+            except Exception:   # noqa: BLE001 - e.g. TP ranks gone: the rest of the shutdown must still run
+                log.exception("answering the requests held at shutdown failed")
         while True:
             try:
                 _, fut, _ = self.controls.get_nowait()
             except queue.Empty:
                 break
             if fut.set_running_or_notify_cancel():
-                fut.set_exception(RuntimeError("server shutting down"))
+                fut.set_exception(EngineStopped("server shutting down"))
 
     def submit(self, req: Request) -> concurrent.futures.Future:
         return self.submit_many([req])[0]
@@ -158,7 +167,10 @@ class Engine:
                 raise ValueError(f"prompt of {n} tokens does not fit max_len {self.max_len}")
         if "kv_cache" in self.released or "weights" in self.released:
             raise RuntimeError(f"memory released ({sorted(self.released)}); call /resume_memory_occupation")
-        self.waiting.put(list(reqs))
+        with self._closing:
+            if self._stop.is_set():
+                raise EngineStopped("server shutting down")
+            self.waiting.put(list(reqs))
         self._wake.set()
         return [r.done for r in reqs]
 
@@ -166,7 +178,11 @@ class Engine:
         """Run fn on the engine thread between steps; returns a future of its result. ``new_epoch``
         False: fn only reads (``requests``), so prefixes computed before it stay shareable."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.controls.put((fn, fut, new_epoch))
+        with self._closing:
+            if self._stop.is_set():
+                fut.set_exception(EngineStopped("server shutting down"))
+                return fut
+            self.controls.put((fn, fut, new_epoch))
         self._wake.set()
         return fut
 

@@ -93,6 +93,8 @@ class GenerationGate:
             if self.closed:
                 raise ServerClosing("server shutting down")
         async with self.lock.reader():
+            if self.closed:   # it waited behind a weight update while the server began to exit
+                raise ServerClosing("server shutting down")
             yield
 
     async def close(self) -> None:

@@ -58,6 +58,10 @@ class MpsSession:
         share = self.shares.get(role)
         if share:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(int(share))
+        elif any(self.shares.values()):
+            # no limit, said explicitly: the servers start from the trainer's environment, which
+            # holds the trainer's own share
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = "100"
         if role in self.below_normal:
             env["CUDA_MPS_CLIENT_PRIORITY"] = CLIENT_PRIORITY["below_normal"]
         return env

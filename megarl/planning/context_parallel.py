@@ -95,6 +95,7 @@ def suggest_cp(cfg: RunConfig, name: str, plan_fn: Callable[[RunConfig], object]
                 continue
             r.parallel.cp = cp
             r.max_tokens_per_micro_batch = -(-r.max_tokens_per_micro_batch // factor)  # same tokens per micro-batch
+            r.forward_max_tokens_per_micro_batch = -(-r.forward_max_tokens_per_micro_batch // factor)
             if not same_gpus:
                 grow(trial, name, factor)
             trial.cluster.nodes = 10 ** 6

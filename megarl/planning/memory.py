@@ -372,7 +372,8 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
             if recompute == "full" and sh.layers:
                 acts += tokens * one_layer
             logits = tokens * vocab_shard * (2 + 4 + 4)
-            forward_peak[sh.stage] = sum(forward) > acts + logits
+            # (with its own budget only: the training estimate already covers a same-size forward)
+            forward_peak[sh.stage] = fwd_tokens != tokens and sum(forward) > acts + logits
             if forward_peak[sh.stage]:   # a large forward budget sets this role's peak
                 acts, logits = forward
         else:
