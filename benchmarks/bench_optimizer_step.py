@@ -59,16 +59,11 @@ def megatron_bindings(ours: bool, theirs_copy):
 def host_reads_outside_adam(step) -> int:
     from torch.profiler import ProfilerActivity, profile
 
+    from megarl.profiling import host_reads
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-
-    def under_adam(e) -> bool:
-        while e is not None:
-            if e.name.startswith("Optimizer.step#"):
-                return True
-            e = e.cpu_parent
-        return False
-    return sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense" and not under_adam(e))
+    return host_reads(prof)
 
 
 def main() -> None:

@@ -64,6 +64,19 @@ class PhaseProfiler:
         return text
 
 
+def host_reads(prof: "torch.profiler.profile", outside: str = "Optimizer.step#") -> int:
+    """Host reads of device values (``aten::_local_scalar_dense``: on a GPU, a sync each) in a
+    profile, except under a ``record_function`` whose name starts with ``outside`` (default: torch
+    optimizers' own steps, whose CPU step counters are read on the CPU, not the device)."""
+    def excluded(e) -> bool:
+        while e is not None:
+            if e.name.startswith(outside):
+                return True
+            e = e.cpu_parent
+        return False
+    return sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense" and not excluded(e))
+
+
 def phase_profiler(steps: Sequence[int], phases: Sequence[str], out_dir: Path) -> Optional[PhaseProfiler]:
     """None when nothing is to be profiled (the common case costs one ``if``)."""
     return PhaseProfiler(steps, phases, out_dir) if steps else None

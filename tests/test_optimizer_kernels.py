@@ -66,24 +66,13 @@ def test_scale_and_copy_equal_megatrons_loops_bit_for_bit():
     assert all(torch.equal(o, s.to(torch.bfloat16)) for o, s in zip(ours, src))
 
 
-def _host_syncs_outside_torch_adam(prof) -> int:
-    """``aten::_local_scalar_dense`` (a tensor read on the host) in megatron's part of the step;
-    torch's AdamW reads its CPU step counters on CPU (not on the GPU), which is not ours to count."""
-    def under_adam(e) -> bool:
-        while e is not None:
-            if e.name.startswith("Optimizer.step#"):
-                return True
-            e = e.cpu_parent
-        return False
-    return sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense" and not under_adam(e))
-
-
 def _optimizer_run(rank, world, hf_dir, ids, ours: bool):
     """Three bf16 steps of megatron's own optimizer on a tiny llama (clipping on every step);
     returns the final fp32 main params, the grad norms and the host syncs inside optimizer.step."""
     from torch.profiler import ProfilerActivity, profile
 
     from megarl.models import build_model, load_hf_weights
+    from megarl.profiling import host_reads
     from megarl.parallel import init_model_parallel
     from megarl.parallel.optimizer_kernels import install_optimizer_kernels
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -109,7 +98,7 @@ def _optimizer_run(rank, world, hf_dir, ids, ours: bool):
             ok, norm, _ = opt.step()
         assert ok
         norms.append(norm)
-        syncs.append(_host_syncs_outside_torch_adam(prof))
+        syncs.append(host_reads(prof))   # torch's AdamW reads its CPU step counters: not counted
     main = [p.detach().clone() for g in opt.optimizer.param_groups for p in g["params"]]
     return {"replaced": replaced, "norms": norms, "syncs": syncs, "main": main}
 
