@@ -12,7 +12,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.planning.cli import plan_main
-from megarl.planning.memory import GIB, MIB, make_plan
+from megarl.planning.memory import GIB, MIB, make_plan, weight_bytes
 from megarl.planning.params import model_params, stage_layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,6 +117,17 @@ def test_forward_budget_plans_forward_passes_by_hand():
     small = make_plan(load_config(CPU_RECIPE, cp + ["critic.forward_max_tokens_per_micro_batch=16"])).roles["critic"]
     assert (same.activations, same.logits) == (small.activations, small.logits)
     assert not any("forward-only" in n for n in same.notes)
+    # a role that only runs forward passes reports the K/V exchange of its forward micro-batch:
+    # 2 (cp - 1) tokens x K/V width x bytes, four times as much for 400 tokens as for 100
+    ref_cp = TINY + ["ref.enabled=true", "ref.gpus=2", "ref.parallel.cp=2", "ref.max_tokens_per_micro_batch=100"]
+    train_sized = make_plan(load_config(CPU_RECIPE, ref_cp)).roles["ref"]
+    fwd_sized = make_plan(load_config(CPU_RECIPE, ref_cp + ["ref.forward_max_tokens_per_micro_batch=400"])).roles["ref"]
+    assert train_sized.cp_kv_bytes_per_layer == 2 * 1 * 100 * nkv * hd * weight_bytes(cfg.model.dtype)
+    assert fwd_sized.cp_kv_bytes_per_layer == 4 * train_sized.cp_kv_bytes_per_layer
+    assert fwd_sized.cp_kv_seconds_per_layer == pytest.approx(4 * train_sized.cp_kv_seconds_per_layer)
+    # forward only: the all-gather alone (a trained role's figure counts the backward's reduce-scatter too)
+    assert train_sized.cp_kv_seconds_per_layer == pytest.approx(train_sized.cp_kv_bytes_per_layer / 300e9)
+    assert not any("backward" in n for n in fwd_sized.notes if n.startswith("cp2"))
     with pytest.raises(ConfigError, match="actor.forward_max_tokens_per_micro_batch"):
         validate_config(load_config(CPU_RECIPE, TINY + ["actor.forward_max_tokens_per_micro_batch=-1"]))
 

@@ -41,13 +41,16 @@ class CPExchange:
     cp: int
     gathered_kv_bytes: int        # K and V prefixes of the whole micro-batch, kept for attention's backward
     received_bytes: int           # forward all-gather (the backward reduce-scatter moves as many)
-    seconds: float                # forward + backward exchange at the assumed link bandwidth
+    seconds: float                # the exchange (forward, and backward if any) at the assumed link bandwidth
     link: str                     # "nvlink" | "network"
     gbps: float
+    backward: bool = True         # False: a role that only runs forward passes (nothing kept, no reduce-scatter)
 
     def note(self, layers: int) -> str:
-        return (f"cp{self.cp}: per layer {self.gathered_kv_bytes / 2**20:.1f} MiB of gathered K/V kept, "
-                f"{self.received_bytes / 2**20:.1f} MiB received forward and as many reduce-scattered backward, "
+        kept = "kept" if self.backward else "held per layer"
+        moved = "received forward and as many reduce-scattered backward" if self.backward else "received"
+        return (f"cp{self.cp}: per layer {self.gathered_kv_bytes / 2**20:.1f} MiB of gathered K/V {kept}, "
+                f"{self.received_bytes / 2**20:.1f} MiB {moved}, "
                 f"{self.seconds * 1e3:.2f} ms per layer ({self.seconds * layers:.2f} s per micro-batch over "
                 f"{layers} layers) at {self.gbps:g} GB/s {self.link} (assumed)")
 
@@ -61,8 +64,9 @@ def kv_width(arch: ModelArch, tp: int) -> int:
 
 
 def cp_exchange(arch: ModelArch, role: RoleConfig, tokens_per_rank: int, elem: int,
-                gpus_per_node: int) -> Optional[CPExchange]:
-    """The K/V exchange of one layer for ``tokens_per_rank`` local tokens; None without CP."""
+                gpus_per_node: int, backward: bool = True) -> Optional[CPExchange]:
+    """The K/V exchange of one layer for ``tokens_per_rank`` local tokens; None without CP.
+    ``backward=False``: a forward-only pass (a frozen role), whose exchange is the all-gather alone."""
     p = role.parallel
     if p.cp <= 1:
         return None
@@ -71,8 +75,10 @@ def cp_exchange(arch: ModelArch, role: RoleConfig, tokens_per_rank: int, elem: i
     received = 2 * (p.cp - 1) * tokens_per_rank * kv * elem
     one_node = not gpus_per_node or p.cp * p.tp <= gpus_per_node
     gbps = INTRA_NODE_GBPS if one_node else INTER_NODE_GBPS
+    passes = 2 if backward else 1
     return CPExchange(cp=p.cp, gathered_kv_bytes=int(gathered), received_bytes=int(received),
-                      seconds=2 * received / (gbps * 1e9), link="nvlink" if one_node else "network", gbps=gbps)
+                      seconds=passes * received / (gbps * 1e9), link="nvlink" if one_node else "network",
+                      gbps=gbps, backward=backward)
 
 
 def suggest_cp(cfg: RunConfig, name: str, plan_fn: Callable[[RunConfig], object],

@@ -335,7 +335,9 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
     tokens = micro_batch_tokens(cfg, role)
     fwd_tokens = micro_batch_tokens(cfg, role, forward_only=True)
     forward_peak: dict[int, bool] = {}   # stage -> the forward pass, not training, sets its peak
-    exchange = cp_exchange(arch, role, tokens, elem, cfg.cluster.gpus_per_node)
+    # the exchange reported: of a training micro-batch, or of a forward one for a role never trained
+    exchange_tokens = tokens if trained else fwd_tokens
+    exchange = cp_exchange(arch, role, exchange_tokens, elem, cfg.cluster.gpus_per_node, backward=trained)
     best: Optional[RolePlan] = None
     shards = stage_shards(arch, mp, p)
     for sh in shards:
@@ -359,12 +361,12 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
             params, grads, optimizer, _ = lora_state_bytes(arch, role.lora, p.tp, sh.layers, sh.total, w, d_dense)
         per_token = [_per_token_layer_bytes(arch, i, role, recompute, elem) for i in sh.layers]
         if exchange is not None and recompute != "full":   # gathered K/V kept for the backward
-            per_token = [b + exchange.gathered_kv_bytes / tokens for b in per_token]
+            per_token = [b + exchange.gathered_kv_bytes / exchange_tokens for b in per_token]
         last = sh.stage == len(shards) - 1
         vocab_shard = math.ceil(arch.vocab_size / p.tp) if last and not value_head else 0
         # a forward-only pass: one layer's activations live at a time (with CP, its gathered K/V), the
         # logits and their fp32 chunk
-        kv = exchange.gathered_kv_bytes / tokens if exchange is not None else 0.0
+        kv = exchange.gathered_kv_bytes / exchange_tokens if exchange is not None else 0.0
         one_layer = max((_per_token_layer_bytes(arch, i, role, "none", elem) for i in sh.layers), default=0)
         forward = (fwd_tokens * (one_layer + kv if sh.layers else 0), fwd_tokens * vocab_shard * (2 + 4))
         if trained:
