@@ -39,12 +39,15 @@ real_e2e) run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-i
 real_e2e_fwd) # the same with one forward micro-batch for the old-logprob pass (51k tokens: 4 -> 1 micro-batches)
           run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --set actor.forward_max_tokens_per_micro_batch=65536 ;;
 real_prof) # torch.profiler tables + traces of every phase of step 3 (logging.profile_steps), then one_step_off
-           # under MPS with the train phase of step 4 profiled (what the trainer loses beside the rollout)
+           # under MPS with the train phase of step 4 profiled (what the trainer loses beside the rollout);
+           # comes back as one summary (benchmarks/trace_summary.py) and one archive of the tables
            run 200 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --steps 3 --prompts 64 --n 8 \
-             --new-tokens 40 --work /tmp/b_prof --set logging.profile_steps=[3] --set logging.profile_dir=$OUT/prof_sync
+             --new-tokens 40 --work /tmp/b_prof --set logging.profile_steps=[3] --set logging.profile_dir=/tmp/prof/sync $FWD_ARGS
            run 300 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps 5 --prompts 64 --n 8 \
              --new-tokens 40 --modes one_step_off --work /tmp/b_prof_async --override logging.profile_steps=[4] \
-             --override logging.profile_phases=[old_logprobs,train] --override logging.profile_dir=$OUT/prof_one_step_off $MPS_ARGS ;;
+             --override logging.profile_phases=[old_logprobs,train] --override logging.profile_dir=/tmp/prof/one_step_off $MPS_ARGS
+           python3 benchmarks/trace_summary.py /tmp/prof > $OUT/prof_summary.txt 2>&1; tail -c 3000 $OUT/prof_summary.txt
+           tar -czf $OUT/prof_tables.tgz --exclude="*.json.gz" -C /tmp prof ;;
 real_async) run 590 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps ${ASYNC_STEPS:-12} --prompts 64 --n 8 --new-tokens 40 --recipe-data --lr 5e-6 --eval-prompts 64 --work /tmp/bench_async ;;
 agent) run 200 python3 benchmarks/bench_agent.py --model smollm2 --device cuda --trajectories 128 --new 64 --turns 1,4,8 ;;
 offload) run 240 python3 benchmarks/bench_offload.py --shape qwen2.5-1.5b --cycles 20 ;;
