@@ -48,6 +48,10 @@ SHAPES = {
     # Qwen/Qwen2.5-7B (weight-sync size set)
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # SmolLM2-135M's layer count and head layout at a hidden size too small to compute anything: the
+    # step time is the host's (Python, dispatch, launches), what a 135M model's train phase waits on
+    "host-smollm2": dict(hidden_size=72, intermediate_size=192, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=1024, tie_word_embeddings=True),
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True),
 }

@@ -91,6 +91,10 @@ decode) # issue 29: the fused Triton decode step -- its tests compiled on the GP
 optstep) # megatron's optimizer step: its no-Apex loops vs megarl's foreach kernels (host reads per step)
          run 120 python3 benchmarks/bench_optimizer_step.py --device cuda --shape smollm2-135m --steps 10
          run 150 python3 benchmarks/bench_optimizer_step.py --device cuda --shape qwen2.5-1.5b --steps 6 ;;
+hostbound) # issue 29: the host's share of a train micro-batch -- SmolLM2's 30 layers at a hidden size of 72, so
+           # the GPU's work is nil and the step time is Python + dispatch + launches; compiled fusions vs eager
+           run 120 python3 benchmarks/bench_train.py --shape host-smollm2 --device cuda --seq 2048 --mbs 1 --num-mb 1 --steps 20 --peak 1e15
+           run 120 python3 benchmarks/bench_train.py --shape host-smollm2 --device cuda --seq 2048 --mbs 1 --num-mb 1 --steps 20 --peak 1e15 --no-fusions ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
 grep -h -i "error\|Traceback" $OUT/stderr.log | grep -v -i warn | tail -20
