@@ -4,6 +4,8 @@ by peft gives megatron's logits; A/B gradients equal peft's on the same batch), 
 DDP / optimizer (no gradient buffer or optimizer state for the frozen base)."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -21,7 +23,8 @@ def _nonzero_b(chunks, seed=7):
 
     for layer in lora_layers(chunks):
         for name, pair in layer.adapters.items():
-            g = torch.Generator().manual_seed(seed + 31 * layer.layer_index + hash(name) % 1000)
+            # crc32, not hash(): str hashes change with every interpreter (PYTHONHASHSEED)
+            g = torch.Generator().manual_seed(seed + 31 * layer.layer_index + zlib.crc32(name.encode()) % 1000)
             rows = pair.lora_B.shape[0] * (layer.tp_size if layer.column else 1)
             full = torch.randn(rows, RANK, generator=g) * 0.05
             with torch.no_grad():
@@ -120,7 +123,10 @@ def test_adapter_gradients_equal_peft_at_tp2(tmp_path):
     for key, g in theirs.items():
         mine = res[0]["grads"][key]
         assert g.abs().max() > 0, key
-        torch.testing.assert_close(mine, g, rtol=1e-4, atol=1e-7, msg=key)
+        # fp32 through two different programs (TP2 megatron vs HF + peft): rounding differs by a few
+        # ulp of the tensor's largest entries (measured ~1e-6 of max |g|), so the floor scales with it
+        torch.testing.assert_close(mine, g, rtol=1e-4, atol=1e-5 * float(g.abs().max()),
+                                   msg=lambda m, key=key: f"{key}: {m}")
 
 
 def _dropout(rank, world, hf_dir, ids):
