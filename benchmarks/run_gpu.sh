@@ -42,7 +42,7 @@ real_prof) # torch.profiler tables + traces of every phase of step 3 (logging.pr
            # under MPS with the train phase of step 4 profiled (what the trainer loses beside the rollout);
            # comes back as one summary (benchmarks/trace_summary.py) and one archive of the tables
            run 200 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --steps 3 --prompts 64 --n 8 \
-             --new-tokens 40 --work /tmp/b_prof --set logging.profile_steps=[3] --set logging.profile_dir=/tmp/prof/sync $FWD_ARGS
+             --new-tokens 40 --work /tmp/b_prof --set logging.profile_steps=[3] --set logging.profile_dir=/tmp/prof/sync
            run 300 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps 5 --prompts 64 --n 8 \
              --new-tokens 40 --modes one_step_off --work /tmp/b_prof_async --override logging.profile_steps=[4] \
              --override logging.profile_phases=[old_logprobs,train] --override logging.profile_dir=/tmp/prof/one_step_off $MPS_ARGS

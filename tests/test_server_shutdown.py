@@ -51,7 +51,7 @@ def test_sigterm_answers_running_and_queued_requests_then_exits(tmp_path, tp):
                 queued = asyncio.ensure_future(c.generate([5, 6, 7], long, rid="queued"))
                 await asyncio.sleep(0.2)   # let it reach the server's pause (if not, it meets a closed server)
                 assert not queued.done()
-                ranks.extend(c.pid for c in psutil.Process(server.proc.pid).children(recursive=True))
+                ranks.extend(child.pid for child in psutil.Process(server.proc.pid).children(recursive=True))
                 server.proc.send_signal(signal.SIGTERM)
                 return await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), HANG_S)
 
