@@ -12,6 +12,7 @@ Each profiled phase writes two files under ``logging.profile_dir`` (default OUTP
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import gzip
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROWS = 40   # operations in the text table
 
@@ -75,6 +77,41 @@ def host_reads(prof: "torch.profiler.profile", outside: str = "Optimizer.step#")
             e = e.cpu_parent
         return False
     return sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense" and not excluded(e))
+
+
+# ops that dispatch but launch no kernel: allocations and shape-only results (views are told apart
+# by their schema, ``OpOverload.is_view``)
+_NO_KERNEL = frozenset({"aten._unsafe_view", "aten.empty", "aten.empty_like", "aten.empty_strided",
+                        "aten.new_empty", "aten.new_empty_strided", "aten.resize_", "aten.set_",
+                        "aten.record_stream", "aten.is_same_size", "aten._reshape_alias",
+                        "aten._has_compatible_shallow_copy_type"})
+
+
+class OpCounter(TorchDispatchMode):
+    """Inside ``with OpCounter() as c``: ``c.ops`` counts the compute ops dispatched, by aten name
+    (views and allocations left out), ``c.host_reads`` the reads of tensor values by the host.
+
+    Why: where a phase is bound by launching kernels, each op costs host time whatever its size,
+    and this count is the same on any machine, unlike a timing; one eager compute op is about one
+    kernel on CUDA. Compiled regions (torch.compile) do not run under a dispatch mode: count with
+    the compiled fusions off (``MEGARL_FUSIONS=0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name == "aten._local_scalar_dense":
+            self.host_reads += 1
+        elif not func.is_view and name not in _NO_KERNEL:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
 
 
 def phase_profiler(steps: Sequence[int], phases: Sequence[str], out_dir: Path) -> Optional[PhaseProfiler]:

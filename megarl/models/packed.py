@@ -15,7 +15,11 @@ boundary -- correct, but in megatron-core 0.16.1 it reads ``cu_seqlens`` back to
 sequence. :func:`install_thd_rope` swaps it (at run time, like
 :func:`megarl.models.fusions.install_rope_fusion`; megatron looks the function up at call time)
 for :func:`apply_rotary_pos_emb_thd`: the same per-sequence positions computed on the device
-(``searchsorted``), one gather of the frequencies, one elementwise RoPE, no sync. Under context
+(``searchsorted``), one gather of the frequencies, one elementwise RoPE, no sync. The gathered rows
+are the same for q and k of every layer of one micro-batch, so they are gathered once per micro-batch
+and kept on its ``cu_seqlens`` (:func:`token_freqs`): recomputing them for q and k in each layer
+cost ~16 small kernels per layer, half the launches of a layer's forward on the GPU, where the train
+phase is bound by launches (benchmarks/RESULTS.md section 19). Under context
 parallelism (:mod:`megarl.models.context_parallel`) ``cu_seqlens`` are the global padded sequences
 and the rank holds chunks ``r`` and ``2 cp - 1 - r`` of each; :func:`cp_positions` gives each local
 token its global position the same way (megatron's own function does the same slicing with a host
@@ -91,6 +95,35 @@ def pack_sequences(sequences: Sequence[Sequence[int] | Tensor], device: torch.de
 
 
 _ORIGINAL_THD = None
+_MEMO = "_megarl_token_freqs"
+
+
+def token_freqs(freqs: Tensor, cu_seqlens: Tensor, total: int, cp: int = 1, rank: int = 0) -> Tensor:
+    """``freqs[position of each of the total local tokens]``, gathered once per micro-batch.
+
+    megatron applies RoPE to q and to k in every layer with the same ``freqs`` (its rotary module
+    caches them per length) and the same ``cu_seqlens``, so the rows are kept on the ``cu_seqlens``
+    tensor, whose life is the micro-batch's. The entry is used only for the same ``freqs`` object,
+    unmodified (``_version``), the same token count and CP rank and the same ``cu_seqlens`` version.
+    Nothing is kept under ``inference_mode`` or for inference tensors (rows made there cannot be
+    saved for a backward, and such tensors have no version to check), nor for a ``freqs`` that
+    needs a gradient (its rows belong to one autograd graph)."""
+    keep = not (torch.is_inference_mode_enabled() or freqs.requires_grad or freqs.is_inference()
+                or cu_seqlens.is_inference())
+    key = (freqs._version, cu_seqlens._version, total, cp, rank) if keep else None
+    memo = getattr(cu_seqlens, _MEMO, None) if keep else None
+    if memo is not None and memo[0] is freqs and memo[1] == key:
+        return memo[2]
+    pos = packed_positions(cu_seqlens, total) if cp == 1 else cp_positions(cu_seqlens, total, cp, rank)
+    rows = freqs.index_select(0, pos.to(freqs.device))
+    if keep:
+        setattr(cu_seqlens, _MEMO, (freqs, key, rows))
+    return rows
+    try:
+        setattr(cu_seqlens, _MEMO, (freqs, key, rows))
+    except (AttributeError, RuntimeError):  # tensors that take no attributes (e.g. under tracing)
+        pass
+    return rows
 
 
 def apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotary_interleaved: bool = False,
@@ -106,14 +139,12 @@ def apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotar
 
     total = t.size(0)
     cp = cp_group.size() if cp_group is not None else 1
-    if cp > 1:
-        if freqs.size(0) == total * cp:   # megatron's per-packed-token mapping: its own code
-            return _ORIGINAL_THD(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                                 multi_latent_attention=multi_latent_attention, mscale=mscale,
-                                 cp_group=cp_group, **newer)
-        freqs = freqs.index_select(0, cp_positions(cu_seqlens, total, cp, cp_group.rank()).to(freqs.device))
-    elif freqs.size(0) != total:  # one row per position inside a sequence
-        freqs = freqs.index_select(0, packed_positions(cu_seqlens, total).to(freqs.device))
+    if cp > 1 and freqs.size(0) == total * cp:   # megatron's per-packed-token mapping: its own code
+        return _ORIGINAL_THD(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                             multi_latent_attention=multi_latent_attention, mscale=mscale,
+                             cp_group=cp_group, **newer)
+    if cp > 1 or freqs.size(0) != total:  # one row per position inside a sequence
+        freqs = token_freqs(freqs, cu_seqlens, total, cp, cp_group.rank() if cp > 1 else 0)
     # looked up at call time: the compiled copy when fusions are on (fusions.install_rope_fusion)
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs, rotary_interleaved=rotary_interleaved,
                                                  multi_latent_attention=multi_latent_attention,

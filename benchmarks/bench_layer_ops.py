@@ -1,0 +1,131 @@
+"""Ops a packed actor micro-batch dispatches, forward-only and forward + backward, with megarl's
+THD RoPE (per-token rows gathered once per micro-batch, megarl/models/packed.py) against two
+baselines in the same run (one JSON line): the same RoPE gathering the rows again for q and k of
+every layer (``megarl_per_call``, megarl before), and megatron-core's own THD RoPE (``megatron``:
+split per sequence, two host reads per layer).
+
+Why count ops: on the GPU the one-GPU GRPO step's train phase is bound by the host launching
+~2 300 kernels per micro-batch (benchmarks/RESULTS.md section 19), so every op dispatched per layer
+costs host time whatever its size. Ops are counted at the dispatcher (megarl.profiling.OpCounter)
+with views and allocations left out, so the count is the same on any machine and close to the kernel
+launches on CUDA (one eager compute op is about one kernel; the compiled fusions, which the counter
+cannot see into, are off while counting). On CUDA the passes are also timed without the counter
+(median wall seconds; at ``--shape host-smollm2`` that is host time).
+
+    python benchmarks/bench_layer_ops.py                         # CPU, host-smollm2, 8 sequences
+    python benchmarks/bench_layer_ops.py --device cuda --repeats 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+def lengths(n: int, mean: int, seed: int = 0) -> list[int]:
+    """``n`` sequence lengths between mean/2 and 3 mean/2 (packed micro-batch of an RL batch)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(max(1, mean // 2), mean + mean // 2 + 1, (n,), generator=g)).tolist()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="host-smollm2", help="a shape of bench_train.py")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--sequences", type=int, default=8, help="sequences packed into the micro-batch")
+    ap.add_argument("--mean-len", type=int, default=48, help="mean tokens per sequence")
+    ap.add_argument("--repeats", type=int, default=5, help="timed passes per variant (CUDA)")
+    a = ap.parse_args()
+    os.environ["MEGARL_FUSIONS"] = "0"   # count the eager ops; compiled regions hide theirs
+    cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if not cuda:
+        torch.set_num_threads(2)
+
+    import bench_train
+    bench_train.init_one_rank(cuda)
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.models import build_model
+    from megarl.models import packed as packed_mod
+    from megarl.profiling import OpCounter
+    from megarl.workers.vocab_parallel import logprobs_and_entropy
+
+    cfg = bench_train.hf_config(a.shape)
+    model = build_model(cfg, params_dtype=dtype)[0].to(device)   # installs megarl's THD RoPE
+    model.train()
+    layers = len(model.decoder.layers)
+    V = cfg.vocab_size
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths(a.sequences, a.mean_len)]
+
+    def per_call(t, cu_seqlens, freqs, **kw):
+        """megarl's THD RoPE gathering the rows again for every call (before they were kept)."""
+        if hasattr(cu_seqlens, packed_mod._MEMO):
+            delattr(cu_seqlens, packed_mod._MEMO)
+        return packed_mod.apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, **kw)
+
+    variants = {"megarl": packed_mod.apply_rotary_pos_emb_thd, "megarl_per_call": per_call,
+                "megatron": packed_mod._ORIGINAL_THD}
+
+    def one_pass(backward: bool) -> None:
+        # a fresh micro-batch each pass, as each micro-batch of a step is
+        ids, pos, params = packed_mod.pack_sequences(seqs, device)
+        with torch.set_grad_enabled(backward):
+            out = model(ids, pos, None, packed_seq_params=params)
+            if backward:
+                lp, _ = logprobs_and_entropy(out.reshape(-1, out.shape[-1])[:-1], ids[0, 1:], V)
+                (-lp.mean()).backward()
+        model.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    res = {"bench": "layer_ops", "shape": a.shape, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+           "dtype": str(dtype).replace("torch.", ""), "layers": layers, "sequences": a.sequences,
+           "tokens": sum(len(s) for s in seqs)}
+    try:
+        for name, fn in variants.items():
+            rope_utils._apply_rotary_pos_emb_thd = fn
+            for backward in (False, True):
+                one_pass(backward)  # warm-up (lazy allocations, caches)
+                counter = OpCounter()
+                with counter:
+                    one_pass(backward)
+                tag = f"{name}_{'fwd_bwd' if backward else 'fwd'}"
+                res[f"{tag}_ops"] = counter.total
+                res[f"{tag}_ops_per_layer"] = round(counter.total / layers, 1)
+                res[f"{tag}_host_reads"] = counter.host_reads
+                if cuda:
+                    times = []
+                    for _ in range(a.repeats):
+                        sync()
+                        t = time.perf_counter()
+                        one_pass(backward)
+                        sync()
+                        times.append(time.perf_counter() - t)
+                    res[f"{tag}_s_median"] = statistics.median(times)
+    finally:
+        rope_utils._apply_rotary_pos_emb_thd = variants["megarl"]
+    for p in ("fwd", "fwd_bwd"):
+        for base in ("megarl_per_call", "megatron"):
+            res[f"{p}_ops_ratio_vs_{base}"] = round(res[f"megarl_{p}_ops"] / res[f"{base}_{p}_ops"], 3)
+            if cuda:
+                res[f"{p}_time_ratio_vs_{base}"] = round(res[f"megarl_{p}_s_median"] / res[f"{base}_{p}_s_median"], 3)
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
