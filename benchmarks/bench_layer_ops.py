@@ -1,16 +1,20 @@
-"""Ops a packed actor micro-batch dispatches, forward-only and forward + backward, with megarl's
-THD RoPE (per-token rows gathered once per micro-batch, megarl/models/packed.py) against two
-baselines in the same run (one JSON line): the same RoPE gathering the rows again for q and k of
-every layer (``megarl_per_call``, megarl before), and megatron-core's own THD RoPE (``megatron``:
-split per sequence, two host reads per layer).
+"""Ops a packed actor micro-batch dispatches, forward-only and forward + backward, with all of
+megarl's launch savings against baselines in the same run (one JSON line):
+
+* ``megarl``: RoPE rows gathered once per micro-batch (megarl/models/packed.py) and weight
+  gradients accumulated straight into DDP's main_grad (megarl/parallel/wgrad_accumulation.py);
+* ``rope_per_call``: the rows gathered again for q and k of every layer (megarl before);
+* ``wgrad_unfused``: megatron's unfused weight gradients (GEMM into param.grad, the DDP hook adds);
+* ``megatron``: megatron-core's own THD RoPE (split per sequence, host reads) and unfused gradients.
 
 Why count ops: on the GPU the one-GPU GRPO step's train phase is bound by the host launching
 ~2 300 kernels per micro-batch (benchmarks/RESULTS.md section 19), so every op dispatched per layer
 costs host time whatever its size. Ops are counted at the dispatcher (megarl.profiling.OpCounter)
-with views and allocations left out, so the count is the same on any machine and close to the kernel
-launches on CUDA (one eager compute op is about one kernel; the compiled fusions, which the counter
-cannot see into, are off while counting). On CUDA the passes are also timed without the counter
-(median wall seconds; at ``--shape host-smollm2`` that is host time).
+with views and allocations left out, so the count is the same on any machine and close to the
+kernel launches on CUDA (one eager compute op is about one kernel; the compiled fusions, which the
+counter cannot see into, are off in this benchmark). On CUDA the passes are also timed without the
+counter (median wall seconds; at ``--shape host-smollm2`` that is host time). The model is wrapped
+in megatron's DDP with fp32 gradient buffers, as the actor is.
 
     python benchmarks/bench_layer_ops.py                         # CPU, host-smollm2, 8 sequences
     python benchmarks/bench_layer_ops.py --device cuda --repeats 20
@@ -62,9 +66,18 @@ def main() -> None:
     from megarl.profiling import OpCounter
     from megarl.workers.vocab_parallel import logprobs_and_entropy
 
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megarl.parallel.wgrad_accumulation import install_wgrad_accumulation
+
     cfg = bench_train.hf_config(a.shape)
     model = build_model(cfg, params_dtype=dtype)[0].to(device)   # installs megarl's THD RoPE
-    model.train()
+    model.config.variable_seq_lengths = True
+    ddp = DistributedDataParallel(config=model.config, module=model,
+                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    install_wgrad_accumulation([ddp])
+    fused = [m for m in ddp.modules() if getattr(m, "gradient_accumulation_fusion", False)]
+    ddp.train()
     layers = len(model.decoder.layers)
     V = cfg.vocab_size
     g = torch.Generator().manual_seed(1)
@@ -76,18 +89,21 @@ def main() -> None:
             delattr(cu_seqlens, packed_mod._MEMO)
         return packed_mod.apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, **kw)
 
-    variants = {"megarl": packed_mod.apply_rotary_pos_emb_thd, "megarl_per_call": per_call,
-                "megatron": packed_mod._ORIGINAL_THD}
+    # variant: (THD RoPE, weight gradients into main_grad)
+    variants = {"megarl": (packed_mod.apply_rotary_pos_emb_thd, True),
+                "rope_per_call": (per_call, True),
+                "wgrad_unfused": (packed_mod.apply_rotary_pos_emb_thd, False),
+                "megatron": (packed_mod._ORIGINAL_THD, False)}
 
     def one_pass(backward: bool) -> None:
         # a fresh micro-batch each pass, as each micro-batch of a step is
         ids, pos, params = packed_mod.pack_sequences(seqs, device)
+        ddp.zero_grad_buffer()
         with torch.set_grad_enabled(backward):
-            out = model(ids, pos, None, packed_seq_params=params)
+            out = ddp(ids, pos, None, packed_seq_params=params)
             if backward:
                 lp, _ = logprobs_and_entropy(out.reshape(-1, out.shape[-1])[:-1], ids[0, 1:], V)
                 (-lp.mean()).backward()
-        model.zero_grad(set_to_none=True)
 
     def sync() -> None:
         if cuda:
@@ -95,10 +111,12 @@ def main() -> None:
 
     res = {"bench": "layer_ops", "shape": a.shape, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "dtype": str(dtype).replace("torch.", ""), "layers": layers, "sequences": a.sequences,
-           "tokens": sum(len(s) for s in seqs)}
+           "tokens": sum(len(s) for s in seqs), "wgrad_fused_layers": len(fused)}
     try:
-        for name, fn in variants.items():
+        for name, (fn, wgrad_fused) in variants.items():
             rope_utils._apply_rotary_pos_emb_thd = fn
+            for m in fused:
+                m.gradient_accumulation_fusion = wgrad_fused
             for backward in (False, True):
                 one_pass(backward)  # warm-up (lazy allocations, caches)
                 counter = OpCounter()
@@ -118,9 +136,9 @@ def main() -> None:
                         times.append(time.perf_counter() - t)
                     res[f"{tag}_s_median"] = statistics.median(times)
     finally:
-        rope_utils._apply_rotary_pos_emb_thd = variants["megarl"]
+        rope_utils._apply_rotary_pos_emb_thd = variants["megarl"][0]
     for p in ("fwd", "fwd_bwd"):
-        for base in ("megarl_per_call", "megatron"):
+        for base in ("rope_per_call", "wgrad_unfused", "megatron"):
             res[f"{p}_ops_ratio_vs_{base}"] = round(res[f"megarl_{p}_ops"] / res[f"{base}_{p}_ops"], 3)
             if cuda:
                 res[f"{p}_time_ratio_vs_{base}"] = round(res[f"megarl_{p}_s_median"] / res[f"{base}_{p}_s_median"], 3)

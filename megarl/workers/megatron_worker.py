@@ -178,6 +178,7 @@ class MegatronWorker:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from megarl.parallel.optimizer_kernels import install_optimizer_kernels
+        from megarl.parallel.wgrad_accumulation import install_wgrad_accumulation
 
         o = self.role_cfg.optim
         # The distributed optimizer shards states over data-parallel ranks (on CPU too, through the
@@ -193,6 +194,9 @@ class MegatronWorker:
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=use_dist_opt)
         self.chunks = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c) for c in self.chunks]
+        # weight gradients straight into DDP's main_grad (megatron's gradient_accumulation_fusion
+        # without Apex): one GEMM per linear layer instead of a GEMM, a temporary and an add
+        install_wgrad_accumulation(self.chunks)
         config = self.chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync

@@ -1,0 +1,98 @@
+"""Weight gradients accumulated into megatron's main_grad without Apex
+(megarl/parallel/wgrad_accumulation.py): the same main_grad as megatron's own unfused path (GEMM into
+param.grad, DDP hook adds it) on the same weights and micro-batches, at TP1 and TP2, for a model
+with a tied output layer (qwen2) and one without (llama, whose output layer is switched too); one
+add fewer per switched layer and micro-batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import make_tiny_hf
+
+from megarl.parallel import spawn
+
+
+def test_accumulate_wgrad_adds_the_weight_gradient_into_main_grad():
+    from megarl.parallel.wgrad_accumulation import accumulate_wgrad
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 7, generator=g)
+    dy = torch.randn(2, 5, 3, generator=g)
+    main = torch.randn(3, 7, generator=g)
+    want = main.double() + dy.reshape(-1, 3).double().t() @ x.reshape(-1, 7).double()
+    accumulate_wgrad(x, dy, main)
+    torch.testing.assert_close(main.double(), want, rtol=1e-6, atol=1e-6)
+    # bf16 gradients into an fp32 main_grad (the GPU's case), whichever kernel the device offers
+    main32 = torch.randn(3, 7, generator=g)
+    want = main32.double() + dy.bfloat16().reshape(-1, 3).double().t() @ x.bfloat16().reshape(-1, 7).double()
+    accumulate_wgrad(x.bfloat16(), dy.bfloat16(), main32)
+    assert main32.dtype == torch.float32
+    torch.testing.assert_close(main32.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def _main_grads(rank, world, hf_dir, seqs, tp, vocab):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.models import build_model, load_hf_weights
+    from megarl.models.packed import pack_sequences
+    from megarl.parallel import destroy_model_parallel, init_model_parallel
+    from megarl.parallel.wgrad_accumulation import install_wgrad_accumulation
+    from megarl.profiling import OpCounter
+    from megarl.workers.vocab_parallel import logprobs_and_entropy
+
+    init_model_parallel(tp=tp)
+    model = build_model(hf_dir)[0]
+    load_hf_weights([model], hf_dir)
+    model.config.variable_seq_lengths = True
+    ddp = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  module=model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    micro = [pack_sequences(seqs[:2]), pack_sequences(seqs[2:])]
+
+    def step_fn(it, m):
+        ids, pos, params = next(it)
+        out = m(ids, pos, None, packed_seq_params=params)
+
+        def loss_fn(o, _ids=ids):
+            lp, _ = logprobs_and_entropy(o.reshape(-1, o.shape[-1])[:-1], _ids[0, 1:], vocab)
+            loss = -lp.mean()
+            return loss, {"loss": loss.detach()}
+        return out, loss_fn
+
+    def grads() -> tuple[dict, int]:
+        ddp.zero_grad_buffer()
+        counter = OpCounter()
+        with counter:
+            get_forward_backward_func()(forward_step_func=step_fn, data_iterator=iter(micro), model=ddp,
+                                        num_microbatches=len(micro), seq_length=max(m[0].shape[1] for m in micro),
+                                        micro_batch_size=1, forward_only=False)
+        return ({n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters() if p.requires_grad},
+                counter.ops["aten.add_"])
+
+    ddp.train()
+    theirs, adds_theirs = grads()
+    switched = install_wgrad_accumulation([ddp])
+    ours, adds_ours = grads()
+    layers = len(model.decoder.layers)
+    destroy_model_parallel()
+    worst = max(((ours[n] - theirs[n]).abs().max() / theirs[n].abs().max().clamp(min=1e-12)).item() for n in theirs)
+    return {"worst": worst, "switched": switched, "layers": layers, "adds": (adds_theirs, adds_ours),
+            "zero": sorted(n for n, t in theirs.items() if not bool(t.abs().sum() > 0))}
+
+
+@pytest.mark.parametrize("family,tp", [("qwen2", 1), ("llama", 2)])
+def test_fused_main_grads_equal_megatrons_unfused_path(family, tp, tmp_path):
+    hf = make_tiny_hf(family, tmp_path)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (9, 4, 12, 6)]
+    for res in spawn(_main_grads, tp, str(tmp_path), seqs, tp, hf.config.vocab_size):
+        assert not res["zero"], res
+        assert res["worst"] < 1e-5, res
+        tied = bool(hf.config.tie_word_embeddings)
+        # qkv, proj, fc1, fc2 per layer; the output layer too when it owns its weight
+        assert res["switched"] == 4 * res["layers"] + (0 if tied else 1), res
+        # each switched layer: one main_grad add fewer per micro-batch (two micro-batches)
+        assert res["adds"][0] - res["adds"][1] == 2 * res["switched"], res
