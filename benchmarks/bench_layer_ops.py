@@ -18,6 +18,7 @@ in megatron's DDP with fp32 gradient buffers, as the actor is.
 
     python benchmarks/bench_layer_ops.py                         # CPU, host-smollm2, 8 sequences
     python benchmarks/bench_layer_ops.py --device cuda --repeats 20
+    python benchmarks/bench_layer_ops.py --device cuda --repeats 20 --fusions   # kernels, as the actor runs
 """
 from __future__ import annotations
 
@@ -47,11 +48,16 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=8, help="sequences packed into the micro-batch")
     ap.add_argument("--mean-len", type=int, default=48, help="mean tokens per sequence")
     ap.add_argument("--repeats", type=int, default=5, help="timed passes per variant (CUDA)")
+    ap.add_argument("--fusions", action="store_true",
+                    help="CUDA: with the compiled RMSNorm/RoPE/SwiGLU the actor uses; counts the kernels "
+                         "torch.profiler sees instead of dispatched ops (compiled regions hide theirs)")
     a = ap.parse_args()
-    os.environ["MEGARL_FUSIONS"] = "0"   # count the eager ops; compiled regions hide theirs
+    os.environ["MEGARL_FUSIONS"] = "1" if a.fusions else "0"
     cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device")
+    if a.fusions and not cuda:
+        raise SystemExit("--fusions: needs a CUDA device (on CPU the fusions are off)")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     if not cuda:
@@ -109,7 +115,17 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    res = {"bench": "layer_ops", "shape": a.shape, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+    def kernels(backward: bool) -> int:
+        """Kernels (and device memsets/copies) of one pass, as torch.profiler records them."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            one_pass(backward)
+            sync()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    unit = "kernels" if a.fusions else "ops"
+    res = {"bench": "layer_ops", "shape": a.shape, "fusions": a.fusions, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "dtype": str(dtype).replace("torch.", ""), "layers": layers, "sequences": a.sequences,
            "tokens": sum(len(s) for s in seqs), "wgrad_fused_layers": len(fused)}
     try:
@@ -118,14 +134,19 @@ def main() -> None:
             for m in fused:
                 m.gradient_accumulation_fusion = wgrad_fused
             for backward in (False, True):
-                one_pass(backward)  # warm-up (lazy allocations, caches)
-                counter = OpCounter()
-                with counter:
+                for _ in range(2):  # warm-up (lazy allocations, caches, compiled regions)
                     one_pass(backward)
                 tag = f"{name}_{'fwd_bwd' if backward else 'fwd'}"
-                res[f"{tag}_ops"] = counter.total
-                res[f"{tag}_ops_per_layer"] = round(counter.total / layers, 1)
-                res[f"{tag}_host_reads"] = counter.host_reads
+                if a.fusions:
+                    count = kernels(backward)
+                else:
+                    counter = OpCounter()
+                    with counter:
+                        one_pass(backward)
+                    count = counter.total
+                    res[f"{tag}_host_reads"] = counter.host_reads
+                res[f"{tag}_{unit}"] = count
+                res[f"{tag}_{unit}_per_layer"] = round(count / layers, 1)
                 if cuda:
                     times = []
                     for _ in range(a.repeats):
@@ -139,7 +160,7 @@ def main() -> None:
         rope_utils._apply_rotary_pos_emb_thd = variants["megarl"][0]
     for p in ("fwd", "fwd_bwd"):
         for base in ("rope_per_call", "wgrad_unfused", "megatron"):
-            res[f"{p}_ops_ratio_vs_{base}"] = round(res[f"megarl_{p}_ops"] / res[f"{base}_{p}_ops"], 3)
+            res[f"{p}_{unit}_ratio_vs_{base}"] = round(res[f"megarl_{p}_{unit}"] / res[f"{base}_{p}_{unit}"], 3)
             if cuda:
                 res[f"{p}_time_ratio_vs_{base}"] = round(res[f"megarl_{p}_s_median"] / res[f"{base}_{p}_s_median"], 3)
     print(json.dumps(res), flush=True)
