@@ -416,3 +416,27 @@ def test_masked_max_min_equal_boolean_indexing_and_read_nothing_on_the_host():
         masked_max(x, cases[0]), masked_min(x, cases[0])
     reads = [e.key for e in prof.key_averages() if e.key in ("aten::_local_scalar_dense", "aten::nonzero")]
     assert not reads, reads
+
+
+def test_masked_means_equal_separate_masked_means_in_fewer_ops():
+    from megarl.algos.masked import masked_mean, masked_means
+    from megarl.profiling import OpCounter
+
+    g = torch.Generator().manual_seed(4)
+    mask = (torch.rand(5, 7, generator=g) > 0.4).float()
+    mask[3] = 0.0                                   # a row with no valid token
+    a = torch.randn(5, 7, generator=g)
+    a[~mask.bool()] = float("nan")                  # padding may hold anything
+    values = {"a": a, "b": torch.randn(5, 7, generator=g) > 0, "c": torch.randn(5, 7, generator=g).double()}
+    means = masked_means(values, mask)
+    for k, v in values.items():
+        want = masked_mean(v.to(torch.float64), mask)
+        assert torch.allclose(means[k].double(), want, rtol=1e-6, atol=0), k
+    assert masked_means({"z": a}, torch.zeros(5, 7))["z"].item() == 0.0  # nothing selected: 0, not nan
+    assert masked_means({}, mask) == {}
+    with OpCounter() as together:
+        masked_means(values, mask)
+    with OpCounter() as apart:
+        for v in values.values():
+            masked_mean(v.to(torch.float64), mask)
+    assert together.total < apart.total, (together.ops, apart.ops)

@@ -98,7 +98,7 @@ from .kl import (
     make_kl_controller,
 )
 from .loss_settings import LossSettings
-from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .masked import masked_mean, masked_means, masked_sum, masked_var, masked_whiten
 from .metrics import (
     advantage_stats,
     approx_kl,

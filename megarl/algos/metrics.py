@@ -10,7 +10,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from .masked import as_bool_mask, masked_mean, masked_var, sanitize
+from .masked import as_bool_mask, masked_mean, masked_means, masked_var, sanitize
 
 
 def masked_max(x: Tensor, mask: Tensor) -> Tensor:
@@ -124,11 +124,9 @@ def logprob_mismatch(train_logprobs: Tensor, rollout_logprobs: Tensor,
     """
     d = sanitize(train_logprobs.detach() - rollout_logprobs.detach(), mask)
     log_r = d.clamp(-20, 20)
-    return {
-        "rollout_logprob_diff_mean": masked_mean(d.abs(), mask),
-        "rollout_logprob_diff_max": masked_max(d.abs(), mask),
-        "rollout_kl_k3": masked_mean(torch.exp(log_r) - log_r - 1, mask),
-    }
+    out = masked_means({"rollout_logprob_diff_mean": d.abs(), "rollout_kl_k3": torch.exp(log_r) - log_r - 1}, mask)
+    out["rollout_logprob_diff_max"] = masked_max(d.abs(), mask)
+    return out
 
 
 def batch_summary(rewards: Tensor, response_lengths: Tensor, clipped: Tensor, advantages: Tensor,

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .aggregation import aggregate_loss, check_agg_mode
-from .masked import as_bool_mask, masked_mean, sanitize
+from .masked import as_bool_mask, masked_mean, masked_means, sanitize
 from .metrics import logprob_mismatch, masked_max, masked_min
 from .registry import register_policy_loss
 
@@ -146,9 +146,8 @@ def _apply_tis(loss_mat: Tensor, old: Tensor, m: Tensor, cfg: PolicyLossConfig,
         return loss_mat
     raw = torch.exp((old - roll).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
     w = raw.clamp(max=cfg.tis_cap)
-    metrics["tis_weight_mean"] = masked_mean(w, m)
+    metrics.update(masked_means({"tis_weight_mean": w, "tis_clip_frac": (raw > cfg.tis_cap).to(w.dtype)}, m))
     metrics["tis_weight_max"] = masked_max(w, m)
-    metrics["tis_clip_frac"] = masked_mean((raw > cfg.tis_cap).to(w.dtype), m)
     return loss_mat * w
 
 
@@ -158,18 +157,19 @@ def _base_metrics(ratio: Tensor, lp: Tensor, old: Tensor, m: Tensor,
         ratio = ratio.detach()
         log_r = (lp.detach() - old)
         f = ratio.dtype
-        return {
-            "clip_frac": masked_mean(clip_masks["clipped"].to(f), m),
-            "clip_frac_high": masked_mean(clip_masks["clipped_high"].to(f), m),
-            "clip_frac_low": masked_mean(clip_masks["clipped_low"].to(f), m),
-            "dual_clip_frac": masked_mean(clip_masks["dual_clipped"].to(f), m),
+        out = masked_means({
+            "clip_frac": clip_masks["clipped"].to(f),
+            "clip_frac_high": clip_masks["clipped_high"].to(f),
+            "clip_frac_low": clip_masks["clipped_low"].to(f),
+            "dual_clip_frac": clip_masks["dual_clipped"].to(f),
             # KL(old || new) with samples from old (Schulman 2020): k1 and k3
-            "approx_kl": masked_mean(-log_r, m),
-            "approx_kl_k3": masked_mean(torch.exp(log_r.clamp(-20, 20)) - 1 - log_r, m),
-            "ratio_mean": masked_mean(ratio, m),
-            "ratio_max": masked_max(ratio, m),
-            "ratio_min": masked_min(ratio, m),
-        }
+            "approx_kl": -log_r,
+            "approx_kl_k3": torch.exp(log_r.clamp(-20, 20)) - 1 - log_r,
+            "ratio_mean": ratio,
+        }, m)
+        out["ratio_max"] = masked_max(ratio, m)
+        out["ratio_min"] = masked_min(ratio, m)
+        return out
 
 
 def _finish(loss_mat: Tensor, m: Tensor, cfg: PolicyLossConfig, num_tokens, num_seqs,
