@@ -251,6 +251,35 @@ def test_graph_path_gives_the_eager_outputs_and_is_invalidated_by_moved_tensors(
             _same(a, b)
 
 
+def test_filtered_rows_keep_the_graph_path_and_sample_as_they_do_alone(tiny):
+    """top-k / top-p / min-p rows in a batch with unfiltered and greedy ones: the decode step stays
+    on the (emulated) graph path -- no eager ``decode`` call -- and every request gets the tokens and
+    logprobs it gets alone; top-p 0.01 keeps only the most likely token, so it decodes greedily."""
+    d, _ = tiny
+    reqs = lambda: [_req(PROMPT_A, seed=70, max_new=8, ignore_eos=True, top_k=5),  # noqa: E731
+                    _req(PROMPT_A, seed=71, max_new=10, ignore_eos=True, top_p=0.6),
+                    _req(PROMPT_B, seed=72, max_new=7, ignore_eos=True, min_p=0.2, temperature=0.7),
+                    _req(PROMPT_B, seed=73, max_new=9, ignore_eos=True),
+                    _req([1, 2], seed=74, max_new=6, ignore_eos=True, top_p=0.01),
+                    _req([1, 2], max_new=6, ignore_eos=True, temperature=0.0)]
+    m = _model(d)
+    eng = Engine(m, max_running=6, max_len=128)
+    m.use_cuda_graphs = True
+    m.graphs = _EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 6, 128)
+    eager_calls = []
+    decode = m.decode
+    m.decode = lambda *a, **k: (eager_calls.append(1), decode(*a, **k))[1]
+    eng.start()
+    try:
+        outs = [f.result(timeout=120) for f in eng.submit_many(reqs())]
+    finally:
+        eng.stop()
+    assert not eager_calls
+    for r, o in zip(reqs(), outs):
+        _same(o, _alone(d, r))
+    assert outs[4]["output_ids"] == outs[5]["output_ids"]
+
+
 def test_stop_answers_what_the_engine_holds_and_refuses_what_comes_after(tiny):
     """``Engine.stop``: a running request comes back aborted with the tokens it has (read while
     paused, so the count is exact), a queued one aborted with none; after stop, a request or a

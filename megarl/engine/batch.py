@@ -95,6 +95,10 @@ class RunningBatch:
     def any_stochastic(self, a: int, b: int) -> bool:
         return not bool(self.greedy[a:b].all())
 
+    def any_filtered(self, a: int, b: int) -> bool:
+        """Does a row of ``[a, b)`` have a top-k/top-p/min-p filter (known on the host)?"""
+        return bool(self.filtered[a:b].any())
+
     def filter_rows(self, a: int, b: int) -> Optional[torch.Tensor]:
         """Offsets (from ``a``) of the rows that need a top-k/top-p/min-p filter, or None."""
         idx = np.flatnonzero(self.filtered[a:b])

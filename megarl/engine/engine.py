@@ -425,19 +425,22 @@ class Engine:
         B = b.size
         loras = [r.lora if r is not None else None for r in b.reqs[:B]]
         launch = getattr(self.model, "decode_launch", None)
-        if launch is None or any(loras) or b.filter_rows(0, B) is not None:
+        if launch is None or any(loras):
             self._count_step(B)
             logits = self.model.decode(b.pending[:B], b.positions(), loras if any(loras) else None)[:B]
             self._sample_and_record(logits, 0, B)
             return
-        # forward + sampling in one launch (one CUDA graph): rows [0, n) with their own params
+        # forward + sampling in one launch (one CUDA graph): rows [0, n) with their own params;
+        # with a top-k/top-p/min-p row in the batch every row goes through the filters (a row
+        # without one is unchanged), so the step keeps its graph and runs ahead
         stochastic = b.any_stochastic(0, B)
+        filters = b.any_filtered(0, B)
         one_pass = bool(getattr(self.model, "uses_triton", lambda: False)())   # the Triton sampler too
 
         def sample(logits: torch.Tensor, n: int) -> torch.Tensor:
-            return _pack(*sample_rows(logits, b.params(0, n), stochastic, None, fused=one_pass))
+            return _pack(*sample_rows(logits, b.params(0, n), stochastic, None, fused=one_pass, filter_all=filters))
 
-        key = (stochastic, one_pass) + tuple(t.data_ptr() for t in b.d.values())
+        key = (stochastic, one_pass, filters) + tuple(t.data_ptr() for t in b.d.values())
         step = self._inflight
         self._inflight = None
         if step is None:

@@ -132,17 +132,22 @@ class RowParams:
 
 
 def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True,
-                filter_rows: Optional[torch.Tensor] = None, fused: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                filter_rows: Optional[torch.Tensor] = None, fused: bool = False,
+                filter_all: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """``logits [B, V]`` -> (tokens [B] int64, logprobs [B] fp32), all on the device. Logits in a
     16-bit dtype (the Triton decode step's) are upcast first, exactly, as `_logits` does.
 
     ``any_stochastic`` False (every row greedy, known on the host) skips the noise;
     ``filter_rows`` (int64 row indices, or None) are the rows with a top-k/top-p/min-p filter;
+    ``filter_all``: every row goes through the filters instead (a row whose filters are off comes
+    out unchanged, so its token is the same): fixed shapes and no host-made index, so a decode step
+    with filtered rows can be captured in a CUDA graph too;
     ``fused``: without filters, one Triton kernel does it all in one pass over the logits
     (`kernels.sample_rows_fused`: the same noise; Gumbel-max over ``logits / T`` instead of over
     its log-softmax -- the same argmax up to rounding)."""
     B, V = logits.shape
-    if fused and (filter_rows is None or not filter_rows.numel()):
+    some_filtered = filter_rows is not None and bool(filter_rows.numel())
+    if fused and not (filter_all or some_filtered):
         from . import kernels
         return kernels.sample_rows_fused(logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps),
                                          noise=any_stochastic)
@@ -152,7 +157,9 @@ def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True
         return tokens, logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     logp = torch.log_softmax(logits / rp.temperature[:, None], dim=-1)
     rows = logp
-    if filter_rows is not None and filter_rows.numel():
+    if filter_all:
+        rows = filtered_logp(logp, rp.top_k, rp.top_p, rp.min_p)
+    elif some_filtered:
         rows = logp.clone()
         rows[filter_rows] = filtered_logp(logp[filter_rows], rp.top_k[filter_rows], rp.top_p[filter_rows],
                                           rp.min_p[filter_rows])
