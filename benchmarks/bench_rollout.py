@@ -44,6 +44,8 @@ def main():
                          "read; the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="GPU mode: nucleus filter on every request (< 1: the graph's sampler sorts each row)")
     a = ap.parse_args()
     if a.device != "cpu" or "," in str(a.batch) or a.shape:
         return main_gpu(a)
@@ -175,7 +177,7 @@ def main_gpu(a):
             _sync(dev)
             t = time.perf_counter()
             futs = eng.submit_many([Request(p.tolist(), Sampling(max_new_tokens=a.new, temperature=a.temperature,
-                                                                 sampling_seed=i, ignore_eos=True))
+                                                                 top_p=a.top_p, sampling_seed=i, ignore_eos=True))
                                     for i, p in enumerate(prompts)])
             outs = [f.result() for f in futs]
             run_engine.outputs = [o["output_ids"] for o in outs]
@@ -226,7 +228,7 @@ def main_gpu(a):
         res = {"bench": "rollout_decode", "model": name + " (random init)", "dtype": str(dtype).replace("torch.", ""),
                "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
                "batch": B, "prompt_len": a.prompt, "new_tokens": a.new, "temperature": a.temperature,
-               "embedded_tokens_per_s": ne / te, "embedded_eager_tokens_per_s": nx / tx,
+               "top_p": a.top_p, "embedded_tokens_per_s": ne / te, "embedded_eager_tokens_per_s": nx / tx,
                "ratio_graphs_over_eager": (ne / te) / (nx / tx),
                "graph_captures": model.graphs.captures if model.graphs is not None else 0,
                "decode_kernels": modes[-1], **kern, **fp8}
