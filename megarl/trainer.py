@@ -184,16 +184,20 @@ class Trainer:
         mask = batch.loss_mask()    # tokens the model sampled (agent: environment tokens are 0)
         fields = batch.token_fields
         actor = self.groups["actor"]
-        with timer("old_logprobs"):
-            self.residency.hold("old_logprobs", "actor", "forward")
-            fields["old_logprobs"] = actor.forward("compute_logprobs", batch, False, fields=tuple(batch.seq_fields))["logprobs"]
-        if self.moe_routing is not None:
-            metrics.update(agreement_metrics(merge_routing_stats(actor.call("routing_stats"))))
-        checked, report = rollout_logprob_check(step, fields["old_logprobs"], fields["rollout_logprobs"],
-                                                fields.get(LOSS_MASK), self.logprob_bound)
-        metrics.update(checked)
-        if report:
-            note(report)
+        # old_logprobs 'rollout': the servers' logprobs are the PPO ratio's denominator; the actor's
+        # forward pass runs only at step 0, for the fidelity check
+        if a.old_logprobs == "recompute" or step == 0:
+            with timer("old_logprobs"):
+                self.residency.hold("old_logprobs", "actor", "forward")
+                trainer_lp = actor.forward("compute_logprobs", batch, False, fields=tuple(batch.seq_fields))["logprobs"]
+            if self.moe_routing is not None:
+                metrics.update(agreement_metrics(merge_routing_stats(actor.call("routing_stats"))))
+            checked, report = rollout_logprob_check(step, trainer_lp, fields["rollout_logprobs"],
+                                                    fields.get(LOSS_MASK), self.logprob_bound)
+            metrics.update(checked)
+            if report:
+                note(report)
+        fields["old_logprobs"] = trainer_lp if a.old_logprobs == "recompute" else fields["rollout_logprobs"]
         token_weights = None
         if self.source.off_policy:   # staleness metrics; weights of tokens past the bound (stale_samples: downweight)
             found, token_weights = self.source.staleness(samples, batch, mask, step)

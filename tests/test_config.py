@@ -102,6 +102,7 @@ def test_malformed_override():
      ["micro_batch_size*dp"]),
     (["algorithm.clip_low=1.5"], "algorithm.clip_low", ["must be in (0, 1)"]),
     (["algorithm.dual_clip_c=0.5"], "algorithm.dual_clip_c", ["must be > 1"]),
+    (["algorithm.old_logprobs=rollout", "algorithm.tis_cap=2"], "algorithm.tis_cap", ["old_logprobs = 'rollout'"]),
     (["algorithm.kl.mode=loss"], "ref.enabled", ["needs the reference model"]),
     (["algorithm.advantage=gae"], "critic.enabled", ["needs a critic"]),
     (["critic.enabled=true"], "critic.enabled", ["does not use values"]),

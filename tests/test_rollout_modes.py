@@ -164,6 +164,18 @@ def test_one_step_off_trains_each_batch_from_the_previous_version(model, tmp_pat
     assert all(m["offpolicy/stale_logprob_diff_mean"] > 1e-4 for m in steps[1:])
 
 
+def test_one_step_off_with_rollout_old_logprobs_reports_staleness_without_a_trainer_pass(model, tmp_path):
+    """algorithm.old_logprobs: rollout off-policy: the stale batch's own logprobs are the PPO
+    ratio's denominator (the behaviour policy); staleness is still reported, the rollout-vs-trainer
+    logprob comparison is not (no trainer pass ran to compare with)."""
+    cfg = tiny_run_config(model, tmp_path / "osf_rollout_lp", "rollout.mode=one_step_off", "trainer.total_steps=2",
+                          "placement.mode=disaggregated", "algorithm.old_logprobs=rollout", *QUIET)
+    steps = Trainer(cfg).run()["steps"]
+    assert [m["offpolicy/staleness_max"] for m in steps] == [0.0, 1.0]
+    assert not any(k.endswith("logprob_diff_mean") and k.startswith("offpolicy/") for m in steps for k in m)
+    assert all(m["actor/rollout_logprob_diff_mean"] == 0.0 for m in steps)
+
+
 def test_async_abort_continues_requests_under_the_new_weights(model, tmp_path):
     cfg = tiny_run_config(model, tmp_path / "async", "rollout.mode=async", "rollout.max_staleness=1",
                           "rollout.interrupt=abort", "trainer.total_steps=3", *SLOW_ROLLOUT, *QUIET)

@@ -72,6 +72,21 @@ def test_grpo_three_steps_tensorboard_checkpoint_export(model, tmp_path):
     assert 0 < delta < 10
 
 
+def test_rollout_old_logprobs_skip_the_old_logprob_pass_after_the_step0_check(model, tmp_path):
+    """algorithm.old_logprobs: rollout (slime's --use-rollout-logprobs): the actor's forward pass
+    before training runs at step 0 only (the fidelity check), and the PPO ratio's old logprobs are
+    the servers' own: the loss sees no rollout-vs-old difference (with recompute it sees the
+    trainer's numerics against the server's)."""
+    cfg = tiny_run_config(model, tmp_path / "run", "trainer.total_steps=2", "algorithm.old_logprobs=rollout")
+    Trainer(cfg).run()
+    scalars = read_scalars(tmp_path / "run" / "tensorboard")
+    assert [s for s, _ in scalars["time/old_logprobs_s"]] == [1]          # step 0's check only
+    assert [s for s, _ in scalars["rollout/logprob_diff_mean"]] == [1]
+    assert [s for s, _ in scalars["reward/mean"]] == [1, 2]
+    assert all(v == 0.0 for _, v in scalars["actor/rollout_logprob_diff_mean"])
+    assert any(abs(v) > 0 for _, v in scalars["actor/grad_norm"])
+
+
 def test_ppo_critic_reference_kl_with_ray(model, tmp_path):
     cfg = tiny_run_config(model, tmp_path / "ppo", "cluster.backend=ray", "algorithm.advantage=gae",
                           "critic.enabled=true", "ref.enabled=true", "algorithm.kl.mode=reward",

@@ -84,15 +84,16 @@ def logprob_diff_by_staleness(versions: Tensor, mask: Tensor, current: int, trai
     return out
 
 
-def offpolicy_step(versions: Tensor, mask: Tensor, current: int, trainer_lp: Tensor, rollout_lp: Tensor,
+def offpolicy_step(versions: Tensor, mask: Tensor, current: int, trainer_lp: Optional[Tensor], rollout_lp: Tensor,
                    max_staleness: int, downweight: Optional[float]) -> tuple[dict[str, float], Optional[Tensor]]:
     """One off-policy batch at trainer version ``current``: staleness metrics, rollout vs trainer
-    logprobs of fresh and stale tokens and, with ``downweight`` (the factor of
-    ``rollout.stale_samples: downweight``), per-token weights ``[B, T]`` for tokens past
-    ``max_staleness`` (None otherwise)."""
+    logprobs of fresh and stale tokens (not when ``trainer_lp`` is None: no trainer pass ran) and,
+    with ``downweight`` (the factor of ``rollout.stale_samples: downweight``), per-token weights
+    ``[B, T]`` for tokens past ``max_staleness`` (None otherwise)."""
     metrics = {f"offpolicy/{k}": v for k, v in staleness_stats(versions, mask, current).items()}
-    metrics.update({f"offpolicy/{k}": v for k, v in
-                    logprob_diff_by_staleness(versions, mask, current, trainer_lp, rollout_lp).items()})
+    if trainer_lp is not None:
+        metrics.update({f"offpolicy/{k}": v for k, v in
+                        logprob_diff_by_staleness(versions, mask, current, trainer_lp, rollout_lp).items()})
     if downweight is None:
         return metrics, None
     weights = staleness_weights(versions, mask, current, max_staleness, downweight)

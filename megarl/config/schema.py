@@ -295,6 +295,10 @@ class AlgorithmConfig:
                                                     "old-logprob and training passes (gates still trained); none = "
                                                     "its own choice (agreement reported as routing/agreement)")
     ppo_epochs: int = opt(1, "passes over each rollout batch")
+    old_logprobs: Literal["recompute", "rollout"] = opt(
+        "recompute", "old logprobs of the PPO ratio: recompute = a forward pass of the actor before training "
+        "(the trainer's numerics); rollout = the servers' logprobs of the sampled tokens, no forward pass "
+        "(slime's --use-rollout-logprobs; the step-0 fidelity check still runs one)")
     kl: KLConfig = section(KLConfig, "KL regularisation")
     dynamic_sampling: DynamicSamplingConfig = section(DynamicSamplingConfig, "DAPO dynamic sampling")
     overlong: OverlongConfig = section(OverlongConfig, "DAPO overlong reward shaping")

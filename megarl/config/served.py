@@ -94,9 +94,10 @@ def rollout_is_fp8(cfg: Any) -> bool:
 
 def resolve_served_defaults(cfg: Any, served_dir: str) -> tuple[bool, Optional[str]]:
     """(whether ``served_dir`` is block FP8, the line to log or None). FP8 rollout turns on TIS at
-    ``FP8_TIS_CAP`` when ``algorithm.tis_cap`` is null."""
+    ``FP8_TIS_CAP`` when ``algorithm.tis_cap`` is null (not when the old logprobs are the rollout's:
+    then there is no mismatch left to correct)."""
     fp8 = checkpoint_quant_method(served_dir) == "fp8"
-    if not fp8 or cfg.algorithm.tis_cap is not None:
+    if not fp8 or cfg.algorithm.tis_cap is not None or cfg.algorithm.old_logprobs == "rollout":
         return fp8, None
     cfg.algorithm.tis_cap = FP8_TIS_CAP
     return fp8, (f"FP8 rollout ({served_dir}): truncated importance sampling on, algorithm.tis_cap = "

@@ -331,6 +331,9 @@ def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"algorithm.dual_clip_c: must be > 1, got {a.dual_clip_c}")
     if a.tis_cap is not None and a.tis_cap < 0:
         problems.append(f"algorithm.tis_cap: must be > 0 (0 = off), got {a.tis_cap}")
+    if a.tis_cap and a.old_logprobs == "rollout":
+        problems.append(f"algorithm.tis_cap: {a.tis_cap} corrects rollout-vs-trainer logprobs, but "
+                        f"algorithm.old_logprobs = 'rollout' makes them the same (set tis_cap: 0 or null)")
     if not 0 <= a.gamma <= 1:
         problems.append(f"algorithm.gamma: must be in [0, 1], got {a.gamma}")
     if not 0 <= a.lam <= 1:

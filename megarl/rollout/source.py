@@ -357,7 +357,9 @@ class OffPolicySource:
         the trainer's ``old_logprobs`` in the batch."""
         versions = batch.padded(torch.tensor([v for s in samples for v in s.versions], dtype=torch.int64))
         lp = batch.token_fields
-        return offpolicy_step(versions, mask, step, batch.padded(lp["old_logprobs"]), batch.padded(lp["rollout_logprobs"]),
+        # algorithm.old_logprobs 'rollout': the old logprobs are the rollout's own tensor, nothing to compare
+        trainer = None if lp["old_logprobs"] is lp["rollout_logprobs"] else batch.padded(lp["old_logprobs"])
+        return offpolicy_step(versions, mask, step, trainer, batch.padded(lp["rollout_logprobs"]),
                               self.max_staleness, self.downweight)
 
     def rewind_batch(self) -> None:
