@@ -273,6 +273,7 @@ def full(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> dict:
     steps = results["steps"][1:] or results["steps"]  # step 1 includes CUDA-graph capture and warm-up
     mean = lambda k: sum(s[k] for s in steps) / len(steps)  # noqa: E731
     phases = {k[len("time/"):-2]: round(mean(k), 3) for k in steps[0] if k.startswith("time/")}
+    checked = [s for s in steps if "rollout/logprob_diff_mean" in s] or results["steps"][:1]
     out = {"bench": "e2e_grpo", "model": str(cfg.model.hf_path), "device": args.device,
            "samples_per_step": cfg.batch.prompts_per_step * cfg.rollout.n_per_prompt,
            "max_new_tokens": cfg.rollout.sampling.max_new_tokens, "steps_timed": len(steps), "phase_s": phases,
@@ -281,8 +282,9 @@ def full(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> dict:
            "train_tokens_per_s": round(mean("throughput/train_tokens_per_s"), 1),
            "step_tokens_per_s": round(mean("batch/response_tokens") / mean("time/step_s"), 1),
            "ratio_step_vs_rollout_only": round(mean("time/rollout_s") / mean("time/step_s"), 3),
-           "logprob_diff_mean": mean("rollout/logprob_diff_mean"),
-           "logprob_diff_max": max(s["rollout/logprob_diff_max"] for s in steps),
+           # (algorithm.old_logprobs=rollout: only step 1 compares rollout and trainer logprobs)
+           "logprob_diff_mean": sum(s["rollout/logprob_diff_mean"] for s in checked) / len(checked),
+           "logprob_diff_max": max(s["rollout/logprob_diff_max"] for s in checked),
            "sync_s": round(mean("sync/seconds"), 3), "sync_GBps": round(mean("sync/bytes_per_s") / 1e9, 2),
            "reward_curve": [round(s["reward/mean"], 3) for s in results["steps"]],
            "wall_s": round(time.time() - t0, 1)}
