@@ -118,12 +118,10 @@ def token_freqs(freqs: Tensor, cu_seqlens: Tensor, total: int, cp: int = 1, rank
     pos = packed_positions(cu_seqlens, total) if cp == 1 else cp_positions(cu_seqlens, total, cp, rank)
     rows = freqs.index_select(0, pos.to(freqs.device))
     if keep:
-        setattr(cu_seqlens, _MEMO, (freqs, key, rows))
-    return rows
-    try:
-        setattr(cu_seqlens, _MEMO, (freqs, key, rows))
-    except (AttributeError, RuntimeError):  # tensors that take no attributes (e.g. under tracing)
-        pass
+        try:
+            setattr(cu_seqlens, _MEMO, (freqs, key, rows))
+        except (AttributeError, RuntimeError):  # a tensor type that takes no attributes: nothing kept
+            pass
     return rows
 
 

@@ -12,7 +12,7 @@ extension; where Apex is missing, :data:`WGRAD_ACCUMULATE` stands in for it with
 * bf16 inputs into an fp32 ``main_grad`` (the GPU's case): ``torch.addmm(..., out_dtype=fp32,
   out=main_grad)``, cuBLAS accumulating in fp32 -- used only after a probe on the device checked it
   against ``main_grad + g.float().T @ x.float()`` (:func:`mixed_accumulate_works`); otherwise the GEMM
-  goes to bf16 first and is added (the unfused numbers, minus the temporary and the DDP hook's add).
+  goes to bf16 first and is added (the unfused path's numbers and kernels, without its hook).
 
 :func:`install_wgrad_accumulation` turns the fusion on, after DDP has given every trainable weight
 its ``main_grad``, for the local (non-TE) ``ColumnParallelLinear`` / ``RowParallelLinear`` layers
