@@ -91,8 +91,7 @@ def main() -> None:
 
     def per_call(t, cu_seqlens, freqs, **kw):
         """megarl's THD RoPE gathering the rows again for every call (before they were kept)."""
-        if hasattr(cu_seqlens, packed_mod._MEMO):
-            delattr(cu_seqlens, packed_mod._MEMO)
+        packed_mod.drop_kept_rows()
         return packed_mod.apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, **kw)
 
     # variant: (THD RoPE, weight gradients into main_grad)

@@ -84,6 +84,7 @@ class Trainer:
         self.state = TrainerState(kl_ctl=self.kl_ctl)
         self.checkpoints = CheckpointManager(self.ckpt_dir, cfg.checkpoint.keep_last)
         self.logprob_bound: Optional[LogprobBound] = None   # setup_data: depends on the served checkpoint
+        self.first_step = 0   # the step this run starts at (a resumed run: the checkpoint's)
         self.groups: dict[str, Any] = {}               # role -> WorkerGroup
         self.servers: Optional[RolloutServers] = None
         self.weights: Optional[WeightSync] = None      # actor -> servers
@@ -149,6 +150,7 @@ class Trainer:
         if resume is not None:
             self.checkpoints.load(resume)
             note(f"resumed from {resume} at step {self.state.step}")
+        self.first_step = self.state.step
         self.residency.hold("sync", "actor", "push")
         self.weights.push(version_tag(self.state.step))
         self.residency.release_all("rollout")
@@ -185,19 +187,22 @@ class Trainer:
         fields = batch.token_fields
         actor = self.groups["actor"]
         # old_logprobs 'rollout': the servers' logprobs are the PPO ratio's denominator; the actor's
-        # forward pass runs only at step 0, for the fidelity check
-        if a.old_logprobs == "recompute" or step == 0:
+        # forward pass runs only at the run's first step (step 0 or the resumed one), for the
+        # fidelity check -- which then also enforces its bound, the ratio resting on those logprobs
+        rollout_lp_only = a.old_logprobs == "rollout"
+        if not rollout_lp_only or step == self.first_step:
             with timer("old_logprobs"):
                 self.residency.hold("old_logprobs", "actor", "forward")
                 trainer_lp = actor.forward("compute_logprobs", batch, False, fields=tuple(batch.seq_fields))["logprobs"]
             if self.moe_routing is not None:
                 metrics.update(agreement_metrics(merge_routing_stats(actor.call("routing_stats"))))
             checked, report = rollout_logprob_check(step, trainer_lp, fields["rollout_logprobs"],
-                                                    fields.get(LOSS_MASK), self.logprob_bound)
+                                                    fields.get(LOSS_MASK), self.logprob_bound,
+                                                    enforce=step == 0 or rollout_lp_only)
             metrics.update(checked)
             if report:
                 note(report)
-        fields["old_logprobs"] = trainer_lp if a.old_logprobs == "recompute" else fields["rollout_logprobs"]
+        fields["old_logprobs"] = fields["rollout_logprobs"] if rollout_lp_only else trainer_lp
         token_weights = None
         if self.source.off_policy:   # staleness metrics; weights of tokens past the bound (stale_samples: downweight)
             found, token_weights = self.source.staleness(samples, batch, mask, step)

@@ -66,6 +66,29 @@ def test_packed_rope_equals_megatron_and_reuses_rows_only_for_the_same_micro_bat
                                stock(t2, cu, freqs, cp_group=_OneRank()), rtol=0, atol=1e-6)
 
 
+def test_kept_rows_are_one_micro_batch_and_die_with_it():
+    """Only the running micro-batch's rows are kept: the next micro-batch's replace them (a phase's
+    micro-batches all live on the device together), and they go when its cu_seqlens goes."""
+    import gc
+    import weakref
+
+    from megarl.models.packed import pack_params, token_freqs
+
+    freqs = _freqs(16, 8)
+    first, second = pack_params([5, 9]), pack_params([7, 3, 4])
+    rows_first = weakref.ref(token_freqs(freqs, first.cu_seqlens_q, 14))
+    assert rows_first() is not None                         # kept while its micro-batch runs
+    rows_second = weakref.ref(token_freqs(freqs, second.cu_seqlens_q, 14))
+    gc.collect()
+    assert rows_first() is None and rows_second() is not None  # replaced, though `first` still lives
+    del second
+    gc.collect()
+    assert rows_second() is None                            # gone with its micro-batch
+    # and a live micro-batch whose rows were replaced gets correct rows again
+    torch.testing.assert_close(token_freqs(freqs, first.cu_seqlens_q, 14),
+                               freqs[[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8]])
+
+
 def test_rows_gathered_in_inference_mode_are_not_used_for_a_backward():
     from megarl.models.packed import apply_rotary_pos_emb_thd, pack_params
 

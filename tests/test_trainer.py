@@ -77,7 +77,9 @@ def test_rollout_old_logprobs_skip_the_old_logprob_pass_after_the_step0_check(mo
     before training runs at step 0 only (the fidelity check), and the PPO ratio's old logprobs are
     the servers' own: the loss sees no rollout-vs-old difference (with recompute it sees the
     trainer's numerics against the server's)."""
-    cfg = tiny_run_config(model, tmp_path / "run", "trainer.total_steps=2", "algorithm.old_logprobs=rollout")
+    common = ("algorithm.old_logprobs=rollout", "checkpoint.interval=2", "checkpoint.export_hf=false",
+              "trainer.eval_before_after=false")
+    cfg = tiny_run_config(model, tmp_path / "run", "trainer.total_steps=2", *common)
     Trainer(cfg).run()
     scalars = read_scalars(tmp_path / "run" / "tensorboard")
     assert [s for s, _ in scalars["time/old_logprobs_s"]] == [1]          # step 0's check only
@@ -85,6 +87,11 @@ def test_rollout_old_logprobs_skip_the_old_logprob_pass_after_the_step0_check(mo
     assert [s for s, _ in scalars["reward/mean"]] == [1, 2]
     assert all(v == 0.0 for _, v in scalars["actor/rollout_logprob_diff_mean"])
     assert any(abs(v) > 0 for _, v in scalars["actor/grad_norm"])
+    # a resumed run checks again at its first step, bound enforced: the ratio rests on the servers
+    resumed = Trainer(tiny_run_config(model, tmp_path / "run", "trainer.total_steps=3", "checkpoint.resume=auto",
+                                      *common)).run()["steps"]
+    assert len(resumed) == 1
+    assert "time/old_logprobs_s" in resumed[0] and "rollout/logprob_diff_bound" in resumed[0]
 
 
 def test_ppo_critic_reference_kl_with_ray(model, tmp_path):

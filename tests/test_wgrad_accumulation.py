@@ -96,3 +96,44 @@ def test_fused_main_grads_equal_megatrons_unfused_path(family, tp, tmp_path):
         assert res["switched"] == 4 * res["layers"] + (0 if tied else 1), res
         # each switched layer: one main_grad add fewer per micro-batch (two micro-batches)
         assert res["adds"][0] - res["adds"][1] == 2 * res["switched"], res
+
+
+def _fp32_head_bf16(rank, world):
+    """A bf16 output layer computed in fp32 (models/fp32_head.py: called with an fp32 copy of its
+    weight, which has no main_grad) next to a bf16 hidden layer: the install leaves the head alone,
+    and a backward accumulates both weights' gradients into their fp32 main_grad."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    from megarl.models.fp32_head import use_fp32_output_layer
+    from megarl.parallel import destroy_model_parallel, init_model_parallel
+    from megarl.parallel.wgrad_accumulation import install_wgrad_accumulation
+
+    init_model_parallel(tp=1)
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, params_dtype=torch.bfloat16)
+    model = torch.nn.Module()
+    model.hidden = ColumnParallelLinear(8, 8, config=cfg, init_method=torch.nn.init.normal_, bias=False,
+                                        gather_output=False)
+    model.output_layer = ColumnParallelLinear(8, 16, config=cfg, init_method=torch.nn.init.normal_, bias=False,
+                                              gather_output=False)
+    for p in model.parameters():   # what megatron's DDP gives every trainable weight
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+    use_fp32_output_layer(model)
+    switched = install_wgrad_accumulation([model])
+    x = torch.randn(3, 1, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    h, _ = model.hidden(x)
+    out, _ = model.output_layer(h)
+    out.float().square().sum().backward()
+    head = model.output_layer.weight
+    result = {"switched": switched, "hidden_main_grad": float(model.hidden.weight.main_grad.abs().sum()),
+              "head_grad": None if head.grad is None else float(head.grad.float().abs().sum())}
+    destroy_model_parallel()
+    return result
+
+
+def test_fp32_head_is_left_unfused_and_bf16_gradients_reach_main_grad():
+    res = spawn(_fp32_head_bf16, 1)[0]
+    assert res["switched"] == 1                  # the hidden layer only
+    assert res["hidden_main_grad"] > 0           # bf16 gradient accumulated into the fp32 main_grad
+    assert res["head_grad"] is not None and res["head_grad"] > 0   # the head's own (unfused) gradient

@@ -103,20 +103,22 @@ class LogprobMismatch(RuntimeError):
 
 
 def rollout_logprob_check(step: int, trainer_lp: torch.Tensor, rollout_lp: torch.Tensor,
-                          loss_mask: Optional[torch.Tensor], bound: LogprobBound) -> tuple[dict[str, float], Optional[str]]:
+                          loss_mask: Optional[torch.Tensor], bound: LogprobBound,
+                          enforce: Optional[bool] = None) -> tuple[dict[str, float], Optional[str]]:
     """Rollout vs trainer logprobs of the sampled tokens (flat, response tokens; of an agent
-    trajectory only the model's, ``loss_mask``): metrics, and at step 0 the report line naming the
-    bound and the noise floor it came from. At step 0 a mean difference above ``bound`` raises
-    :class:`LogprobMismatch`: the servers do not hold the trainer's weights."""
+    trajectory only the model's, ``loss_mask``): metrics, and where the check is enforced (``enforce``,
+    default: at step 0) the report line naming the bound and the noise floor it came from; there a
+    mean difference above ``bound`` raises :class:`LogprobMismatch`: the servers do not hold the
+    trainer's weights."""
     mean, worst = mean_abs_diff(trainer_lp, rollout_lp, torch.ones_like(trainer_lp) if loss_mask is None else loss_mask)
     out = {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": worst}
-    if step != 0:
+    if not (step == 0 if enforce is None else enforce):
         return out, None
     out.update({"rollout/logprob_diff_bound": bound.bound, "rollout/logprob_noise_floor": bound.floor})
     if mean > bound.bound:
         raise LogprobMismatch(
-            f"step 0: mean |rollout - trainer| logprob = {mean:.4g} exceeds the {bound.describe()}: the "
+            f"step {step}: mean |rollout - trainer| logprob = {mean:.4g} exceeds the {bound.describe()}: the "
             f"rollout servers do not hold the trainer's weights (wrong checkpoint, naming or dtype); a "
             f"correct run differs by about the noise floor, a wrong weight by order 1")
-    return out, (f"step 0: mean |rollout - trainer| logprob = {mean:.3g} (max {worst:.3g}) within the "
+    return out, (f"step {step}: mean |rollout - trainer| logprob = {mean:.3g} (max {worst:.3g}) within the "
                  f"{bound.describe()}")

@@ -298,7 +298,7 @@ class AlgorithmConfig:
     old_logprobs: Literal["recompute", "rollout"] = opt(
         "recompute", "old logprobs of the PPO ratio: recompute = a forward pass of the actor before training "
         "(the trainer's numerics); rollout = the servers' logprobs of the sampled tokens, no forward pass "
-        "(slime's --use-rollout-logprobs; the step-0 fidelity check still runs one)")
+        "(slime's --use-rollout-logprobs; the fidelity check still runs one at the run's first step)")
     kl: KLConfig = section(KLConfig, "KL regularisation")
     dynamic_sampling: DynamicSamplingConfig = section(DynamicSamplingConfig, "DAPO dynamic sampling")
     overlong: OverlongConfig = section(OverlongConfig, "DAPO overlong reward shaping")

@@ -17,7 +17,7 @@ sequence. :func:`install_thd_rope` swaps it (at run time, like
 for :func:`apply_rotary_pos_emb_thd`: the same per-sequence positions computed on the device
 (``searchsorted``), one gather of the frequencies, one elementwise RoPE, no sync. The gathered rows
 are the same for q and k of every layer of one micro-batch, so they are gathered once per micro-batch
-and kept on its ``cu_seqlens`` (:func:`token_freqs`): recomputing them for q and k in each layer
+and kept while it runs (:func:`token_freqs`): recomputing them for q and k in each layer
 cost ~16 small kernels per layer, half the launches of a layer's forward on the GPU, where the train
 phase is bound by launches (benchmarks/RESULTS.md section 19). Under context
 parallelism (:mod:`megarl.models.context_parallel`) ``cu_seqlens`` are the global padded sequences
@@ -27,6 +27,7 @@ sync per sequence).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -95,33 +96,47 @@ def pack_sequences(sequences: Sequence[Sequence[int] | Tensor], device: torch.de
 
 
 _ORIGINAL_THD = None
-_MEMO = "_megarl_token_freqs"
+# the last micro-batch's rows: (weak reference to its cu_seqlens, freqs, key, rows)
+_LAST_ROWS: Optional[tuple] = None
+
+
+def _forget_rows(ref: "weakref.ref") -> None:
+    """The micro-batch whose rows are kept is gone: so are they."""
+    global _LAST_ROWS
+    last = _LAST_ROWS
+    if last is not None and last[0] is ref:
+        _LAST_ROWS = None
+
+
+def drop_kept_rows() -> None:
+    """Forget the kept rows now (benchmarks/bench_layer_ops.py: the rows-per-call baseline)."""
+    global _LAST_ROWS
+    _LAST_ROWS = None
 
 
 def token_freqs(freqs: Tensor, cu_seqlens: Tensor, total: int, cp: int = 1, rank: int = 0) -> Tensor:
     """``freqs[position of each of the total local tokens]``, gathered once per micro-batch.
 
     megatron applies RoPE to q and to k in every layer with the same ``freqs`` (its rotary module
-    caches them per length) and the same ``cu_seqlens``, so the rows are kept on the ``cu_seqlens``
-    tensor, whose life is the micro-batch's (``total x rotary dim`` fp32 while the micro-batch's
-    inputs live: 8 MiB for 16k tokens at dim 128). The entry is used only for the same ``freqs`` object,
-    unmodified (``_version``), the same token count and CP rank and the same ``cu_seqlens`` version.
-    Nothing is kept under ``inference_mode`` or for inference tensors (rows made there cannot be
-    saved for a backward, and such tensors have no version to check), nor for a ``freqs`` that
-    needs a gradient (its rows belong to one autograd graph)."""
+    caches them per length) and the same ``cu_seqlens``, so the rows of the micro-batch being run
+    are kept: one micro-batch's at a time (``total x rotary dim`` fp32, 8 MiB for 16k tokens at
+    dim 128), dropped when the next micro-batch's replace them or its ``cu_seqlens`` is freed (a
+    weak reference: a phase's micro-batches, all on the device together, never keep theirs all).
+    The rows are used only for the same ``cu_seqlens`` and ``freqs`` objects, both unmodified
+    (``_version``), the same token count and CP rank. Nothing is kept under ``inference_mode`` or
+    for inference tensors (rows made there cannot be saved for a backward, and such tensors have no
+    version to check), nor for a ``freqs`` that needs a gradient (its rows belong to one graph)."""
+    global _LAST_ROWS
     keep = not (torch.is_inference_mode_enabled() or freqs.requires_grad or freqs.is_inference()
                 or cu_seqlens.is_inference())
     key = (freqs._version, cu_seqlens._version, total, cp, rank) if keep else None
-    memo = getattr(cu_seqlens, _MEMO, None) if keep else None
-    if memo is not None and memo[0] is freqs and memo[1] == key:
-        return memo[2]
+    last = _LAST_ROWS if keep else None
+    if last is not None and last[0]() is cu_seqlens and last[1] is freqs and last[2] == key:
+        return last[3]
     pos = packed_positions(cu_seqlens, total) if cp == 1 else cp_positions(cu_seqlens, total, cp, rank)
     rows = freqs.index_select(0, pos.to(freqs.device))
     if keep:
-        try:
-            setattr(cu_seqlens, _MEMO, (freqs, key, rows))
-        except (AttributeError, RuntimeError):  # a tensor type that takes no attributes: nothing kept
-            pass
+        _LAST_ROWS = (weakref.ref(cu_seqlens, _forget_rows), freqs, key, rows)
     return rows
 
 

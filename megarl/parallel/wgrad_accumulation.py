@@ -17,8 +17,10 @@ extension; where Apex is missing, :data:`WGRAD_ACCUMULATE` stands in for it with
 :func:`install_wgrad_accumulation` turns the fusion on, after DDP has given every trainable weight
 its ``main_grad``, for the local (non-TE) ``ColumnParallelLinear`` / ``RowParallelLinear`` layers
 that own a trainable weight. Left alone: frozen weights (LoRA's base, whose ``main_grad`` does not
-exist), layers that borrow their weight at call time (the output layer tied to the embedding), and
-everything when megatron already has Apex's extension (its kernel is then used). A train phase
+exist), layers that borrow their weight at call time (the output layer tied to the embedding), the
+fp32 LM head (``models/fp32_head.py`` calls the layer with an fp32 copy of its weight, which has no
+``main_grad``: megatron's fused backward would fail on it), and everything when megatron already has
+Apex's extension (its kernel is then used). A train phase
 bound by kernel launches (benchmarks/RESULTS.md section 19) saves one launch per linear layer per
 micro-batch: four per transformer layer.
 """
@@ -87,6 +89,8 @@ def install_wgrad_accumulation(modules: Iterable[torch.nn.Module]) -> int:
             if not isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
                 continue
             weight = getattr(module, "weight", None)
+            if getattr(module, "_megarl_fp32", False):   # called with an fp32 copy of its weight
+                continue
             if isinstance(weight, torch.nn.Parameter) and weight.requires_grad and hasattr(weight, "main_grad"):
                 module.gradient_accumulation_fusion = True
                 switched += 1
