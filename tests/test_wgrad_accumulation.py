@@ -1,8 +1,9 @@
 """Weight gradients accumulated into megatron's main_grad without Apex
 (megarl/parallel/wgrad_accumulation.py): the same main_grad as megatron's own unfused path (GEMM into
 param.grad, DDP hook adds it) on the same weights and micro-batches, at TP1 and TP2, for a model
-with a tied output layer (qwen2) and one without (llama, whose output layer is switched too); one
-add fewer per switched layer and micro-batch."""
+with a tied output layer (qwen2) and one without (llama, whose output layer is switched too), and
+for MoE experts at EP2 (qwen3_moe); one add fewer per switched layer and micro-batch; the fp32 LM
+head in bf16 left unfused."""
 from __future__ import annotations
 
 import pytest
@@ -31,7 +32,7 @@ def test_accumulate_wgrad_adds_the_weight_gradient_into_main_grad():
     torch.testing.assert_close(main32.double(), want, rtol=2e-2, atol=2e-2)
 
 
-def _main_grads(rank, world, hf_dir, seqs, tp, vocab):
+def _main_grads(rank, world, hf_dir, seqs, tp, vocab, ep=1):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -42,7 +43,7 @@ def _main_grads(rank, world, hf_dir, seqs, tp, vocab):
     from megarl.profiling import OpCounter
     from megarl.workers.vocab_parallel import logprobs_and_entropy
 
-    init_model_parallel(tp=tp)
+    init_model_parallel(tp=tp, ep=ep)
     model = build_model(hf_dir)[0]
     load_hf_weights([model], hf_dir)
     model.config.variable_seq_lengths = True
@@ -83,19 +84,23 @@ def _main_grads(rank, world, hf_dir, seqs, tp, vocab):
             "zero": sorted(n for n, t in theirs.items() if not bool(t.abs().sum() > 0))}
 
 
-@pytest.mark.parametrize("family,tp", [("qwen2", 1), ("llama", 2)])
-def test_fused_main_grads_equal_megatrons_unfused_path(family, tp, tmp_path):
+@pytest.mark.parametrize("family,tp,ep", [("qwen2", 1, 1), ("llama", 2, 1), ("qwen3_moe", 1, 2)])
+def test_fused_main_grads_equal_megatrons_unfused_path(family, tp, ep, tmp_path):
     hf = make_tiny_hf(family, tmp_path)
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (9, 4, 12, 6)]
-    for res in spawn(_main_grads, tp, str(tmp_path), seqs, tp, hf.config.vocab_size):
+    for res in spawn(_main_grads, tp * ep, str(tmp_path), seqs, tp, hf.config.vocab_size, ep):
         assert not res["zero"], res
         assert res["worst"] < 1e-5, res
         tied = bool(hf.config.tie_word_embeddings)
-        # qkv, proj, fc1, fc2 per layer; the output layer too when it owns its weight
-        assert res["switched"] == 4 * res["layers"] + (0 if tied else 1), res
-        # each switched layer: one main_grad add fewer per micro-batch (two micro-batches)
-        assert res["adds"][0] - res["adds"][1] == 2 * res["switched"], res
+        if ep == 1:   # qkv, proj, fc1, fc2 per layer; the output layer too when it owns its weight
+            assert res["switched"] == 4 * res["layers"] + (0 if tied else 1), res
+        else:         # qkv and proj per layer, fc1 and fc2 of each of this rank's experts, the output layer
+            local = hf.config.num_experts // ep
+            assert res["switched"] == (2 + 2 * local) * res["layers"] + 1, res
+        # each switched layer: one main_grad add fewer per micro-batch that reaches it (two micro-batches)
+        assert res["adds"][0] - res["adds"][1] <= 2 * res["switched"], res
+        assert res["adds"][0] - res["adds"][1] >= 2 * (res["switched"] - (local * res["layers"] if ep > 1 else 0)), res
 
 
 def _fp32_head_bf16(rank, world):
