@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -110,17 +108,13 @@ def main() -> None:
                 lp, _ = logprobs_and_entropy(out.reshape(-1, out.shape[-1])[:-1], ids[0, 1:], V)
                 (-lp.mean()).backward()
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
     def kernels(backward: bool) -> int:
         """Kernels (and device memsets/copies) of one pass, as torch.profiler records them."""
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             one_pass(backward)
-            sync()
+            bench_train.sync(device)
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
     unit = "kernels" if a.fusions else "ops"
@@ -146,15 +140,9 @@ def main() -> None:
                     res[f"{tag}_host_reads"] = counter.host_reads
                 res[f"{tag}_{unit}"] = count
                 res[f"{tag}_{unit}_per_layer"] = round(count / layers, 1)
-                if cuda:
-                    times = []
-                    for _ in range(a.repeats):
-                        sync()
-                        t = time.perf_counter()
-                        one_pass(backward)
-                        sync()
-                        times.append(time.perf_counter() - t)
-                    res[f"{tag}_s_median"] = statistics.median(times)
+                if cuda:   # warmed up above
+                    res[f"{tag}_s_median"], _ = bench_train.timed_steps(lambda: one_pass(backward), 0, a.repeats,
+                                                                         device)
     finally:
         rope_utils._apply_rotary_pos_emb_thd = variants["megarl"][0]
     for p in ("fwd", "fwd_bwd"):

@@ -146,7 +146,7 @@ def _apply_tis(loss_mat: Tensor, old: Tensor, m: Tensor, cfg: PolicyLossConfig,
         return loss_mat
     raw = torch.exp((old - roll).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
     w = raw.clamp(max=cfg.tis_cap)
-    metrics.update(masked_means({"tis_weight_mean": w, "tis_clip_frac": (raw > cfg.tis_cap).to(w.dtype)}, m))
+    metrics.update(masked_means({"tis_weight_mean": w, "tis_clip_frac": raw > cfg.tis_cap}, m))
     metrics["tis_weight_max"] = masked_max(w, m)
     return loss_mat * w
 
@@ -156,12 +156,11 @@ def _base_metrics(ratio: Tensor, lp: Tensor, old: Tensor, m: Tensor,
     with torch.no_grad():
         ratio = ratio.detach()
         log_r = (lp.detach() - old)
-        f = ratio.dtype
-        out = masked_means({
-            "clip_frac": clip_masks["clipped"].to(f),
-            "clip_frac_high": clip_masks["clipped_high"].to(f),
-            "clip_frac_low": clip_masks["clipped_low"].to(f),
-            "dual_clip_frac": clip_masks["dual_clipped"].to(f),
+        out = masked_means({   # the clip masks are bools: masked_means counts them as 0/1
+            "clip_frac": clip_masks["clipped"],
+            "clip_frac_high": clip_masks["clipped_high"],
+            "clip_frac_low": clip_masks["clipped_low"],
+            "dual_clip_frac": clip_masks["dual_clipped"],
             # KL(old || new) with samples from old (Schulman 2020): k1 and k3
             "approx_kl": -log_r,
             "approx_kl_k3": torch.exp(log_r.clamp(-20, 20)) - 1 - log_r,

@@ -434,7 +434,7 @@ class Engine:
         # with a top-k/top-p/min-p row in the batch every row goes through the filters (a row
         # without one is unchanged), so the step keeps its graph and runs ahead
         stochastic = b.any_stochastic(0, B)
-        filters = stochastic and b.any_filtered(0, B)   # greedy-only batches never reach the filters
+        filters = b.any_filtered(0, B)   # (a filtered row is never greedy: RunningBatch.add)
         one_pass = bool(getattr(self.model, "uses_triton", lambda: False)())   # the Triton sampler too
 
         def sample(logits: torch.Tensor, n: int) -> torch.Tensor:
