@@ -30,6 +30,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import use_cuda  # noqa: E402
 
 SHAPES = {
     # Qwen/Qwen3-8B config.json
@@ -135,8 +137,7 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks (> 1: CPU gloo ranks)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = ap.parse_args()
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device")
+    use_cuda(a.device)
     if a.device == "cuda" and a.cp > 1:
         raise SystemExit("--cp > 1 runs on CPU ranks only (one GPU here); the CP>1 GPU figures come from the planner")
     if a.device == "cpu":

@@ -51,9 +51,8 @@ def main() -> None:
                          "torch.profiler sees instead of dispatched ops (compiled regions hide theirs)")
     a = ap.parse_args()
     os.environ["MEGARL_FUSIONS"] = "1" if a.fusions else "0"
-    cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device")
+    import bench_train
+    cuda = bench_train.use_cuda(a.device)
     if a.fusions and not cuda:
         raise SystemExit("--fusions: needs a CUDA device (on CPU the fusions are off)")
     device = torch.device("cuda" if cuda else "cpu")
@@ -61,7 +60,6 @@ def main() -> None:
     if not cuda:
         torch.set_num_threads(2)
 
-    import bench_train
     bench_train.init_one_rank(cuda)
     from megatron.core.models.common.embeddings import rope_utils
 

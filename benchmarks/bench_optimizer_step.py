@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_train import SHAPES as TRAIN_SHAPES, init_one_rank, sync  # noqa: E402
+from bench_train import SHAPES as TRAIN_SHAPES, init_one_rank, sync, use_cuda  # noqa: E402
 
 SHAPES = dict(TRAIN_SHAPES, **{
     # HuggingFaceTB/SmolLM2-135M-Instruct config.json (the default recipe's model)
@@ -72,9 +72,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--steps", type=int, default=6, help="timed steps per variant (alternating)")
     a = ap.parse_args()
-    cuda = a.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device")
+    cuda = use_cuda(a.device)
     if not cuda:
         torch.set_num_threads(2)
     device = torch.device(a.device)

@@ -101,6 +101,14 @@ def measure_matmul_peak(device, dtype, n=8192, iters=20) -> float:
     return 2 * n ** 3 * iters / (time.perf_counter() - t)
 
 
+def use_cuda(device: str) -> bool:
+    """``--device auto|cpu|cuda`` -> run on CUDA? Asking for CUDA on a box without it is a one-line
+    error before anything is built, not a failure deep inside megatron's setup."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -152,9 +160,7 @@ def main():
     a = ap.parse_args()
     if a.no_fusions:
         os.environ["MEGARL_FUSIONS"] = "0"
-    cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device")
+    cuda = use_cuda(a.device)
     device = torch.device("cuda" if cuda else "cpu")
     shape = a.shape or ("qwen2.5-0.5b" if cuda else "tiny")
     seq = a.seq or (4096 if cuda else 128)
