@@ -18,8 +18,10 @@ sync7b) run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b
 train3b) run 200 python3 benchmarks/bench_train.py --shape qwen2.5-3b --seq 4096 --mbs 1 --num-mb 4 --steps 3 --profile $OUT/prof_3b.txt ;;
 e2e) run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 16 --n 8 --new-tokens 128 --resume-check ;;
 rollout) run 170 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 --parity ;;
-rollout_topp) # top-p rows keep the decode graph (every row through the filters): graphs vs eager, both filtered
-         run 170 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 32,128 --prompt 32 --new 128 --temperature 1 --top-p 0.9 --no-hf ;;
+rollout_topp) # top-p rows keep the decode graph (every row through the filters, thresholds found without a
+              # sort): graphs vs eager, both filtered; then the same batches unfiltered (the filters' cost)
+         run 170 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 --temperature 1 --top-p 0.9 --no-hf
+         run 170 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 --temperature 1 --no-hf ;;
 sync) BENCH_SYNC_SERVER_LOG=$OUT/server_05b.log run 60 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512
       run 60 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512 --checksum
       BENCH_SYNC_SERVER_LOG=$OUT/server_7b.log run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024

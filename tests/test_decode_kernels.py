@@ -168,3 +168,83 @@ def test_fused_sampling_draws_what_the_torch_sampler_draws(kernels):
         want_t, want_lp = sample_rows(half.float(), rp, stochastic, fused=True)
         assert torch.equal(got_t, want_t) and torch.equal(got_lp, want_lp)
         assert torch.equal(sample_rows(half, rp, stochastic)[0], sample_rows(half.float(), rp, stochastic)[0])
+
+
+def _keep_reference(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The keep-set of one row by the definition, in float64 with a sort: top-k keeps p >= the k-th
+    largest; top-p keeps the ids whose larger ids (sorted, descending) hold at most top_p of the
+    mass; min-p keeps p >= min_p * max p."""
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = np.ones(len(z), dtype=bool)
+    order = np.argsort(-p, kind="stable")
+    if 0 < top_k < len(z):
+        keep &= p >= p[order[top_k - 1]]
+    if top_p < 1.0:
+        before = np.cumsum(p[order]) - p[order]
+        drop = np.zeros(len(z), dtype=bool)
+        drop[order] = before > top_p
+        keep &= ~drop
+    if min_p > 0.0:
+        keep &= p >= min_p * p.max()
+    return keep
+
+
+def test_filter_thresholds_keep_what_a_sort_keeps(kernels):
+    """Each row's value threshold (no sort: a search over fp32 order keys) keeps exactly the ids the
+    sort-based definition keeps, for top-k, top-p, min-p alone and together, at several
+    temperatures, with tied logits at the k-th place (all kept) and a one-id nucleus."""
+    g = torch.Generator().manual_seed(3)
+    V = 5000
+    rows = [  # (temperature, top_k, top_p, min_p)
+        (1.0, 50, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 0, 1.0, 0.05), (1.0, 200, 0.8, 0.0),
+        (0.5, 10, 0.95, 0.01), (1.0, 0, 0.3, 0.0), (1.0, 0, 1.0, 0.0), (2.0, V + 5, 0.99, 0.0),
+        (1.0, 0, 1e-4, 0.0), (1.0, 7, 1.0, 0.0)]
+    logits = torch.randn(len(rows), V, generator=g) * 3
+    logits[-1, :12] = logits[-1].max() + 1.0          # 12 tied top logits, top-k 7: all 12 kept
+    logits = logits.to(DEV)
+    t = torch.tensor([r[0] for r in rows], device=DEV)
+    top_k = torch.tensor([r[1] for r in rows], device=DEV)
+    top_p = torch.tensor([r[2] for r in rows], device=DEV)
+    min_p = torch.tensor([r[3] for r in rows], device=DEV)
+    thr = kernels.filter_thresholds(logits, t, top_k, top_p, min_p)
+    z = (logits / t[:, None]).cpu()
+    for i, (temp, k, p, mp) in enumerate(rows):
+        want = _keep_reference(z[i].double().numpy(), k, p, mp)
+        got = (z[i] >= thr[i].cpu()).numpy()
+        assert np.array_equal(got, want), (i, rows[i], int(got.sum()), int(want.sum()))
+    assert thr[6].item() == float("-inf")                    # no filter on: every id
+    assert (z[-1] >= thr[-1].cpu()).sum().item() == 12
+    assert (z[8] >= thr[8].cpu()).sum().item() == 1          # top_p 1e-4: the top id alone
+    # a filter another row has but this one does not stays off; kinds compiled out change nothing
+    only_p = kernels.filter_thresholds(logits[1:2], t[1:2], top_k[1:2], top_p[1:2], min_p[1:2], (False, True, False))
+    assert torch.equal(only_p, thr[1:2])
+
+
+def test_fused_filtered_sampling_draws_what_the_torch_sampler_draws(kernels):
+    """top-k / top-p / min-p rows beside unfiltered and greedy ones, sampled by the Triton
+    threshold + one-pass kernels (every row through the filters, as a decode graph runs them)
+    and by sampler.sample_rows' sort-based torch path: the same tokens step after step, the same
+    unfiltered logprobs within rounding."""
+    from megarl.engine.sampler import RowParams, sample_rows
+    g = torch.Generator().manual_seed(1)
+    B, V = 6, 5000
+    logits = (torch.randn(B, V, generator=g) * 2.5).to(DEV)
+    rp = RowParams(temperature=torch.tensor([1.0, 0.8, 1.0, 1.2, 1.0, 0.9], device=DEV),
+                   greedy=torch.tensor([False, False, True, False, False, False], device=DEV),
+                   seeds=torch.tensor([3, 4, 5, -7, 11, 9], device=DEV),
+                   steps=torch.zeros(B, dtype=torch.int64, device=DEV),
+                   top_k=torch.tensor([0, 20, 0, 0, 40, 0], device=DEV),
+                   top_p=torch.tensor([0.9, 1.0, 1.0, 0.7, 0.95, 1.0], device=DEV),
+                   min_p=torch.tensor([0.0, 0.0, 0.0, 0.02, 0.0, 0.0], device=DEV))
+    filtered_draws = 0
+    for step in range(12):
+        rp.steps[:] = step
+        want_t, want_lp = sample_rows(logits, rp, True, filter_all=True)
+        got_t, got_lp = sample_rows(logits, rp, True, fused=True, filter_all=True)
+        assert torch.equal(got_t, want_t), step
+        assert (got_lp - want_lp).abs().max().item() < 1e-5
+        # the filters bind: without them the same noise picks another token in some steps
+        free_t, _ = sample_rows(logits, rp, True, fused=True)
+        filtered_draws += int((free_t != got_t).sum())
+    assert filtered_draws > 0

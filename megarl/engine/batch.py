@@ -30,7 +30,8 @@ class RunningBatch:
         z = lambda dt: np.zeros(capacity, dtype=dt)  # noqa: E731
         self.plen, self.n, self.pending = z(np.int64), z(np.int64), z(np.int64)
         self.max_new, self.min_new = z(np.int64), z(np.int64)
-        self.greedy, self.filtered = z(bool), z(bool)
+        self.greedy = z(bool)
+        self.filtered = np.zeros((capacity, 3), dtype=bool)   # (top-k, top-p, min-p) on, per sampled row
         self.stop = np.full((capacity, 1), -1, dtype=np.int64)      # stop tokens per row (-1 padded)
         self.out_tok = np.zeros((capacity, 1), dtype=np.int64)      # generated tokens per row
         self.out_lp = np.zeros((capacity, 1), dtype=np.float32)
@@ -77,7 +78,8 @@ class RunningBatch:
         self.max_new[a:b] = [s.max_new_tokens for s in sp]
         self.min_new[a:b] = [s.min_new_tokens for s in sp]
         self.greedy[a:b] = [s.greedy for s in sp]
-        self.filtered[a:b] = [s.filtered and not s.greedy for s in sp]
+        self.filtered[a:b] = [(s.top_k > 0, s.top_p < 1.0, s.min_p > 0.0) if s.filtered and not s.greedy
+                              else (False, False, False) for s in sp]
         host = {"temperature": [1.0 if s.greedy else s.temperature for s in sp],
                 "greedy": [s.greedy for s in sp],
                 "seeds": [s.sampling_seed if s.sampling_seed is not None else 0 for s in sp],
@@ -95,13 +97,15 @@ class RunningBatch:
     def any_stochastic(self, a: int, b: int) -> bool:
         return not bool(self.greedy[a:b].all())
 
-    def any_filtered(self, a: int, b: int) -> bool:
-        """Does a row of ``[a, b)`` have a top-k/top-p/min-p filter (known on the host)?"""
-        return bool(self.filtered[a:b].any())
+    def filter_kinds(self, a: int, b: int) -> Tuple[bool, bool, bool]:
+        """Which of (top-k, top-p, min-p) some row of ``[a, b)`` has (host knowledge: the fused
+        sampler compiles the others out)."""
+        k, p, m = self.filtered[a:b].any(axis=0)
+        return bool(k), bool(p), bool(m)
 
     def filter_rows(self, a: int, b: int) -> Optional[torch.Tensor]:
         """Offsets (from ``a``) of the rows that need a top-k/top-p/min-p filter, or None."""
-        idx = np.flatnonzero(self.filtered[a:b])
+        idx = np.flatnonzero(self.filtered[a:b].any(axis=1))
         return torch.from_numpy(idx).to(self.device) if idx.size else None
 
     def positions(self) -> np.ndarray:

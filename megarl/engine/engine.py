@@ -434,13 +434,15 @@ class Engine:
         # with a top-k/top-p/min-p row in the batch every row goes through the filters (a row
         # without one is unchanged), so the step keeps its graph and runs ahead
         stochastic = b.any_stochastic(0, B)
-        filters = b.any_filtered(0, B)   # (a filtered row is never greedy: RunningBatch.add)
+        kinds = b.filter_kinds(0, B)   # (a filtered row is never greedy: RunningBatch.add)
+        filters = any(kinds)
         one_pass = bool(getattr(self.model, "uses_triton", lambda: False)())   # the Triton sampler too
 
         def sample(logits: torch.Tensor, n: int) -> torch.Tensor:
-            return _pack(*sample_rows(logits, b.params(0, n), stochastic, None, fused=one_pass, filter_all=filters))
+            return _pack(*sample_rows(logits, b.params(0, n), stochastic, None, fused=one_pass, filter_all=filters,
+                                      filter_kinds=kinds))
 
-        key = (stochastic, one_pass, filters) + tuple(t.data_ptr() for t in b.d.values())
+        key = (stochastic, one_pass, kinds) + tuple(t.data_ptr() for t in b.d.values())
         step = self._inflight
         self._inflight = None
         if step is None:

@@ -133,7 +133,8 @@ class RowParams:
 
 def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True,
                 filter_rows: Optional[torch.Tensor] = None, fused: bool = False,
-                filter_all: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                filter_all: bool = False,
+                filter_kinds: Tuple[bool, bool, bool] = (True, True, True)) -> Tuple[torch.Tensor, torch.Tensor]:
     """``logits [B, V]`` -> (tokens [B] int64, logprobs [B] fp32), all on the device. Logits in a
     16-bit dtype (the Triton decode step's) are upcast first, exactly, as `_logits` does.
 
@@ -142,15 +143,22 @@ def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True
     ``filter_all``: every row goes through the filters instead (a row whose filters are off comes
     out unchanged, so its token is the same): fixed shapes and no host-made index, so a decode step
     with filtered rows can be captured in a CUDA graph too;
-    ``fused``: without filters, one Triton kernel does it all in one pass over the logits
-    (`kernels.sample_rows_fused`: the same noise; Gumbel-max over ``logits / T`` instead of over
-    its log-softmax -- the same argmax up to rounding)."""
+    ``fused``: Triton kernels, one pass over the logits (`kernels.sample_rows_fused`: the same noise;
+    Gumbel-max over ``logits / T`` instead of over its log-softmax -- the same argmax up to
+    rounding); with filters, each row's keep-set is first found as a value threshold without a
+    sort (`kernels.filter_thresholds`: the same keep-sets but where rounding puts an id on the
+    boundary), every row through the filters as with ``filter_all``;
+    ``filter_kinds``: (top-k, top-p, min-p) -- which filters any row has (host knowledge; the fused
+    path compiles the others out)."""
     B, V = logits.shape
     some_filtered = filter_rows is not None and bool(filter_rows.numel())
-    if fused and not (filter_all or some_filtered):
+    if fused:
         from . import kernels
+        threshold = None
+        if filter_all or some_filtered:
+            threshold = kernels.filter_thresholds(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p, filter_kinds)
         return kernels.sample_rows_fused(logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps),
-                                         noise=any_stochastic)
+                                         noise=any_stochastic, threshold=threshold)
     logits = logits.float()   # a no-op for fp32 logits
     if not any_stochastic:   # every row greedy (temperature 1): one reduction, no [B, V] log-softmax
         tokens = logits.argmax(dim=-1)
