@@ -85,10 +85,11 @@ mps) # issue 29: sync / one_step_off / async on ONE GPU, megarl starting and sto
      grep -h "MPS:" /tmp/bench_mps/run_*/logs/*.log $OUT/stderr.log 2>/dev/null | sort | uniq -c | tee -a $OUT/log ;;
 mps_prio) # the same two off-policy modes with the rollout server at MPS's below-normal client priority
      run 590 python3 benchmarks/bench_async.py --model builtin:smollm2-135m-instruct --device cuda --steps 8 --prompts 64 --n 8 --new-tokens 40 --work /tmp/bench_mps_prio --override cluster.mps_rollout_priority=below_normal $MPS_ARGS ;;
-decode) # issue 29: the fused Triton decode step -- its tests compiled on the GPU (fp32, against SDPA, the
-        # torch body and HF), then decode speed of the torch body vs the fused step in the same run
+decode_tests) # the Triton decode step's and sampler's tests compiled on the GPU (fp32, against SDPA, the
+              # torch body, HF and a float64 sort for the filters)
         python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest/*.whl
-        python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py 2>&1 | tail -15 | tee -a $OUT/log
+        python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py 2>&1 | tail -15 | tee -a $OUT/log ;;
+decode) # issue 29 (after decode_tests): decode speed of the torch body vs the fused step in the same run
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
           --new 128 --kernels torch+sync,triton+sync,triton --profile $OUT/prof_decode.txt $DECODE_ARGS
         # seeded sampling as in the RL loop (the one-pass Triton sampler vs the torch sampler)
