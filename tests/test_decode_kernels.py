@@ -207,7 +207,8 @@ def test_filter_thresholds_keep_what_a_sort_keeps(kernels):
     top_k = torch.tensor([r[1] for r in rows], device=DEV)
     top_p = torch.tensor([r[2] for r in rows], device=DEV)
     min_p = torch.tensor([r[3] for r in rows], device=DEV)
-    thr = kernels.filter_thresholds(logits, t, top_k, top_p, min_p)
+    from megarl.engine.filter_kernels import filter_thresholds
+    thr = filter_thresholds(logits, t, top_k, top_p, min_p)
     z = (logits / t[:, None]).cpu()
     for i, (temp, k, p, mp) in enumerate(rows):
         want = _keep_reference(z[i].double().numpy(), k, p, mp)
@@ -217,7 +218,7 @@ def test_filter_thresholds_keep_what_a_sort_keeps(kernels):
     assert (z[-1] >= thr[-1].cpu()).sum().item() == 12
     assert (z[8] >= thr[8].cpu()).sum().item() == 1          # top_p 1e-4: the top id alone
     # a filter another row has but this one does not stays off; kinds compiled out change nothing
-    only_p = kernels.filter_thresholds(logits[1:2], t[1:2], top_k[1:2], top_p[1:2], min_p[1:2], (False, True, False))
+    only_p = filter_thresholds(logits[1:2], t[1:2], top_k[1:2], top_p[1:2], min_p[1:2], (False, True, False))
     assert torch.equal(only_p, thr[1:2])
 
 
@@ -247,4 +248,9 @@ def test_fused_filtered_sampling_draws_what_the_torch_sampler_draws(kernels):
         # the filters bind: without them the same noise picks another token in some steps
         free_t, _ = sample_rows(logits, rp, True, fused=True)
         filtered_draws += int((free_t != got_t).sum())
+        # the decode step's bf16 logits, upcast as the kernels read them: what their fp32 copy gives
+        half = logits.to(torch.bfloat16)
+        got = sample_rows(half, rp, True, fused=True, filter_all=True)
+        want = sample_rows(half.float(), rp, True, fused=True, filter_all=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert filtered_draws > 0

@@ -205,7 +205,7 @@ def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, thr_ptr, part
     running (max, sum exp) of z, and the best of z + gumbel (z for greedy rows; first id on ties)
     with its z. The noise is sampler.seeded_gumbel's: bits = hash32(row key ^ hash32(token id)),
     u = (bits + 0.5) / 2^32, -log(-log(u)) in fp64, rounded to fp32. HAS_THR: a sampled row draws
-    only among the ids with z >= thr[r] (its top-k / top-p / min-p keep-set, `_filter_threshold_kernel`);
+    only among the ids with z >= thr[r] (its top-k / top-p / min-p keep-set, `filter_kernels.filter_thresholds`);
     the (max, sum exp) stay those of every id, so the logprob is of the unfiltered distribution."""
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -255,94 +255,6 @@ def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, thr_ptr, part
 
 
 @triton.jit
-def _order_key(z):
-    """fp32 -> int64 key in the same order as the values (negative floats' magnitude bits flipped)."""
-    b = z.to(tl.int32, bitcast=True)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
-
-
-@triton.jit
-def _key_value(k):
-    """`_order_key`'s inverse: int64 key (within int32) -> the fp32 value."""
-    b = k.to(tl.int32)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _filter_threshold_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, thr_ptr, stride,
-                             V: tl.constexpr, BLOCK: tl.constexpr, F: tl.constexpr, PASSES: tl.constexpr,
-                             HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr):
-    """Row r: the smallest z = logits / T that its top-k / top-p / min-p keep (every id with
-    z >= thr[r] is kept; -inf: no filter), without sorting the vocabulary.
-
-    Each filter keeps the ids above a value: top-k those with fewer than k ids strictly above
-    them (``p >= k-th largest``, ties kept, as sampler.filtered_logp), top-p those whose strictly
-    larger ids hold at most ``top_p`` of the mass (the sorted cumulative sum before them), min-p
-    those with ``p >= min_p * max p``. The top-k and top-p bounds are found exactly by searching
-    the fp32 values' order keys: each pass over the row evaluates F candidate values at once
-    (mass and count of the ids above each), which narrows the key interval F + 1 ways."""
-    r = tl.program_id(0)
-    t = tl.load(temp_ptr + r)
-    lane = tl.arange(0, BLOCK)
-    m = tl.full([1], float("-inf"), tl.float32)
-    zmin = tl.full([1], float("inf"), tl.float32)
-    ssum = tl.zeros([1], tl.float32)
-    for v0 in range(0, V, BLOCK):   # pass 1: max, min and the log-sum-exp of z
-        v = v0 + lane
-        ok = v < V
-        z = tl.load(logits_ptr + r * stride + v, mask=ok, other=float("-inf")).to(tl.float32) / t
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        ssum = ssum * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-        m = m_new
-        zmin = tl.minimum(zmin, tl.min(tl.where(ok, z, float("inf")), axis=0))
-    lse = m + tl.log(ssum)
-    thr = tl.full([1], float("-inf"), tl.float32)
-    if HAS_K or HAS_P:
-        k = tl.load(topk_ptr + r)
-        top_p = tl.load(topp_ptr + r)
-        j = tl.arange(0, F).to(tl.int64)
-        # invariant: keep(lo) false, keep(hi) true; the answer is hi once hi - lo == 1
-        lo_k = _order_key(tl.min(zmin, axis=0)) - 1   # (scalars: the loop carries them)
-        hi_k = _order_key(tl.max(m, axis=0))
-        lo_p = lo_k
-        hi_p = hi_k
-        for _ in range(0, PASSES):
-            ck = tl.minimum(tl.maximum(lo_k + ((hi_k - lo_k) * (j + 1)) // (F + 1), lo_k + 1), hi_k)
-            cp = tl.minimum(tl.maximum(lo_p + ((hi_p - lo_p) * (j + 1)) // (F + 1), lo_p + 1), hi_p)
-            xk = _key_value(ck)
-            xp = _key_value(cp)
-            above_k = tl.zeros([F], tl.int32)
-            above_p = tl.zeros([F], tl.float32)
-            total = tl.zeros([1], tl.float32)
-            for v0 in range(0, V, BLOCK):
-                v = v0 + lane
-                ok = v < V
-                z = tl.load(logits_ptr + r * stride + v, mask=ok, other=float("-inf")).to(tl.float32) / t
-                if HAS_K:
-                    above_k += tl.sum((z[:, None] > xk[None, :]).to(tl.int32), axis=0)
-                if HAS_P:
-                    p = tl.where(ok, tl.exp(z - lse), 0.0)
-                    total += tl.sum(p, axis=0)
-                    above_p += tl.sum(tl.where(z[:, None] > xp[None, :], p[:, None], 0.0), axis=0)
-            if HAS_K:
-                keep = above_k < k
-                lo_k = tl.max(tl.where(keep, lo_k, ck), axis=0)
-                hi_k = tl.min(tl.where(keep, ck, hi_k), axis=0)
-            if HAS_P:
-                keep = above_p <= top_p * total
-                lo_p = tl.max(tl.where(keep, lo_p, cp), axis=0)
-                hi_p = tl.min(tl.where(keep, cp, hi_p), axis=0)
-        if HAS_K:
-            thr = tl.where((k > 0) & (k < V), tl.maximum(thr, _key_value(hi_k)), thr)
-        if HAS_P:
-            thr = tl.where(top_p < 1.0, tl.maximum(thr, _key_value(hi_p)), thr)
-    if HAS_M:
-        min_p = tl.load(minp_ptr + r)
-        thr = tl.where(min_p > 0.0, tl.maximum(thr, m + tl.log(tl.maximum(min_p, 1e-30))), thr)
-    tl.store(thr_ptr + r + tl.arange(0, 1), thr)
-
-
-@triton.jit
 def _sample_combine_kernel(part_ptr, idx_ptr, tok_ptr, lp_ptr, S, BLOCK_S: tl.constexpr):
     """Row r: merge its chunks -- logsumexp of z, the best score (first chunk on ties) -> token
     and logprob z[token] - logsumexp(z)."""
@@ -364,33 +276,6 @@ def _sample_combine_kernel(part_ptr, idx_ptr, tok_ptr, lp_ptr, S, BLOCK_S: tl.co
 
 
 # ------------------------------------------------------------------------------------ wrappers
-FILTER_CANDIDATES = 8   # values each threshold pass evaluates (F): the key interval shrinks 9x a pass
-
-
-def filter_passes(candidates: int = FILTER_CANDIDATES) -> int:
-    """Passes that narrow any fp32 key interval (< 2^32 + 1 keys) to one key with ``candidates``
-    evaluated per pass (the interval of length L becomes at most L // (F + 1) + 1)."""
-    length, passes = (1 << 32) + 1, 0
-    while length > 1:
-        length, passes = length // (candidates + 1) + 1 if length > candidates + 1 else 1, passes + 1
-    return passes
-
-
-def filter_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      min_p: torch.Tensor, kinds: Tuple[bool, bool, bool] = (True, True, True)) -> torch.Tensor:
-    """Per row of ``logits [B, V]``, the smallest ``logits / T`` its top-k / top-p / min-p keep
-    (fp32 ``[B]``, -inf where no filter is on): one program per row, no sort (`_filter_threshold_kernel`).
-    ``kinds``: which filters any row has (known on the host; the others are compiled out)."""
-    B, V = logits.shape
-    logits = logits.contiguous()
-    thr = torch.empty(B, dtype=torch.float32, device=logits.device)
-    has_k, has_p, has_m = (bool(x) for x in kinds)
-    _filter_threshold_kernel[(B,)](logits, temperature, top_k, top_p, min_p, thr, logits.stride(0), V=V,
-                                   BLOCK=1024, F=FILTER_CANDIDATES, PASSES=filter_passes(), HAS_K=has_k,
-                                   HAS_P=has_p, HAS_M=has_m, num_warps=8)
-    return thr
-
-
 def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
                       row_keys: torch.Tensor, noise: bool = True,
                       threshold: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -398,7 +283,7 @@ def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: t
     (fp32, or the model's bf16/fp16 logits: upcast exactly as they are read, so no fp32 copy of
     ``[B, V]`` is written and read again), split into 4096-id chunks so that even one row spreads over the GPU: (tokens int64
     [B], logprobs fp32 [B]); ``row_keys``: sampler's per-row noise keys; ``noise`` False: every
-    row is greedy; ``threshold`` (`filter_thresholds`): sampled rows draw among ``logits / T >= threshold``."""
+    row is greedy; ``threshold`` (`filter_kernels.filter_thresholds`): sampled rows draw among ``logits / T >= threshold``."""
     B, V = logits.shape
     logits = logits.contiguous()
     chunk = 4096

@@ -146,17 +146,18 @@ def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True
     ``fused``: Triton kernels, one pass over the logits (`kernels.sample_rows_fused`: the same noise;
     Gumbel-max over ``logits / T`` instead of over its log-softmax -- the same argmax up to
     rounding); with filters, each row's keep-set is first found as a value threshold without a
-    sort (`kernels.filter_thresholds`: the same keep-sets but where rounding puts an id on the
+    sort (`filter_kernels.filter_thresholds`: the same keep-sets but where rounding puts an id on the
     boundary), every row through the filters as with ``filter_all``;
     ``filter_kinds``: (top-k, top-p, min-p) -- which filters any row has (host knowledge; the fused
     path compiles the others out)."""
     B, V = logits.shape
     some_filtered = filter_rows is not None and bool(filter_rows.numel())
     if fused:
-        from . import kernels
+        from . import filter_kernels, kernels
         threshold = None
         if filter_all or some_filtered:
-            threshold = kernels.filter_thresholds(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p, filter_kinds)
+            threshold = filter_kernels.filter_thresholds(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p,
+                                                         filter_kinds)
         return kernels.sample_rows_fused(logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps),
                                          noise=any_stochastic, threshold=threshold)
     logits = logits.float()   # a no-op for fp32 logits
