@@ -16,7 +16,6 @@ how the tests check them against the torch path on a machine without a GPU.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional, Tuple
 
