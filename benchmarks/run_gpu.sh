@@ -104,7 +104,7 @@ hostbound) # issue 29: the host's share of a train micro-batch -- SmolLM2's 30 l
            run 120 python3 benchmarks/bench_train.py --shape host-smollm2 --device cuda --seq 2048 --mbs 1 --num-mb 1 --steps 20 --peak 1e15 --no-fusions ;;
 layerops) # issue 29: ops and wall per packed micro-batch pass, RoPE rows gathered once vs per layer vs megatron's
           run 120 python3 benchmarks/bench_layer_ops.py --device cuda --shape host-smollm2 --sequences 64 --mean-len 96 --repeats 20
-          run 150 python3 benchmarks/bench_layer_ops.py --device cuda --shape host-smollm2 --sequences 64 --mean-len 96 --repeats 20 --fusions
+          run 300 python3 benchmarks/bench_layer_ops.py --device cuda --shape host-smollm2 --sequences 64 --mean-len 96 --repeats 20 --fusions
           run 120 python3 benchmarks/bench_layer_ops.py --device cuda --shape qwen2.5-0.5b --sequences 64 --mean-len 96 --repeats 10 ;;
 grads) run 90 python3 benchmarks/bench_train.py --shape qwen2.5-0.5b --seq 4096 --mbs 1 --num-mb 4 --bf16-grads --steps 4 ;;
 esac; done
