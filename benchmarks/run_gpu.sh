@@ -19,7 +19,9 @@ train3b) run 200 python3 benchmarks/bench_train.py --shape qwen2.5-3b --seq 4096
 e2e) run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 16 --n 8 --new-tokens 128 --resume-check ;;
 rollout) run 170 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 --parity ;;
 rollout_topp) # top-p rows keep the decode graph (every row through the filters, thresholds found without a
-              # sort): graphs vs eager, both filtered; then the same batches unfiltered (the filters' cost)
+              # sort): the sampler alone (sort vs threshold search vs unfiltered, each in a CUDA graph), then
+              # decode graphs vs eager, both filtered, and the same batches unfiltered (the filters' cost)
+         run 120 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9
          run 170 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 --temperature 1 --top-p 0.9 --no-hf
          run 170 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 --temperature 1 --no-hf ;;
 sync) BENCH_SYNC_SERVER_LOG=$OUT/server_05b.log run 60 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512

@@ -1,0 +1,82 @@
+"""Sampling one decode step's logits with top-k / top-p / min-p rows: the sort-based torch sampler
+vs the Triton threshold search + one-pass sampler, and the one-pass sampler without filters
+(the floor), in the same run. Prints one JSON line per batch size.
+
+Each variant is timed as the decode graph runs it: captured once in a CUDA graph, then replayed
+(median of ``--repeats`` replays, the device synchronized around each), so the numbers are GPU
+time plus graph-launch gaps, not Python. ``--device cpu`` runs the kernels under Triton's
+interpreter, called directly (a smoke run: its times say nothing).
+
+    python benchmarks/bench_sampler.py --batch 1,32,128,512 --vocab 151936 --top-p 0.9
+    python benchmarks/bench_sampler.py --batch 128 --top-k 50 --top-p 0.95 --min-p 0.05
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import sync, timed_steps, use_cuda  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,32,128,512", help="rows per step, comma-separated")
+    ap.add_argument("--vocab", type=int, default=151936, help="Qwen2.5's vocabulary by default")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    a = ap.parse_args()
+    cuda = use_cuda(a.device)
+    if not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
+    from megarl.engine.sampler import RowParams, sample_rows
+    dev = torch.device("cuda" if cuda else "cpu")
+    kinds = (a.top_k > 0, a.top_p < 1.0, a.min_p > 0.0)
+    for B in (int(x) for x in a.batch.split(",")):
+        g = torch.Generator(device=dev).manual_seed(0)
+        # logits shaped like a model's: a few strong ids over a long tail, in the model's dtype
+        logits = (torch.randn(B, a.vocab, device=dev, generator=g) * 2.0).to(torch.bfloat16)
+        rp = RowParams(temperature=torch.ones(B, device=dev), greedy=torch.zeros(B, dtype=torch.bool, device=dev),
+                       seeds=torch.arange(B, device=dev), steps=torch.zeros(B, dtype=torch.int64, device=dev),
+                       top_k=torch.full((B,), a.top_k, device=dev), top_p=torch.full((B,), a.top_p, device=dev),
+                       min_p=torch.full((B,), a.min_p, device=dev))
+        variants = {
+            "torch_sort": lambda: sample_rows(logits, rp, True, filter_all=True),
+            "triton_threshold": lambda: sample_rows(logits, rp, True, fused=True, filter_all=True, filter_kinds=kinds),
+            "triton_unfiltered": lambda: sample_rows(logits, rp, True, fused=True),
+        }
+        res = {"bench": "sampler", "device": torch.cuda.get_device_name(0) if cuda else "cpu", "batch": B, "vocab": a.vocab,
+               "top_k": a.top_k, "top_p": a.top_p, "min_p": a.min_p}
+        tokens = {}
+        for name, fn in variants.items():
+            for _ in range(2):   # warm-up: Triton compiles, allocator settles
+                fn()
+            sync(dev)
+            if cuda:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = fn()
+                graph.replay()
+                step = graph.replay
+            else:
+                out, step = fn(), fn
+            sync(dev)
+            tokens[name] = out[0].clone()
+            med, _ = timed_steps(step, 3 if cuda else 0, a.repeats, dev)
+            res[f"{name}_ms"] = round(med * 1e3, 4)
+        res["speedup_threshold_vs_sort"] = round(res["torch_sort_ms"] / res["triton_threshold_ms"], 2)
+        res["threshold_over_unfiltered"] = round(res["triton_threshold_ms"] / res["triton_unfiltered_ms"], 2)
+        res["same_tokens_threshold_vs_sort"] = float((tokens["triton_threshold"] == tokens["torch_sort"]).float().mean())
+        print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
