@@ -254,3 +254,29 @@ def test_fused_filtered_sampling_draws_what_the_torch_sampler_draws(kernels):
     got = sample_rows(half, rp, True, fused=True, filter_all=True)
     want = sample_rows(half.float(), rp, True, fused=True, filter_all=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_filtered_rows_fall_back_to_the_sort_when_the_thresholds_fail_their_check(kernels, monkeypatch, caplog):
+    """Thresholds that do not build (or disagree with the sort) on a device are not used there:
+    one warning, and filtered rows sample exactly as the sort-based torch path does."""
+    from megarl.engine import filter_kernels, sampler
+    from megarl.engine.sampler import RowParams, sample_rows
+    assert sampler.fused_filters_ok(torch.device(DEV))   # the real kernels pass the check here
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image for this device")
+    monkeypatch.setattr(filter_kernels, "filter_thresholds", broken)
+    monkeypatch.setattr(sampler, "_FILTERS_OK", {})
+    B, V = 3, 3000
+    logits = (torch.randn(B, V, generator=torch.Generator().manual_seed(2)) * 2).to(DEV)
+    rp = RowParams(temperature=torch.ones(B, device=DEV), greedy=torch.zeros(B, dtype=torch.bool, device=DEV),
+                   seeds=torch.tensor([1, 2, 3], device=DEV), steps=torch.zeros(B, dtype=torch.int64, device=DEV),
+                   top_k=torch.tensor([0, 5, 0], device=DEV), top_p=torch.tensor([0.5, 1.0, 1.0], device=DEV),
+                   min_p=torch.zeros(B, device=DEV))
+    with caplog.at_level("WARNING", logger="megarl.engine.sampler"):
+        got = sample_rows(logits, rp, True, fused=True, filter_all=True)
+        again = sample_rows(logits, rp, True, fused=True, filter_all=True)
+    want = sample_rows(logits, rp, True, filter_all=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(again[0], want[0])
+    warnings = [r for r in caplog.records if "sort-based sampler" in r.getMessage()]
+    assert len(warnings) == 1 and "no kernel image" in warnings[0].getMessage()

@@ -17,10 +17,13 @@ and a row's keep-set does not depend on the other rows of the batch.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -115,6 +118,38 @@ def filtered_logp(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     return torch.where(keep, logp, torch.full_like(logp, float("-inf")))
 
 
+_FILTERS_OK: Dict[str, bool] = {}
+
+
+def fused_filters_ok(device: torch.device) -> bool:
+    """Do the Triton keep-set thresholds (`filter_kernels`) agree with `filtered_logp` on this
+    device (checked once per device, outside any graph capture: the engine's graphs warm up eagerly
+    first)? If they fail to build or disagree beyond a boundary id, filtered rows take the sort
+    path and the log says so once -- a slow step, never a wrong or crashed one."""
+    key = str(device)
+    ok = _FILTERS_OK.get(key)
+    if ok is None:
+        try:
+            from . import filter_kernels
+            g = torch.Generator().manual_seed(0)
+            logits = (torch.randn(4, 3000, generator=g) * 3).to(device)
+            t = torch.tensor([1.0, 0.7, 1.3, 1.0], device=device)
+            top_k = torch.tensor([0, 50, 0, 10], device=device)
+            top_p = torch.tensor([0.9, 1.0, 0.8, 0.95], device=device)
+            min_p = torch.tensor([0.0, 0.0, 0.02, 0.0], device=device)
+            keep = (logits / t[:, None]) >= filter_kernels.filter_thresholds(logits, t, top_k, top_p, min_p)[:, None]
+            want = torch.isfinite(filtered_logp(torch.log_softmax(logits / t[:, None], dim=-1), top_k, top_p, min_p))
+            ok = int((keep != want).sum()) <= 2   # rounding may move an id on a boundary, no more
+            why = "" if ok else f"{int((keep != want).sum())} of {keep.numel()} keep decisions differ"
+        except Exception as e:   # noqa: BLE001 -- any failure to build or run means: do not use them
+            ok, why = False, f"{type(e).__name__}: {e}"
+        if not ok:
+            log.warning("top-k/top-p/min-p rows on %s use the sort-based sampler: the Triton thresholds "
+                        "failed their check (%s)", key, why)
+        _FILTERS_OK[key] = ok
+    return ok
+
+
 @dataclass
 class RowParams:
     """Per-row sampling parameters of a batch, as tensors on the logits' device.
@@ -152,10 +187,11 @@ def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True
     path compiles the others out)."""
     B, V = logits.shape
     some_filtered = filter_rows is not None and bool(filter_rows.numel())
-    if fused:
+    filtering = filter_all or some_filtered
+    if fused and (not filtering or fused_filters_ok(logits.device)):
         from . import filter_kernels, kernels
         threshold = None
-        if filter_all or some_filtered:
+        if filtering:
             threshold = filter_kernels.filter_thresholds(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p,
                                                          filter_kinds)
         return kernels.sample_rows_fused(logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps),
