@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels import merged_lse, online_max_sumexp
+
 CANDIDATES = 8     # values a pass evaluates (F)
 CHUNK = 4096       # vocabulary ids per program
 BLOCK = 1024       # ids per inner step
@@ -74,8 +76,7 @@ def _row_stats(stats_ptr, r, S, BLOCK_S: tl.constexpr):
     m = tl.load(stats_ptr + base, mask=ok, other=float("-inf"))
     s = tl.load(stats_ptr + base + 1, mask=ok, other=0.0)
     mn = tl.load(stats_ptr + base + 2, mask=ok, other=float("inf"))
-    mx = tl.max(m, axis=0)
-    lse = mx + tl.log(tl.sum(tl.where(s > 0, s * tl.exp(m - mx), 0.0), axis=0))
+    mx, lse = merged_lse(m, s)
     return mx, lse, tl.min(mn, axis=0)
 
 
@@ -102,10 +103,7 @@ def _stats_kernel(logits_ptr, temp_ptr, stats_ptr, stride, V: tl.constexpr, CHUN
         v = c * CHUNK + j * BLOCK + lane
         ok = v < V
         z = tl.load(logits_ptr + r * stride + v, mask=ok, other=float("-inf")).to(tl.float32) / t
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a block wholly past V
-        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
-        m = m_new
+        m, s = online_max_sumexp(m, s, z)
         mn = tl.minimum(mn, tl.min(tl.where(ok, z, float("inf")), axis=0))
     o = (r * S + c) * 3 + tl.arange(0, 1)
     tl.store(stats_ptr + o, m)

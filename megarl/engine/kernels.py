@@ -197,6 +197,22 @@ def _hash32(x):
 
 
 @triton.jit
+def online_max_sumexp(m, ssum, z):
+    """One block ``z`` into a running (max, sum of exp(z - max)) -- masked ids read as -inf; a block
+    wholly past the vocabulary leaves the pair as it was."""
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, ssum * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
+
+
+@triton.jit
+def merged_lse(m, ssum):
+    """log-sum-exp of a row from its chunks' (max, sum exp) pairs (a chunk with no id: sum 0)."""
+    mx = tl.max(m, axis=0)
+    return mx, mx + tl.log(tl.sum(tl.where(ssum > 0, ssum * tl.exp(m - mx), 0.0), axis=0))
+
+
+@triton.jit
 def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, thr_ptr, part_ptr, idx_ptr, stride,
                         V: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr,
                         HAS_THR: tl.constexpr):
@@ -225,10 +241,7 @@ def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, thr_ptr, part
         v = v0 + lane
         ok = v < V
         z = tl.load(logits_ptr + r * stride + v, mask=ok, other=float("-inf")).to(tl.float32) / t
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a chunk wholly past V
-        ssum = ssum * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
-        m = m_new
+        m, ssum = online_max_sumexp(m, ssum, z)
         score = z
         if NOISE:
             bits = _hash32(key ^ _hash32(v.to(tl.uint32)))
@@ -265,8 +278,7 @@ def _sample_combine_kernel(part_ptr, idx_ptr, tok_ptr, lp_ptr, S, BLOCK_S: tl.co
     ssum = tl.load(part_ptr + base + 1, mask=ok, other=0.0)
     best = tl.load(part_ptr + base + 2, mask=ok, other=float("-inf"))
     best_z = tl.load(part_ptr + base + 3, mask=ok, other=0.0)
-    mx = tl.max(m, axis=0)
-    lse = mx + tl.log(tl.sum(tl.where(ssum > 0, ssum * tl.exp(m - mx), 0.0), axis=0))
+    _, lse = merged_lse(m, ssum)
     w = tl.argmax(best, axis=0, tie_break_left=True)
     tok = tl.sum(tl.where(c == w, tl.load(idx_ptr + r * S + c, mask=ok, other=0), 0), axis=0)
     z = tl.sum(tl.where(c == w, best_z, 0.0), axis=0)
