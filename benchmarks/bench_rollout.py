@@ -40,6 +40,7 @@ def main():
                                                      "batch (the last decode step mode) to this file")
     ap.add_argument("--kernels", default="auto",
                     help="decode step(s) to time, comma list of auto (triton on CUDA, torch on CPU) | triton (fused) | "
+                         "triton-proj (fused, projections in Triton too) | "
                          "torch (the reference body); a +sync suffix turns off launching step t+1 before step t is "
                          "read; the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,

@@ -43,14 +43,19 @@ def _model(path, mode):
     return m
 
 
+# "triton-proj": the projections in Triton too (proj_kernels.py; half a head >= 16 columns)
+FUSED_MODES = [("triton", {}), ("triton-proj", {"head_dim": 32})]
+
+
+@pytest.mark.parametrize("mode,shape", FUSED_MODES)
 @pytest.mark.parametrize("family,splits", [("llama", 1), ("qwen2", 4), ("qwen3", 2), ("qwen3_moe", 1)])
-def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, family, splits):
+def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, family, splits, mode, shape):
     """Logits and the keys/values written, step after step, rows at different positions (some
     past one 64-key block, so several splits hold keys and the last ones none)."""
     d = str(tmp_path / family)
-    make_tiny_hf_model(d, family, std=0.3)
+    make_tiny_hf_model(d, family, std=0.3, **shape)
     monkeypatch.setattr(kernels, "attention_splits", lambda key_len: splits)
-    ref, fused = _model(d, "torch"), _model(d, "triton")
+    ref, fused = _model(d, "torch"), _model(d, mode)
     g = torch.Generator().manual_seed(1)
     lens = [3, 70, 130, 1, 66]
     seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
@@ -66,11 +71,12 @@ def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, famil
         assert (getattr(ref, c) - getattr(fused, c)).abs().max().item() < 2e-5, c
 
 
-def test_engine_with_the_fused_step_generates_what_hf_generates(tmp_path, kernels):
+@pytest.mark.parametrize("mode,shape", FUSED_MODES)
+def test_engine_with_the_fused_step_generates_what_hf_generates(tmp_path, kernels, mode, shape):
     from megarl.engine.engine import Engine, Request, Sampling
     d = str(tmp_path / "qwen2")
-    hf = make_tiny_hf_model(d, "qwen2", std=0.3)
-    model = _model(d, "triton")
+    hf = make_tiny_hf_model(d, "qwen2", std=0.3, **shape)
+    model = _model(d, mode)
     eng = Engine(model, max_running=4, max_len=64)
     eng.start()
     prompts = [[1, 2, 3, 4], [9, 8, 7], [5] * 11]
@@ -138,6 +144,15 @@ def test_the_torch_body_serves_what_the_kernels_do_not(tmp_path, kernels):
     m._fused_views = None
     assert m.decode(np.array([4]), np.array([3])).shape == (1, 256)
     assert m._fused_decode_views() is None
+
+
+def test_the_projection_kernels_say_which_head_size_they_need(tmp_path, kernels):
+    d = str(tmp_path / "small_heads")
+    make_tiny_hf_model(d, "llama", head_dim=16)
+    m = _model(d, "triton-proj")
+    m.prefill([[1, 2, 3]], 0)
+    with pytest.raises(RuntimeError, match="head_dim 16 < 32"):
+        m.decode(np.array([4]), np.array([3]))
 
 
 def test_fused_sampling_draws_what_the_torch_sampler_draws(kernels):

@@ -11,6 +11,10 @@ The fused projections cost no copy: the model keeps q/k/v (and gate/up) weights 
 its flat parameter buffer (`DecoderModel._alloc`), so their concatenation is a view (`FusedViews`).
 Layouts where they are not adjacent, LoRA adapters and head dims that are not powers of two use
 the torch body instead (`DecoderModel.decode_kernels`).
+
+With ``decode_kernels = "triton-proj"`` the projections are Triton kernels too (`proj_kernels.py`),
+each folding in its neighbour: RoPE + the cache write into q/k/v, SiLU-and-mul into gate/up, and
+o/down's split-K partial sums into the next add + RMSNorm -- about 7 kernels per layer.
 """
 from __future__ import annotations
 
@@ -70,36 +74,74 @@ def layer_views(model: "DecoderModel") -> Optional[List[LayerViews]]:
     return out
 
 
+class _Pending:
+    """A branch output not yet added to the residual stream: a dense tensor ``y``, or (Triton
+    projections) fp32 partial sums over K ranges plus the bias, summed by the next norm kernel."""
+
+    def __init__(self, y: Optional[torch.Tensor] = None, parts: Optional[torch.Tensor] = None,
+                 bias: Optional[torch.Tensor] = None):
+        self.y, self.parts, self.bias = y, parts, bias
+
+    def add_and_norm(self, kernels, proj, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x += branch`` in place, then RMSNorm(x) * w."""
+        if self.parts is not None:
+            return proj.add_parts_rms_norm(x, self.parts, self.bias, w, eps)
+        return kernels.add_rms_norm(x, self.y, w, eps)
+
+
+def _row_parallel(model: "DecoderModel", proj, x: torch.Tensor, w: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> _Pending:
+    """o_proj / down_proj of ``x``: cuBLAS (``proj`` None), else Triton partial sums that the next
+    norm kernel reduces -- unless TP must all-reduce them first."""
+    if proj is None:
+        return _Pending(model._row_parallel_out(F.linear(x, w), bias))
+    parts = proj.linear_parts(x, w)
+    if model.tp_size > 1:
+        return _Pending(model._row_parallel_out(proj.parts_sum(parts, x.dtype), bias))
+    return _Pending(parts=parts, bias=bias)
+
+
 def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tensor, pos: torch.Tensor,
-                B: int, Lk: int, route_ctx=None) -> Optional[torch.Tensor]:
+                B: int, Lk: int, route_ctx=None, projections: bool = False) -> Optional[torch.Tensor]:
     """Decode rows ``[0, B)`` (token ``ids[b]`` at ``pos[b]``) attending over at most ``Lk`` keys;
-    logits ``[B, V]`` in the model's dtype (None on TP ranks > 0). No host sync: graph-capturable."""
+    logits ``[B, V]`` in the model's dtype (None on TP ranks > 0). No host sync: graph-capturable.
+    ``projections``: the q/k/v, o, gate/up and down projections run as Triton kernels with RoPE +
+    the cache write, SiLU, and the partial-sum reduction folded in (`proj_kernels.py`)."""
     from . import kernels   # triton: imported only where the fused step runs
+    proj = None
+    if projections:
+        from . import proj_kernels as proj
     s, P = model.spec, model.params
     nh, nkv, D, eps = model.nh, model.nkv, s.head_dim, s.rms_norm_eps
     scale = 1.0 / math.sqrt(D)
     splits = kernels.attention_splits(Lk)
     x = F.embedding(ids, P["model.embed_tokens.weight"])       # [B, H]: the residual stream
-    y: Optional[torch.Tensor] = None                            # the branch output still to add
+    y = _Pending()                                              # the branch output still to add
     model._route_ctx = route_ctx
     try:
         for i, v in enumerate(views):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            h = kernels.add_rms_norm(x, y, P[f"model.layers.{i}.input_layernorm.weight"], eps)
-            qkv = F.linear(h, v.qkv_weight, v.qkv_bias)
-            q = kernels.rope_and_store(qkv, pos, model.rope_cos, model.rope_sin, model.k_cache[i], model.v_cache[i],
-                                       nh, nkv, P.get(a + "q_norm.weight"), P.get(a + "k_norm.weight"), eps)
+            h = y.add_and_norm(kernels, proj, x, P[f"model.layers.{i}.input_layernorm.weight"], eps)
+            rope = (pos, model.rope_cos, model.rope_sin, model.k_cache[i], model.v_cache[i], nh, nkv,
+                    P.get(a + "q_norm.weight"), P.get(a + "k_norm.weight"), eps)
+            if proj is not None:
+                q = proj.qkv_rope(h, v.qkv_weight, v.qkv_bias, *rope)
+            else:
+                q = kernels.rope_and_store(F.linear(h, v.qkv_weight, v.qkv_bias), *rope)
             o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits)
-            y = model._row_parallel_out(F.linear(o, P[a + "o_proj.weight"]), P.get(a + "o_proj.bias"))
-            h = kernels.add_rms_norm(x, y, P[f"model.layers.{i}.post_attention_layernorm.weight"], eps)
+            y = _row_parallel(model, proj, o, P[a + "o_proj.weight"], P.get(a + "o_proj.bias"))
+            h = y.add_and_norm(kernels, proj, x, P[f"model.layers.{i}.post_attention_layernorm.weight"], eps)
             if v.gate_up_weight is None:   # MoE layer: the torch path (routing needs the host)
-                y = model._mlp(i, h[:, None])[:, 0]
+                y = _Pending(model._mlp(i, h[:, None])[:, 0])
+                continue
+            if proj is not None:
+                act = proj.gate_up_silu(h, v.gate_up_weight, v.gate_up_bias)
             else:
                 act = kernels.silu_mul(F.linear(h, v.gate_up_weight, v.gate_up_bias))
-                y = model._row_parallel_out(F.linear(act, P[m + "down_proj.weight"]), P.get(m + "down_proj.bias"))
+            y = _row_parallel(model, proj, act, P[m + "down_proj.weight"], P.get(m + "down_proj.bias"))
     finally:
         model._route_ctx = None
     if model.tp_rank != 0:
         return None
     # in the model's dtype: the sampler upcasts as it reads (no [B, V] fp32 copy in the step)
-    return model._logits(kernels.add_rms_norm(x, y, P["model.norm.weight"], eps), upcast=False)
+    return model._logits(y.add_and_norm(kernels, proj, x, P["model.norm.weight"], eps), upcast=False)

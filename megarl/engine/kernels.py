@@ -48,6 +48,26 @@ def _add_rms_kernel(x_ptr, y_ptr, w_ptr, h_ptr, H, eps, stride_x, stride_y, stri
 
 
 @triton.jit
+def round_to(x, dt: tl.constexpr, INTERPRET: tl.constexpr = _INTERPRET):
+    """fp32 ``x`` rounded to ``dt`` to nearest even, as compiled Triton (and torch) round. Spelled
+    out for bf16 under Triton's interpreter, which truncates there: the CPU tests then check the
+    kernels' bf16 rounding against torch's own."""
+    if INTERPRET and dt == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        x = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(dt)
+
+
+@triton.jit
+def rope_rotate(x1, x2, c, s, dt: tl.constexpr):
+    """RoPE on a head's halves (fp32 in, ``dt`` out): ``x*cos + rotate_half(x)*sin`` with
+    ``rotate_half(x) = (-x2, x1)``, each product rounded to ``dt`` as torch's body rounds it."""
+    o1 = round_to(round_to(x1 * c, dt).to(tl.float32) + round_to(-x2 * s, dt).to(tl.float32), dt)
+    o2 = round_to(round_to(x2 * c, dt).to(tl.float32) + round_to(x1 * s, dt).to(tl.float32), dt)
+    return o1, o2
+
+
+@triton.jit
 def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr,
                        stride_qkv, stride_qb, stride_kr, stride_kh, stride_kp, stride_cs, NH, NKV, eps,
                        HALF: tl.constexpr, QK_NORM: tl.constexpr):
@@ -73,9 +93,7 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr
         x2 = (w2 * (x2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     c = tl.load(cos_ptr + p * stride_cs + d).to(tl.float32)
     s = tl.load(sin_ptr + p * stride_cs + d).to(tl.float32)
-    # x*cos + rotate_half(x)*sin, rotate_half(x) = (-x2, x1); each product rounded as torch does
-    o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    o1, o2 = rope_rotate(x1, x2, c, s, dt)
     if h < NH:
         dst = q_ptr + b * stride_qb + h * (2 * HALF)
         tl.store(dst + d, o1)

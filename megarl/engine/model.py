@@ -142,12 +142,15 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def _triton_ok(head_dim: int, dtype: torch.dtype) -> Tuple[bool, str]:
-    """Can the Triton decode step run here (Triton importable, a shape its kernels serve)?"""
+def _triton_ok(head_dim: int, dtype: torch.dtype, projections: bool = False) -> Tuple[bool, str]:
+    """Can the Triton decode step run here (Triton importable, a shape its kernels serve; with
+    ``projections``, its projection kernels too)?"""
     try:
-        from . import kernels
+        from . import kernels, proj_kernels
     except ImportError as e:   # triton is not installed (CPU-only torch builds)
         return False, f"triton is not importable: {e}"
+    if projections and not proj_kernels.supported(head_dim):
+        return False, f"head_dim {head_dim} < 32: half a head is less than one 16-column dot block"
     return kernels.supported(head_dim, dtype)
 
 
@@ -212,7 +215,8 @@ class DecoderModel:
                                 and os.environ.get("MEGARL_CUDA_GRAPHS", "1") != "0")
         self.graphs: Optional[DecodeGraphs] = None
         # Triton decode step (fused_decode.py): "auto" = on CUDA when Triton can serve the shape;
-        # "triton" forces it (on CPU under TRITON_INTERPRET=1: the tests); "torch" = the reference
+        # "triton" forces it (on CPU under TRITON_INTERPRET=1: the tests); "triton-proj" = the same
+        # with the projections in Triton too (proj_kernels.py); "torch" = the reference
         self.decode_kernels = os.environ.get("MEGARL_DECODE_KERNELS", "auto")
         # queue decode step t+1 before step t's tokens reach the host (engine.py; graphs only)
         self.decode_overlap = os.environ.get("MEGARL_DECODE_OVERLAP", "1") != "0"
@@ -795,7 +799,8 @@ class DecoderModel:
         views = self._fused_decode_views()
         if views is not None:
             ctx = _Attn("decode", None, Lk=Lk, rows=self.row_ids[:B], pos=pos) if record else None
-            return fused_decode.decode_body(self, views, ids, pos, B, Lk, route_ctx=ctx)
+            return fused_decode.decode_body(self, views, ids, pos, B, Lk, route_ctx=ctx,
+                                            projections=self.decode_kernels == "triton-proj")
         cos, sin = self._rope(pos[:, None])
         mask = (torch.arange(Lk, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
         a = _Attn("decode", mask, Lk=Lk, rows=self.row_ids[:B], pos=pos)
@@ -822,9 +827,9 @@ class DecoderModel:
         if mode == "torch" or self._lora or (mode == "auto" and not (self.device.type == "cuda" and self._graphed())):
             return None
         if self._fused_views is None:
-            ok, why = _triton_ok(self.spec.head_dim, self.dtype)
+            ok, why = _triton_ok(self.spec.head_dim, self.dtype, projections=mode == "triton-proj")
             views = fused_decode.layer_views(self) if ok else None
-            if views is None and mode == "triton":
+            if views is None and mode in ("triton", "triton-proj"):
                 raise RuntimeError(f"MEGARL_DECODE_KERNELS=triton: the fused decode step cannot serve this model "
                                    f"({why or 'q/k/v or gate/up weights are not adjacent'})")
             self._fused_views = views if views is not None else []

@@ -21,13 +21,13 @@ def make_tiny_hf_model(path: str, family: str = "llama", seed: int = 0, std: flo
     elif family == "qwen2":
         cfg = Qwen2Config(**kw)
     elif family == "qwen3":
-        cfg = Qwen3Config(head_dim=16, **kw)
+        cfg = Qwen3Config(**{"head_dim": 16, **kw})
     elif family == "qwen3_moe":
         kw.setdefault("moe_intermediate_size", 32)
         kw.setdefault("num_experts", 4)
         kw.setdefault("num_experts_per_tok", 2)
         kw.setdefault("norm_topk_prob", True)
-        cfg = Qwen3MoeConfig(head_dim=16, **kw)
+        cfg = Qwen3MoeConfig(**{"head_dim": 16, **kw})
     else:
         raise ValueError(family)
     cfg.eos_token_id = kw.get("eos_token_id", None)
