@@ -43,18 +43,26 @@ def _model(path, mode):
     return m
 
 
-# "triton-proj": the projections in Triton too (proj_kernels.py; half a head >= 16 columns)
-FUSED_MODES = [("triton", {}), ("triton-proj", {"head_dim": 32})]
+# "triton-proj": the projections in Triton too (proj_kernels.py; half a head >= 16 columns), with
+# their input norms made in their prologues (up to 16 rows) or by the separate norm kernel (0)
+FUSED_MODES = [("triton", {}, 16), ("triton-proj", {"head_dim": 32}, 16), ("triton-proj", {"head_dim": 32}, 0)]
 
 
-@pytest.mark.parametrize("mode,shape", FUSED_MODES)
+def _prologue_rows(monkeypatch, mode, rows):
+    if mode == "triton-proj":
+        import megarl.engine.proj_kernels as proj
+        monkeypatch.setattr(proj, "NORM_PROLOGUE_ROWS", rows)
+
+
+@pytest.mark.parametrize("mode,shape,rows", FUSED_MODES)
 @pytest.mark.parametrize("family,splits", [("llama", 1), ("qwen2", 4), ("qwen3", 2), ("qwen3_moe", 1)])
-def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, family, splits, mode, shape):
+def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, family, splits, mode, shape, rows):
     """Logits and the keys/values written, step after step, rows at different positions (some
     past one 64-key block, so several splits hold keys and the last ones none)."""
     d = str(tmp_path / family)
     make_tiny_hf_model(d, family, std=0.3, **shape)
     monkeypatch.setattr(kernels, "attention_splits", lambda key_len: splits)
+    _prologue_rows(monkeypatch, mode, rows)
     ref, fused = _model(d, "torch"), _model(d, mode)
     g = torch.Generator().manual_seed(1)
     lens = [3, 70, 130, 1, 66]
@@ -71,9 +79,10 @@ def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, famil
         assert (getattr(ref, c) - getattr(fused, c)).abs().max().item() < 2e-5, c
 
 
-@pytest.mark.parametrize("mode,shape", FUSED_MODES)
-def test_engine_with_the_fused_step_generates_what_hf_generates(tmp_path, kernels, mode, shape):
+@pytest.mark.parametrize("mode,shape,rows", FUSED_MODES)
+def test_engine_with_the_fused_step_generates_what_hf_generates(tmp_path, kernels, monkeypatch, mode, shape, rows):
     from megarl.engine.engine import Engine, Request, Sampling
+    _prologue_rows(monkeypatch, mode, rows)
     d = str(tmp_path / "qwen2")
     hf = make_tiny_hf_model(d, "qwen2", std=0.3, **shape)
     model = _model(d, mode)

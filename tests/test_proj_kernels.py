@@ -39,10 +39,10 @@ def test_partial_sums_add_up_to_the_product_and_into_the_residual(proj, M, K, N,
         assert parts.shape[0] == splits
     assert (parts.sum(0).double().cpu() - x @ w.T).abs().max().item() < 1e-4
     res, nw = _rand(g, M, N), _rand(g, N)
-    xd = res.float().to(DEV)
-    h = proj.add_parts_rms_norm(xd, parts, b.float().to(DEV), nw.float().to(DEV), 1e-6)
+    inp = proj.NormedInput(res.float().to(DEV), parts, b.float().to(DEV), nw.float().to(DEV), 1e-6)
+    h = proj.add_norm(inp)
     want = res + x @ w.T + b
-    assert (xd.double().cpu() - want).abs().max().item() < 1e-4
+    assert (inp.x_out.double().cpu() - want).abs().max().item() < 1e-4
     assert (h.double().cpu() - _rms(want, nw, 1e-6)).abs().max().item() < 1e-4
 
 
@@ -154,9 +154,48 @@ def test_partial_sums_in_bf16_round_where_torch_rounds(proj):
     dt, M, K, N = torch.bfloat16, 3, 640, 96
     x, w = _rand(g, M, K).to(dt), _rand(g, N, K, scale=K ** -0.5).to(dt)
     b, res, nw = _rand(g, N, scale=0.1).to(dt), _rand(g, M, N).to(dt), (1 + 0.1 * _rand(g, N)).to(dt)
-    xd = res.clone().to(DEV)
-    h = proj.add_parts_rms_norm(xd, proj.linear_parts(x.to(DEV), w.to(DEV)), b.to(DEV), nw.to(DEV), 1e-6).cpu()
+    inp = proj.NormedInput(res.to(DEV), proj.linear_parts(x.to(DEV), w.to(DEV)), b.to(DEV), nw.to(DEV), 1e-6)
+    h = proj.add_norm(inp).cpu()
     want_x = res + (F.linear(x, w) + b)
-    for got, want in ((xd.cpu(), want_x), (h, _rms(want_x, nw, 1e-6))):
+    for got, want in ((inp.x_out.cpu(), want_x), (h, _rms(want_x, nw, 1e-6))):
         assert (got == want).float().mean().item() > 0.95
         assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("branch", ["parts", "dense", "none"])
+def test_projections_make_their_norm_input_as_the_norm_kernel_does(proj, dtype, branch):
+    """Up to 16 rows q/k/v and gate/up take RMSNorm(x + y) * w as a NormedInput and make it in
+    their prologue: the same outputs, bit for bit, as projecting `add_norm`'s h, and the same new
+    residual; y as split-K parts (with a bias), as a dense branch output, or absent (layer 0)."""
+    from megarl.engine.model import _rms
+    g = torch.Generator().manual_seed(7)
+    M, H, D, nh, nkv, L, inter = 5, 320, 32, 2, 1, 12, 48
+    f = lambda t: t.to(dtype).to(DEV) if t is not None else None   # noqa: E731
+    res = f(_rand(g, M, H))
+    o, wo = f(_rand(g, M, 192)), f(_rand(g, H, 192, scale=192 ** -0.5))
+    parts = {"parts": proj.linear_parts(o, wo), "dense": f(_rand(g, M, H)), "none": None}[branch]
+    pb = f(_rand(g, H, scale=0.1)) if branch == "parts" else None
+    nw = f(1 + 0.1 * _rand(g, H))
+    wqkv, bqkv = f(_rand(g, (nh + 2 * nkv) * D, H, scale=H ** -0.5)), f(_rand(g, (nh + 2 * nkv) * D, scale=0.1))
+    wgu = f(_rand(g, 2 * inter, H, scale=H ** -0.5))
+    pos = torch.tensor([0, 3, 11, 5, 2], device=DEV)
+    ang = torch.arange(L, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(D // 2) / (D // 2))
+    cos, sin = f(ang.cos()), f(ang.sin())
+    outs = []
+    for fused in (False, True):
+        caches = [torch.zeros(M, nkv, L, D, dtype=dtype, device=DEV) for _ in range(2)]
+        inp = proj.NormedInput(res, parts, pb, nw, 1e-6)
+        q = proj.qkv_rope(inp if fused else proj.add_norm(inp), wqkv, bqkv, pos, cos, sin, *caches, nh, nkv, eps=1e-6)
+        inp2 = proj.NormedInput(res, parts, pb, nw, 1e-6)
+        act = proj.gate_up_silu(inp2 if fused else proj.add_norm(inp2), wgu, None)
+        assert torch.equal(inp.x_out, inp2.x_out)
+        outs.append((q, *caches, act, inp.x_out))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    y = {"parts": lambda: F.linear(o, wo) + pb, "dense": lambda: parts, "none": lambda: 0}[branch]()
+    want_x = res + y
+    assert (outs[1][-1].float() - want_x.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 0.05)
+    h = _rms(want_x, nw, 1e-6)
+    want_act = F.silu(F.linear(h, wgu[:inter])) * F.linear(h, wgu[inter:])
+    assert (outs[1][3].float() - want_act.float()).abs().max().item() <= (1e-4 if dtype == torch.float32 else 0.05)

@@ -13,8 +13,10 @@ Layouts where they are not adjacent, LoRA adapters and head dims that are not po
 the torch body instead (`DecoderModel.decode_kernels`).
 
 With ``decode_kernels = "triton-proj"`` the projections are Triton kernels too (`proj_kernels.py`),
-each folding in its neighbour: RoPE + the cache write into q/k/v, SiLU-and-mul into gate/up, and
-o/down's split-K partial sums into the next add + RMSNorm -- about 7 kernels per layer.
+each folding in its neighbours: the residual add + RMSNorm (up to 16 rows) and RoPE + the cache
+write into q/k/v, the add + RMSNorm and SiLU-and-mul into gate/up, and o/down's split-K partial
+sums are reduced where they are consumed -- 5 kernels per layer up to 16 rows (q/k/v, attention,
+o, gate/up, down), 7 above (two add + RMSNorm kernels).
 """
 from __future__ import annotations
 
@@ -76,23 +78,25 @@ def layer_views(model: "DecoderModel") -> Optional[List[LayerViews]]:
 
 class _Pending:
     """A branch output not yet added to the residual stream: a dense tensor ``y``, or (Triton
-    projections) fp32 partial sums over K ranges plus the bias, summed by the next norm kernel."""
+    projections) fp32 partial sums over K ranges plus the bias, summed where they are consumed."""
 
     def __init__(self, y: Optional[torch.Tensor] = None, parts: Optional[torch.Tensor] = None,
                  bias: Optional[torch.Tensor] = None):
         self.y, self.parts, self.bias = y, parts, bias
 
-    def add_and_norm(self, kernels, proj, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """``x += branch`` in place, then RMSNorm(x) * w."""
-        if self.parts is not None:
-            return proj.add_parts_rms_norm(x, self.parts, self.bias, w, eps)
+    def add_and_norm(self, kernels, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """cuBLAS projections: ``x += y`` in place, then RMSNorm(x) * w."""
         return kernels.add_rms_norm(x, self.y, w, eps)
+
+    def normed(self, proj, x: torch.Tensor, w: torch.Tensor, eps: float):
+        """Triton projections: RMSNorm(x + branch) * w as a `proj_kernels.NormedInput`."""
+        return proj.NormedInput(x, self.parts if self.parts is not None else self.y, self.bias, w, eps)
 
 
 def _row_parallel(model: "DecoderModel", proj, x: torch.Tensor, w: torch.Tensor,
                   bias: Optional[torch.Tensor]) -> _Pending:
     """o_proj / down_proj of ``x``: cuBLAS (``proj`` None), else Triton partial sums that the next
-    norm kernel reduces -- unless TP must all-reduce them first."""
+    norm reduces -- unless TP must all-reduce them first."""
     if proj is None:
         return _Pending(model._row_parallel_out(F.linear(x, w), bias))
     parts = proj.linear_parts(x, w)
@@ -105,8 +109,9 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
                 B: int, Lk: int, route_ctx=None, projections: bool = False) -> Optional[torch.Tensor]:
     """Decode rows ``[0, B)`` (token ``ids[b]`` at ``pos[b]``) attending over at most ``Lk`` keys;
     logits ``[B, V]`` in the model's dtype (None on TP ranks > 0). No host sync: graph-capturable.
-    ``projections``: the q/k/v, o, gate/up and down projections run as Triton kernels with RoPE +
-    the cache write, SiLU, and the partial-sum reduction folded in (`proj_kernels.py`)."""
+    ``projections``: the q/k/v, o, gate/up and down projections run as Triton kernels with the
+    residual add + RMSNorm (up to 16 rows), RoPE + the cache write, SiLU, and the partial-sum
+    reduction folded in (`proj_kernels.py`)."""
     from . import kernels   # triton: imported only where the fused step runs
     proj = None
     if projections:
@@ -121,27 +126,39 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
     try:
         for i, v in enumerate(views):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            h = y.add_and_norm(kernels, proj, x, P[f"model.layers.{i}.input_layernorm.weight"], eps)
+            w_in, w_post = P[f"model.layers.{i}.input_layernorm.weight"], P[f"model.layers.{i}.post_attention_layernorm.weight"]
             rope = (pos, model.rope_cos, model.rope_sin, model.k_cache[i], model.v_cache[i], nh, nkv,
                     P.get(a + "q_norm.weight"), P.get(a + "k_norm.weight"), eps)
             if proj is not None:
-                q = proj.qkv_rope(h, v.qkv_weight, v.qkv_bias, *rope)
+                inp = y.normed(proj, x, w_in, eps)
+                q = proj.qkv_rope(proj.projection_input(inp), v.qkv_weight, v.qkv_bias, *rope)
+                x = inp.x_out
             else:
+                h = y.add_and_norm(kernels, x, w_in, eps)
                 q = kernels.rope_and_store(F.linear(h, v.qkv_weight, v.qkv_bias), *rope)
             o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits)
             y = _row_parallel(model, proj, o, P[a + "o_proj.weight"], P.get(a + "o_proj.bias"))
-            h = y.add_and_norm(kernels, proj, x, P[f"model.layers.{i}.post_attention_layernorm.weight"], eps)
             if v.gate_up_weight is None:   # MoE layer: the torch path (routing needs the host)
+                if proj is not None:
+                    inp = y.normed(proj, x, w_post, eps)
+                    h, x = proj.add_norm(inp), inp.x_out
+                else:
+                    h = y.add_and_norm(kernels, x, w_post, eps)
                 y = _Pending(model._mlp(i, h[:, None])[:, 0])
                 continue
             if proj is not None:
-                act = proj.gate_up_silu(h, v.gate_up_weight, v.gate_up_bias)
+                inp = y.normed(proj, x, w_post, eps)
+                act = proj.gate_up_silu(proj.projection_input(inp), v.gate_up_weight, v.gate_up_bias)
+                x = inp.x_out
             else:
-                act = kernels.silu_mul(F.linear(h, v.gate_up_weight, v.gate_up_bias))
+                act = kernels.silu_mul(F.linear(y.add_and_norm(kernels, x, w_post, eps), v.gate_up_weight,
+                                                v.gate_up_bias))
             y = _row_parallel(model, proj, act, P[m + "down_proj.weight"], P.get(m + "down_proj.bias"))
     finally:
         model._route_ctx = None
     if model.tp_rank != 0:
         return None
+    w_out = P["model.norm.weight"]
+    h = proj.add_norm(y.normed(proj, x, w_out, eps)) if proj is not None else y.add_and_norm(kernels, x, w_out, eps)
     # in the model's dtype: the sampler upcasts as it reads (no [B, V] fp32 copy in the step)
-    return model._logits(y.add_and_norm(kernels, proj, x, P["model.norm.weight"], eps), upcast=False)
+    return model._logits(h, upcast=False)

@@ -25,7 +25,9 @@ own column block of the weight; the weight is read once per M block, which at de
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -36,25 +38,90 @@ from .kernels import _INTERPRET, rope_rotate, round_to
 MAX_SPLITS = 8
 SPLIT_MIN_K = 256     # a split reads at least this many of K (fewer: the fixed cost dominates)
 PARTS_PROGRAMS = 256  # o/down: split K until about this many programs read the weight
+# up to this many rows a projection makes its RMSNorm input itself (0: a separate norm kernel always)
+NORM_PROLOGUE_ROWS = int(os.environ.get("MEGARL_DECODE_NORM_PROLOGUE_ROWS", "16"))
 
 
 @triton.jit
-def _dot_block(acc, x_ptr, w_ptr, rows_m, m_mask, rows_n, n_mask, k_lo, K, stride_x, stride_w,
-               LEN: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr = _INTERPRET):
-    """``acc += x[rows_m, k_lo:k_lo+LEN] @ w[rows_n, k_lo:k_lo+LEN]^T`` (fp32 accumulation), columns
-    past K masked; LEN is a multiple of BLOCK_K (constant trip count: Triton's interpreter too)."""
+def _mma(acc, x, w, IEEE: tl.constexpr, INTERPRET: tl.constexpr = _INTERPRET):
+    """``acc += x @ w^T`` in fp32."""
+    if INTERPRET:   # Triton 3.5's interpreter multiplies 16-bit floats wrongly; the products are exact in fp32
+        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+    elif IEEE:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _residual(x_ptr, part_ptr, pb_ptr, rows, m_mask, kk, km, M, K, stride_x,
+              SPLITS: tl.constexpr, HAS_PB: tl.constexpr, dt: tl.constexpr):
+    """fp32 values of ``x + y`` on a tile, rounded as torch's body rounds: ``y`` is the sum of
+    SPLITS partial products ``part[s, rows, kk]`` in split order, rounded, plus its bias (rounded);
+    SPLITS 0: no branch to add."""
+    mask = m_mask[:, None] & km[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+    if SPLITS > 0:
+        acc = tl.zeros_like(x)
+        for s in tl.static_range(SPLITS):
+            acc += tl.load(part_ptr + (s * M + rows[:, None]) * K + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = round_to(acc, dt).to(tl.float32)
+        if HAS_PB:
+            y = round_to(y + tl.load(pb_ptr + kk, mask=km, other=0.0).to(tl.float32)[None, :], dt).to(tl.float32)
+        x = round_to(x + y, dt).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _add_rms_rows(x_ptr, part_ptr, pb_ptr, xo_ptr, rows, m_mask, write, M, K, stride_x, stride_o, eps,
+                  SPLITS: tl.constexpr, HAS_PB: tl.constexpr, LEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, dt: tl.constexpr):
+    """First pass of an RMSNorm over ``x + y`` (`_residual`): stores ``x + y`` to ``xo`` where
+    ``write``, returns each row's ``rsqrt(mean((x + y)^2) + eps)``."""
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, LEN, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < K
+        x = _residual(x_ptr, part_ptr, pb_ptr, rows, m_mask, kk, km, M, K, stride_x, SPLITS, HAS_PB, dt)
+        tl.store(xo_ptr + rows[:, None] * stride_o + kk[None, :], x.to(dt), mask=m_mask[:, None] & km[None, :] & write)
+        sq += x * x
+    return tl.math.rsqrt(tl.sum(sq, axis=1) / K + eps)
+
+
+@triton.jit
+def _normed(x, nw_ptr, kk, km, inv, dt: tl.constexpr):
+    """RMSNorm's output on a tile: ``w * (x * inv).to(dt)``, rounded as ``model._rms`` rounds."""
+    nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+    return round_to(nw[None, :] * round_to(x * inv[:, None], dt).to(tl.float32), dt)
+
+
+@triton.jit
+def _dot_pair(acc_a, acc_b, x_ptr, w_ptr, rows_m, m_mask, rows_a, rows_b, n_mask, k_lo, K, stride_x, stride_w,
+              part_ptr, pb_ptr, nw_ptr, inv, M,
+              PAIR: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr, HAS_PB: tl.constexpr,
+              LEN: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, dt: tl.constexpr):
+    """``acc_a += x[rows_m, k_lo:k_lo+LEN] @ w[rows_a, ...]^T`` and, with PAIR, ``acc_b`` over
+    ``rows_b`` from the same x tiles (fp32 accumulation; columns past K masked; LEN a multiple of
+    BLOCK_K, a constant trip count). NORM: x is not in memory but RMSNorm(x + y) * w, made tile by
+    tile from the residual and the branch's partial sums (`_residual`, `_normed`; ``inv`` from
+    `_add_rms_rows`)."""
     for k0 in range(0, LEN, BLOCK_K):
         kk = k_lo + k0 + tl.arange(0, BLOCK_K)
         km = kk < K
-        x = tl.load(x_ptr + rows_m[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
-        w = tl.load(w_ptr + rows_n[:, None] * stride_w + kk[None, :], mask=n_mask[:, None] & km[None, :], other=0.0)
-        if INTERPRET:   # Triton 3.5's interpreter multiplies 16-bit floats wrongly; the products are exact in fp32
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
-        elif IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        if NORM:
+            xr = _residual(x_ptr, part_ptr, pb_ptr, rows_m, m_mask, kk, km, M, K, stride_x, SPLITS, HAS_PB, dt)
+            x = _normed(xr, nw_ptr, kk, km, inv, dt)
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    return acc
+            x = tl.load(x_ptr + rows_m[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & km[None, :],
+                        other=0.0)
+        wa = tl.load(w_ptr + rows_a[:, None] * stride_w + kk[None, :], mask=n_mask[:, None] & km[None, :], other=0.0)
+        acc_a = _mma(acc_a, x, wa, IEEE)
+        if PAIR:
+            wb = tl.load(w_ptr + rows_b[:, None] * stride_w + kk[None, :], mask=n_mask[:, None] & km[None, :],
+                         other=0.0)
+            acc_b = _mma(acc_b, x, wb, IEEE)
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -76,51 +143,55 @@ def _linear_parts_kernel(x_ptr, w_ptr, part_ptr, M, N, stride_x, stride_w,
     sp = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask, n_mask = rows < M, cols < N
-    k_lo = sp * K_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _dot_block(acc, x_ptr, w_ptr, rows, m_mask, cols, n_mask, k_lo, K, stride_x, stride_w,
-                     K_SPLIT, BLOCK_K, IEEE)
+    acc, _ = _dot_pair(acc, acc, x_ptr, w_ptr, rows, m_mask, cols, cols, n_mask, sp * K_SPLIT, K, stride_x, stride_w,
+                       x_ptr, x_ptr, x_ptr, acc, M, PAIR=False, NORM=False, SPLITS=0, HAS_PB=False, LEN=K_SPLIT,
+                       BLOCK_K=BLOCK_K, IEEE=IEEE, dt=tl.float32)
     tl.store(part_ptr + (sp * M + rows[:, None]) * N + cols[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _parts_add_rms_kernel(part_ptr, b_ptr, x_ptr, w_ptr, h_ptr, M, H, eps, stride_x, stride_h,
-                          SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """Row ``r``: ``y = sum_s part[s, r]`` (in split order) rounded, plus the bias (rounded);
-    ``x[r] += y`` in place (rounded); ``h[r] = w * rmsnorm(x[r])``."""
-    r = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    m = offs < H
-    dt = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLITS):
-        acc += tl.load(part_ptr + (s * M + r) * H + offs, mask=m, other=0.0)
-    y = round_to(acc, dt)
-    if HAS_BIAS:
-        y = round_to(y.to(tl.float32) + tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32), dt)
-    x = round_to(tl.load(x_ptr + r * stride_x + offs, mask=m, other=0.0).to(tl.float32) + y.to(tl.float32), dt)
-    tl.store(x_ptr + r * stride_x + offs, x, mask=m)
-    xf = x.to(tl.float32)
-    normed = round_to(xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps), dt)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0)
-    tl.store(h_ptr + r * stride_h + offs, round_to(w.to(tl.float32) * normed.to(tl.float32), dt), mask=m)
+def _parts_add_rms_kernel(x_ptr, part_ptr, pb_ptr, nw_ptr, xo_ptr, h_ptr, M, eps, stride_x, stride_xo, stride_h,
+                          H: tl.constexpr, SPLITS: tl.constexpr, HAS_PB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row block: ``xo = x + y`` and ``h = w * rmsnorm(x + y)`` -- the arithmetic of a
+    projection's NORM prologue (`_add_rms_rows`, `_residual`, `_normed`), for consumers that need
+    ``h`` in memory (M above NORM_PROLOGUE_ROWS, an MoE layer, the LM head). Nothing is read after
+    it is written: the second pass recomputes ``x + y``."""
+    LEN: tl.constexpr = (H + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+    dt = h_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = rows < M
+    inv = _add_rms_rows(x_ptr, part_ptr, pb_ptr, xo_ptr, rows, m_mask, True, M, H, stride_x, stride_xo, eps,
+                        SPLITS, HAS_PB, LEN, BLOCK_M, BLOCK_K, dt)
+    for k0 in range(0, LEN, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < H
+        x = _residual(x_ptr, part_ptr, pb_ptr, rows, m_mask, kk, km, M, H, stride_x, SPLITS, HAS_PB, dt)
+        tl.store(h_ptr + rows[:, None] * stride_h + kk[None, :], _normed(x, nw_ptr, kk, km, inv, dt),
+                 mask=m_mask[:, None] & km[None, :])
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, I, stride_x, stride_w, stride_o,
-                         K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, pb_ptr, nw_ptr, xo_ptr, M, I, stride_x, stride_w,
+                         stride_o, stride_xo, eps,
+                         K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr,
+                         HAS_PB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         IEEE: tl.constexpr):
     """Program (column block j, row block): gate columns j and up columns I + j of the stacked
-    ``[2I, K]`` weight, then ``out = silu(gate) * up`` (silu rounded before the product)."""
+    ``[2I, K]`` weight, then ``out = silu(gate) * up`` (silu rounded before the product). NORM:
+    the input is RMSNorm(x + y) * w, made here (the first column block stores x + y to ``xo``)."""
     K_PAD: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask, n_mask = rows < M, cols < I
     dt = out_ptr.dtype.element_ty
-    g = _dot_block(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr, w_ptr, rows, m_mask, cols, n_mask,
-                   0, K, stride_x, stride_w, K_PAD, BLOCK_K, IEEE)
-    u = _dot_block(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr, w_ptr, rows, m_mask, I + cols, n_mask,
-                   0, K, stride_x, stride_w, K_PAD, BLOCK_K, IEEE)
+    inv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        inv = _add_rms_rows(x_ptr, part_ptr, pb_ptr, xo_ptr, rows, m_mask, tl.program_id(0) == 0, M, K, stride_x,
+                            stride_xo, eps, SPLITS, HAS_PB, K_PAD, BLOCK_M, BLOCK_K, dt)
+    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g, u = _dot_pair(g, g, x_ptr, w_ptr, rows, m_mask, cols, I + cols, n_mask, 0, K, stride_x, stride_w,
+                     part_ptr, pb_ptr, nw_ptr, inv, M, True, NORM, SPLITS, HAS_PB, K_PAD, BLOCK_K, IEEE, dt)
     g = _biased(g, b_ptr, cols, n_mask, HAS_BIAS, dt).to(tl.float32)
     u = _biased(u, b_ptr, I + cols, n_mask, HAS_BIAS, dt).to(tl.float32)
     act = round_to(g / (1.0 + tl.exp(-g)), dt).to(tl.float32)
@@ -130,14 +201,18 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, I, stride_x, stride_w,
 
 @triton.jit
 def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr,
-                     M, stride_x, stride_w, stride_qb, stride_kr, stride_kh, stride_kp, stride_cs, NH, NKV, eps,
+                     part_ptr, pb_ptr, nw_ptr, xo_ptr,
+                     M, stride_x, stride_w, stride_qb, stride_kr, stride_kh, stride_kp, stride_cs, stride_xo,
+                     NH, NKV, eps,
                      K: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+                     NORM: tl.constexpr, SPLITS: tl.constexpr, HAS_PB: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """Program (head h and column block j of its first half, row block): columns ``j`` and
     ``j + HALF`` of head h of the stacked ``[(NH + 2 NKV) * 2 HALF, K]`` q/k/v weight. A query head
     is rotated into ``q[rows, h]``; a key head rotated into the cache at (row, pos[row]); a value
     head copied there. QK_NORM (BLOCK_N == HALF: the whole head in one program) RMS-normalises
-    each q/k head first."""
+    each q/k head first. NORM: the input is RMSNorm(x + y) * w, made here (program 0 stores x + y
+    to ``xo``)."""
     per_head: tl.constexpr = HALF // BLOCK_N
     K_PAD: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
     h = tl.program_id(0) // per_head
@@ -148,10 +223,13 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
     dt = q_ptr.dtype.element_ty
     c1 = h * (2 * HALF) + j
     c2 = c1 + HALF
-    x1 = _dot_block(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr, w_ptr, rows, m_mask, c1, n_all,
-                    0, K, stride_x, stride_w, K_PAD, BLOCK_K, IEEE)
-    x2 = _dot_block(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr, w_ptr, rows, m_mask, c2, n_all,
-                    0, K, stride_x, stride_w, K_PAD, BLOCK_K, IEEE)
+    inv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        inv = _add_rms_rows(x_ptr, part_ptr, pb_ptr, xo_ptr, rows, m_mask, tl.program_id(0) == 0, M, K, stride_x,
+                            stride_xo, eps, SPLITS, HAS_PB, K_PAD, BLOCK_M, BLOCK_K, dt)
+    x1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x1, x2 = _dot_pair(x1, x1, x_ptr, w_ptr, rows, m_mask, c1, c2, n_all, 0, K, stride_x, stride_w,
+                       part_ptr, pb_ptr, nw_ptr, inv, M, True, NORM, SPLITS, HAS_PB, K_PAD, BLOCK_K, IEEE, dt)
     x1 = _biased(x1, b_ptr, c1, n_all, HAS_BIAS, dt)
     x2 = _biased(x2, b_ptr, c2, n_all, HAS_BIAS, dt)
     p = tl.load(pos_ptr + rows, mask=m_mask, other=0)
@@ -208,7 +286,7 @@ def splits_for(K: int, N: int, block_n: int = 32) -> int:
 
 def linear_parts(x: torch.Tensor, w: torch.Tensor, splits: Optional[int] = None, block_n: int = 32) -> torch.Tensor:
     """``x [M, K] @ w[N, K]^T`` as ``splits`` fp32 partial sums ``[splits, M, N]`` over K ranges
-    (their sum in split order is the product; `add_parts_rms_norm` takes it as it is)."""
+    (their sum in split order is the product; a `NormedInput` takes it as it is)."""
     M, K = x.shape
     N = w.shape[0]
     S = splits or splits_for(K, N, block_n)
@@ -223,52 +301,108 @@ def linear_parts(x: torch.Tensor, w: torch.Tensor, splits: Optional[int] = None,
 
 
 def parts_sum(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The product a `linear_parts` result stands for, in ``dtype`` (where its consumer is not
-    `add_parts_rms_norm`: a TP all-reduce, an MoE layer's input)."""
+    """The product a `linear_parts` result stands for, in ``dtype`` (where its consumer is not a
+    `NormedInput`: a TP all-reduce)."""
     return part.sum(0).to(dtype)
 
 
-def add_parts_rms_norm(x: torch.Tensor, part: torch.Tensor, bias: Optional[torch.Tensor], w: torch.Tensor,
-                       eps: float) -> torch.Tensor:
-    """``x += round(sum(part)) (+ bias)`` in place, then RMSNorm(x) * w -> a new ``[M, H]`` tensor."""
-    M, H = x.shape
+@dataclass
+class NormedInput:
+    """A projection input given as ``RMSNorm(x + y) * weight`` rather than as a tensor: the kernel
+    that consumes it makes it tile by tile and writes the new residual ``x + y`` to ``x_out``.
+    ``y`` is ``parts`` -- `linear_parts` sums ``[S, M, H]`` (a dense ``[M, H]`` branch output is
+    one part), or None (nothing to add) -- plus ``bias`` (added after the sum, as after a TP
+    all-reduce)."""
+    x: torch.Tensor
+    parts: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    weight: torch.Tensor
+    eps: float
+    x_out: Optional[torch.Tensor] = None
+
+    def launch_args(self) -> Tuple[tuple, dict]:
+        """(pointer args: x, parts, bias, weight, x_out) and constexprs, with ``x_out`` allocated."""
+        self.x_out = torch.empty_like(self.x)
+        parts = self.parts
+        if parts is not None and parts.dim() == 2:
+            parts = parts[None]
+        assert parts is None or (parts.shape[1:] == self.x.shape and parts.is_contiguous()), "parts [S, M, H]"
+        args = (self.x, parts if parts is not None else self.x, self.bias if self.bias is not None else self.weight,
+                self.weight, self.x_out)
+        return args, dict(SPLITS=0 if parts is None else parts.shape[0], HAS_PB=self.bias is not None)
+
+
+def add_norm(inp: NormedInput) -> torch.Tensor:
+    """``h = RMSNorm(x + y) * w`` into memory (``inp.x_out`` = x + y)."""
+    M, H = inp.x.shape
+    (x, part, pb, nw, xo), const = inp.launch_args()
     h = torch.empty_like(x)
-    _parts_add_rms_kernel[(M,)](part, bias if bias is not None else w, x, w, h, M, H, eps, x.stride(0), h.stride(0),
-                                SPLITS=part.shape[0], HAS_BIAS=bias is not None, BLOCK=triton.next_power_of_2(H))
+    bm = 4
+    _parts_add_rms_kernel[(triton.cdiv(M, bm),)](x, part, pb, nw, xo, h, M, inp.eps, x.stride(0), xo.stride(0),
+                                                 h.stride(0), H=H, BLOCK_M=bm, BLOCK_K=_block_k(H), **const)
     return h
 
 
-def gate_up_silu(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], block_n: int = 32) -> torch.Tensor:
-    """``x [M, K]`` through the stacked gate/up weight ``[2I, K]`` -> ``silu(gate) * up`` ``[M, I]``."""
-    M, K = x.shape
+def projection_input(inp: NormedInput):
+    """What a projection of ``inp`` takes: ``inp`` itself where its kernel makes the norm in its
+    prologue (at most NORM_PROLOGUE_ROWS rows: one row block, so the norm is made once per column
+    block), else ``h`` made by `add_norm` first. Either way ``inp.x_out`` is the new residual
+    once the projection ran."""
+    return inp if inp.x.shape[0] <= min(NORM_PROLOGUE_ROWS, 16) else add_norm(inp)
+
+
+def _input_args(inp, M: int):
+    """Kernel args for a projection input: a tensor, or a `NormedInput` made in the kernel."""
+    if isinstance(inp, NormedInput):
+        assert M <= 16, "a NormedInput prologue serves one row block of 16"
+        (x, part, pb, nw, xo), const = inp.launch_args()
+        return (x, part, pb, nw, xo), xo.stride(0), dict(NORM=True, **const)
+    return (inp, inp, inp, inp, inp), 0, dict(NORM=False, SPLITS=0, HAS_PB=False)
+
+
+def gate_up_silu(inp, w: torch.Tensor, bias: Optional[torch.Tensor], block_n: int = 32) -> torch.Tensor:
+    """``inp [M, K]`` (a tensor or a `NormedInput`) through the stacked gate/up weight ``[2I, K]``
+    -> ``silu(gate) * up`` ``[M, I]``."""
+    x0 = inp.x if isinstance(inp, NormedInput) else inp
+    M, K = x0.shape
     inter = w.shape[0] // 2
+    (x, part, pb, nw, xo), stride_xo, const = _input_args(inp, M)
+    eps = inp.eps if isinstance(inp, NormedInput) else 0.0
     out = torch.empty(M, inter, dtype=x.dtype, device=x.device)
     bm = _block_m(M)
     _gate_up_silu_kernel[(triton.cdiv(inter, block_n), triton.cdiv(M, bm))](
-        x, w, bias if bias is not None else w, out, M, inter, x.stride(0), w.stride(0), out.stride(0), K=K,
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=_block_k(K), IEEE=x.dtype == torch.float32)
+        x, w, bias if bias is not None else w, out, part, pb, nw, xo, M, inter, x.stride(0), w.stride(0),
+        out.stride(0), stride_xo, eps, K=K, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n,
+        BLOCK_K=_block_k(K), IEEE=x.dtype == torch.float32, **const)
     return out
 
 
-def qkv_rope(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], pos: torch.Tensor, cos: torch.Tensor,
+def qkv_rope(inp, w: torch.Tensor, bias: Optional[torch.Tensor], pos: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nh: int, nkv: int,
              q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
              eps: float = 0.0) -> torch.Tensor:
-    """``x [M, K]`` through the stacked q/k/v weight -> rotated queries ``[M, nh, D]``; keys
-    (rotated) and values go to row m, position ``pos[m]`` of the layer's caches
-    ``[rows, nkv, max_len, D]``."""
-    M, K = x.shape
+    """``inp [M, K]`` (a tensor or a `NormedInput`) through the stacked q/k/v weight -> rotated
+    queries ``[M, nh, D]``; keys (rotated) and values go to row m, position ``pos[m]`` of the
+    layer's caches ``[rows, nkv, max_len, D]``."""
+    x0 = inp.x if isinstance(inp, NormedInput) else inp
+    M, K = x0.shape
     D = k_cache.shape[-1]
     half = D // 2
     norm = q_norm is not None
     block_n = half if norm else 16
+    if isinstance(inp, NormedInput):
+        if norm and inp.eps != eps:
+            raise ValueError(f"one eps serves the input norm and q/k norm: {inp.eps} != {eps}")
+        eps = inp.eps
+    (x, part, pb, nw, xo), stride_xo, const = _input_args(inp, M)
     q = torch.empty(M, nh, D, dtype=x.dtype, device=x.device)
     bm = _block_m(M)
     _qkv_rope_kernel[((nh + 2 * nkv) * (half // block_n), triton.cdiv(M, bm))](
         x, w, bias if bias is not None else w, pos, cos, sin, q_norm if norm else w, k_norm if norm else w, q,
-        k_cache, v_cache, M, x.stride(0), w.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), cos.stride(0), nh, nkv, eps, K=K, HALF=half, HAS_BIAS=bias is not None,
-        QK_NORM=norm, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=_block_k(K), IEEE=x.dtype == torch.float32)
+        k_cache, v_cache, part, pb, nw, xo, M, x.stride(0), w.stride(0), q.stride(0), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), cos.stride(0), stride_xo, nh, nkv, eps, K=K, HALF=half,
+        HAS_BIAS=bias is not None, QK_NORM=norm, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=_block_k(K),
+        IEEE=x.dtype == torch.float32, **const)
     return q
 
 
