@@ -284,7 +284,8 @@ def splits_for(K: int, N: int, block_n: int = 32) -> int:
     return s
 
 
-def linear_parts(x: torch.Tensor, w: torch.Tensor, splits: Optional[int] = None, block_n: int = 32) -> torch.Tensor:
+def linear_parts(x: torch.Tensor, w: torch.Tensor, splits: Optional[int] = None, block_n: int = 32,
+                 num_warps: int = 4) -> torch.Tensor:
     """``x [M, K] @ w[N, K]^T`` as ``splits`` fp32 partial sums ``[splits, M, N]`` over K ranges
     (their sum in split order is the product; a `NormedInput` takes it as it is)."""
     M, K = x.shape
@@ -296,7 +297,7 @@ def linear_parts(x: torch.Tensor, w: torch.Tensor, splits: Optional[int] = None,
     bm = _block_m(M)
     _linear_parts_kernel[(triton.cdiv(N, block_n), S, triton.cdiv(M, bm))](
         x, w, part, M, N, x.stride(0), w.stride(0), K=K, K_SPLIT=k_split, BLOCK_M=bm, BLOCK_N=block_n,
-        BLOCK_K=bk, IEEE=x.dtype == torch.float32)
+        BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=num_warps)
     return part
 
 
@@ -360,7 +361,8 @@ def _input_args(inp, M: int):
     return (inp, inp, inp, inp, inp), 0, dict(NORM=False, SPLITS=0, HAS_PB=False)
 
 
-def gate_up_silu(inp, w: torch.Tensor, bias: Optional[torch.Tensor], block_n: int = 32) -> torch.Tensor:
+def gate_up_silu(inp, w: torch.Tensor, bias: Optional[torch.Tensor], block_n: int = 32,
+                 num_warps: int = 4) -> torch.Tensor:
     """``inp [M, K]`` (a tensor or a `NormedInput`) through the stacked gate/up weight ``[2I, K]``
     -> ``silu(gate) * up`` ``[M, I]``."""
     x0 = inp.x if isinstance(inp, NormedInput) else inp
@@ -373,14 +375,14 @@ def gate_up_silu(inp, w: torch.Tensor, bias: Optional[torch.Tensor], block_n: in
     _gate_up_silu_kernel[(triton.cdiv(inter, block_n), triton.cdiv(M, bm))](
         x, w, bias if bias is not None else w, out, part, pb, nw, xo, M, inter, x.stride(0), w.stride(0),
         out.stride(0), stride_xo, eps, K=K, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n,
-        BLOCK_K=_block_k(K), IEEE=x.dtype == torch.float32, **const)
+        BLOCK_K=_block_k(K), IEEE=x.dtype == torch.float32, num_warps=num_warps, **const)
     return out
 
 
 def qkv_rope(inp, w: torch.Tensor, bias: Optional[torch.Tensor], pos: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nh: int, nkv: int,
              q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
-             eps: float = 0.0) -> torch.Tensor:
+             eps: float = 0.0, block_n: int = 16, num_warps: int = 4) -> torch.Tensor:
     """``inp [M, K]`` (a tensor or a `NormedInput`) through the stacked q/k/v weight -> rotated
     queries ``[M, nh, D]``; keys (rotated) and values go to row m, position ``pos[m]`` of the
     layer's caches ``[rows, nkv, max_len, D]``."""
@@ -389,7 +391,7 @@ def qkv_rope(inp, w: torch.Tensor, bias: Optional[torch.Tensor], pos: torch.Tens
     D = k_cache.shape[-1]
     half = D // 2
     norm = q_norm is not None
-    block_n = half if norm else 16
+    block_n = half if norm else min(block_n, half)   # q/k norm: the whole head in one program
     if isinstance(inp, NormedInput):
         if norm and inp.eps != eps:
             raise ValueError(f"one eps serves the input norm and q/k norm: {inp.eps} != {eps}")
@@ -402,7 +404,7 @@ def qkv_rope(inp, w: torch.Tensor, bias: Optional[torch.Tensor], pos: torch.Tens
         k_cache, v_cache, part, pb, nw, xo, M, x.stride(0), w.stride(0), q.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), cos.stride(0), stride_xo, nh, nkv, eps, K=K, HALF=half,
         HAS_BIAS=bias is not None, QK_NORM=norm, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=_block_k(K),
-        IEEE=x.dtype == torch.float32, **const)
+        IEEE=x.dtype == torch.float32, num_warps=num_warps, **const)
     return q
 
 
