@@ -9,7 +9,7 @@ Each variant is captured in one CUDA graph over ``--layers`` layers of distinct 
 ``--repeats``). The bound is the weights' bytes at the copy bandwidth measured in the same run.
 ``--device cpu`` runs the kernels under Triton's interpreter on 2 layers (a smoke run).
 
-    python benchmarks/bench_proj.py --shape qwen2.5-0.5b --rows 1,32,128
+    python benchmarks/bench_proj.py --shape qwen2.5-0.5b --rows 1,8,32,128
 """
 from __future__ import annotations
 
@@ -41,11 +41,12 @@ def _layers(shape: dict, n: int, dev, dtype):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-0.5b")
-    ap.add_argument("--rows", default="1,32,128")
+    ap.add_argument("--rows", default="1,8,32,128")
     ap.add_argument("--layers", type=int, default=0, help="0: the shape's")
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--configs", default="16/4,32/4,64/4,32/2,16/2",
-                    help="block_n/num_warps of gate/up and o/down (q/k/v: min(block_n, D/2))")
+    ap.add_argument("--configs", default="16/4,32/4,64/4,32/2,16/2,32/8/128,64/8/128",
+                    help="block_n/num_warps[/block_m] of the projections (q/k/v: min(block_n, D/2); block_m: "
+                         "rows per program, default up to 64)")
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     a = ap.parse_args()
     cuda = use_cuda(a.device)
@@ -86,24 +87,28 @@ def main() -> None:
                 y = F.linear(kernels.silu_mul(F.linear(h, ly["gu"])), ly["down"])
             return kernels.add_rms_norm(x, y, layers[-1]["n1"], 1e-6)
 
-        def triton_proj(bn, warps, prologue):
+        def triton_proj(bn, warps, prologue, bm=None):
             def step():
                 x, parts = x0, None
                 for ly in layers:
                     inp = proj.NormedInput(x, parts, None, ly["n1"], 1e-6)
                     proj.qkv_rope(inp if prologue else proj.add_norm(inp), ly["qkv"], ly["qkv_b"], pos, cos, sin,
-                                  *caches, nh, nkv, block_n=bn, num_warps=warps)
-                    parts = proj.linear_parts(o_in, ly["o"], block_n=bn, num_warps=warps)
+                                  *caches, nh, nkv, block_n=bn, num_warps=warps, block_m=bm)
+                    parts = proj.linear_parts(o_in, ly["o"], block_n=bn, num_warps=warps, block_m=bm)
                     inp2 = proj.NormedInput(inp.x_out, parts, None, ly["n2"], 1e-6)
                     act = proj.gate_up_silu(inp2 if prologue else proj.add_norm(inp2), ly["gu"], None, block_n=bn,
-                                            num_warps=warps)
-                    x, parts = inp2.x_out, proj.linear_parts(act, ly["down"], block_n=bn, num_warps=warps)
+                                            num_warps=warps, block_m=bm)
+                    x, parts = inp2.x_out, proj.linear_parts(act, ly["down"], block_n=bn, num_warps=warps, block_m=bm)
                 return proj.add_norm(proj.NormedInput(x, parts, None, layers[-1]["n1"], 1e-6))
             return step
 
         variants = {"cublas": cublas}
         for c in a.configs.split(","):
-            bn, warps = (int(v) for v in c.split("/"))
+            bn, warps, *bm = (int(v) for v in c.split("/"))
+            if bm:   # a rows-per-program override: only where it changes the blocks
+                if bm[0] < M and M > 16 or bm[0] > 64 and M > 64:
+                    variants[f"proj_bn{bn}_w{warps}_bm{bm[0]}"] = triton_proj(bn, warps, False, bm[0])
+                continue
             variants[f"proj_bn{bn}_w{warps}"] = triton_proj(bn, warps, False)
             if M <= 16:
                 variants[f"proj_bn{bn}_w{warps}_prologue"] = triton_proj(bn, warps, True)

@@ -92,7 +92,7 @@ decode_tests) # the Triton decode step's and sampler's tests compiled on the GPU
         python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest/*.whl
         python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py tests/test_proj_kernels.py ${DECODE_TESTS_K:+-k $DECODE_TESTS_K} 2>&1 | tail -15 | tee -a $OUT/log ;;
 proj) # the projections alone over 24 layers: cuBLAS + elementwise kernels vs the Triton projections, tile configs
-      run 300 python3 benchmarks/bench_proj.py --shape qwen2.5-0.5b --rows 1,32,128 ;;
+      run 300 python3 benchmarks/bench_proj.py --shape qwen2.5-0.5b --rows 1,8,32,128 ;;
 decode_proj) # the decode step with its projections in Triton too (proj_kernels.py) vs cuBLAS, same run
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
           --new 128 --kernels triton,triton-proj --no-hf --profile $OUT/prof_decode_proj.txt $DECODE_ARGS

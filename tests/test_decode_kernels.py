@@ -44,7 +44,7 @@ def _model(path, mode):
 
 
 # "triton-proj": the projections in Triton too (proj_kernels.py; half a head >= 16 columns), with
-# their input norms made in their prologues (up to 16 rows) or by the separate norm kernel (0)
+# their input norms made in their prologues (up to 16 rows here) or by the separate norm kernel (0)
 FUSED_MODES = [("triton", {}, 16), ("triton-proj", {"head_dim": 32}, 16), ("triton-proj", {"head_dim": 32}, 0)]
 
 

@@ -13,9 +13,9 @@ Layouts where they are not adjacent, LoRA adapters and head dims that are not po
 the torch body instead (`DecoderModel.decode_kernels`).
 
 With ``decode_kernels = "triton-proj"`` the projections are Triton kernels too (`proj_kernels.py`),
-each folding in its neighbours: the residual add + RMSNorm (up to 16 rows) and RoPE + the cache
+each folding in its neighbours: the residual add + RMSNorm (for a few rows) and RoPE + the cache
 write into q/k/v, the add + RMSNorm and SiLU-and-mul into gate/up, and o/down's split-K partial
-sums are reduced where they are consumed -- 5 kernels per layer up to 16 rows (q/k/v, attention,
+sums are reduced where they are consumed -- 5 kernels per layer up to NORM_PROLOGUE_ROWS (q/k/v, attention,
 o, gate/up, down), 7 above (two add + RMSNorm kernels).
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
     """Decode rows ``[0, B)`` (token ``ids[b]`` at ``pos[b]``) attending over at most ``Lk`` keys;
     logits ``[B, V]`` in the model's dtype (None on TP ranks > 0). No host sync: graph-capturable.
     ``projections``: the q/k/v, o, gate/up and down projections run as Triton kernels with the
-    residual add + RMSNorm (up to 16 rows), RoPE + the cache write, SiLU, and the partial-sum
+    residual add + RMSNorm (up to NORM_PROLOGUE_ROWS rows), RoPE + the cache write, SiLU, and the partial-sum
     reduction folded in (`proj_kernels.py`)."""
     from . import kernels   # triton: imported only where the fused step runs
     proj = None

@@ -39,7 +39,8 @@ MAX_SPLITS = 8
 SPLIT_MIN_K = 256     # a split reads at least this many of K (fewer: the fixed cost dominates)
 PARTS_PROGRAMS = 256  # o/down: split K until about this many programs read the weight
 # up to this many rows a projection makes its RMSNorm input itself (0: a separate norm kernel always)
-NORM_PROLOGUE_ROWS = int(os.environ.get("MEGARL_DECODE_NORM_PROLOGUE_ROWS", "16"))
+# (every program of the projection re-reads the rows' x and branch parts: cheap for a few rows only)
+NORM_PROLOGUE_ROWS = int(os.environ.get("MEGARL_DECODE_NORM_PROLOGUE_ROWS", "4"))
 
 
 @triton.jit
@@ -285,7 +286,7 @@ def splits_for(K: int, N: int, block_n: int = 32) -> int:
 
 
 def linear_parts(x: torch.Tensor, w: torch.Tensor, splits: Optional[int] = None, block_n: int = 32,
-                 num_warps: int = 4) -> torch.Tensor:
+                 num_warps: int = 4, block_m: Optional[int] = None) -> torch.Tensor:
     """``x [M, K] @ w[N, K]^T`` as ``splits`` fp32 partial sums ``[splits, M, N]`` over K ranges
     (their sum in split order is the product; a `NormedInput` takes it as it is)."""
     M, K = x.shape
@@ -294,7 +295,7 @@ def linear_parts(x: torch.Tensor, w: torch.Tensor, splits: Optional[int] = None,
     bk = _block_k(K)
     k_split = triton.cdiv(triton.cdiv(K, S), bk) * bk
     part = torch.empty(S, M, N, dtype=torch.float32, device=x.device)
-    bm = _block_m(M)
+    bm = block_m or _block_m(M)
     _linear_parts_kernel[(triton.cdiv(N, block_n), S, triton.cdiv(M, bm))](
         x, w, part, M, N, x.stride(0), w.stride(0), K=K, K_SPLIT=k_split, BLOCK_M=bm, BLOCK_N=block_n,
         BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=num_warps)
@@ -362,7 +363,7 @@ def _input_args(inp, M: int):
 
 
 def gate_up_silu(inp, w: torch.Tensor, bias: Optional[torch.Tensor], block_n: int = 32,
-                 num_warps: int = 4) -> torch.Tensor:
+                 num_warps: int = 4, block_m: Optional[int] = None) -> torch.Tensor:
     """``inp [M, K]`` (a tensor or a `NormedInput`) through the stacked gate/up weight ``[2I, K]``
     -> ``silu(gate) * up`` ``[M, I]``."""
     x0 = inp.x if isinstance(inp, NormedInput) else inp
@@ -371,7 +372,7 @@ def gate_up_silu(inp, w: torch.Tensor, bias: Optional[torch.Tensor], block_n: in
     (x, part, pb, nw, xo), stride_xo, const = _input_args(inp, M)
     eps = inp.eps if isinstance(inp, NormedInput) else 0.0
     out = torch.empty(M, inter, dtype=x.dtype, device=x.device)
-    bm = _block_m(M)
+    bm = 16 if isinstance(inp, NormedInput) else (block_m or _block_m(M))
     _gate_up_silu_kernel[(triton.cdiv(inter, block_n), triton.cdiv(M, bm))](
         x, w, bias if bias is not None else w, out, part, pb, nw, xo, M, inter, x.stride(0), w.stride(0),
         out.stride(0), stride_xo, eps, K=K, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n,
@@ -382,7 +383,7 @@ def gate_up_silu(inp, w: torch.Tensor, bias: Optional[torch.Tensor], block_n: in
 def qkv_rope(inp, w: torch.Tensor, bias: Optional[torch.Tensor], pos: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nh: int, nkv: int,
              q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
-             eps: float = 0.0, block_n: int = 16, num_warps: int = 4) -> torch.Tensor:
+             eps: float = 0.0, block_n: int = 16, num_warps: int = 4, block_m: Optional[int] = None) -> torch.Tensor:
     """``inp [M, K]`` (a tensor or a `NormedInput`) through the stacked q/k/v weight -> rotated
     queries ``[M, nh, D]``; keys (rotated) and values go to row m, position ``pos[m]`` of the
     layer's caches ``[rows, nkv, max_len, D]``."""
@@ -398,7 +399,7 @@ def qkv_rope(inp, w: torch.Tensor, bias: Optional[torch.Tensor], pos: torch.Tens
         eps = inp.eps
     (x, part, pb, nw, xo), stride_xo, const = _input_args(inp, M)
     q = torch.empty(M, nh, D, dtype=x.dtype, device=x.device)
-    bm = _block_m(M)
+    bm = 16 if isinstance(inp, NormedInput) else (block_m or _block_m(M))
     _qkv_rope_kernel[((nh + 2 * nkv) * (half // block_n), triton.cdiv(M, bm))](
         x, w, bias if bias is not None else w, pos, cos, sin, q_norm if norm else w, k_norm if norm else w, q,
         k_cache, v_cache, part, pb, nw, xo, M, x.stride(0), w.stride(0), q.stride(0), k_cache.stride(0),
