@@ -90,7 +90,7 @@ mps_prio) # the same two off-policy modes with the rollout server at MPS's below
 decode_tests) # the Triton decode step's and sampler's tests compiled on the GPU (fp32, against SDPA, the
               # torch body, HF and a float64 sort for the filters)
         python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest/*.whl
-        python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py tests/test_proj_kernels.py ${DECODE_TESTS_K:+-k $DECODE_TESTS_K} 2>&1 | tail -15 | tee -a $OUT/log ;;
+        python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py tests/test_proj_kernels.py ${DECODE_TESTS_K:+-k "$DECODE_TESTS_K"} 2>&1 | tail -15 | tee -a $OUT/log ;;
 proj) # the projections alone over 24 layers: cuBLAS + elementwise kernels vs the Triton projections, tile configs
       run 300 python3 benchmarks/bench_proj.py --shape qwen2.5-0.5b --rows 1,8,32,128 ;;
 decode_proj) # the decode step with its projections in Triton too (proj_kernels.py) vs cuBLAS, same run

@@ -39,8 +39,10 @@ MAX_SPLITS = 8
 SPLIT_MIN_K = 256     # a split reads at least this many of K (fewer: the fixed cost dominates)
 PARTS_PROGRAMS = 256  # o/down: split K until about this many programs read the weight
 # up to this many rows a projection makes its RMSNorm input itself (0: a separate norm kernel always)
-# (every program of the projection re-reads the rows' x and branch parts: cheap for a few rows only)
-NORM_PROLOGUE_ROWS = int(os.environ.get("MEGARL_DECODE_NORM_PROLOGUE_ROWS", "4"))
+# Off by default: every program of the projection re-reads the rows' x and branch parts, twice, one
+# dependent load after another -- on the H200 it made q/k/v 18.8 us and the projections 0.69x
+# cuBLAS at one row, against 0.77x with a separate norm kernel (benchmarks/RESULTS.md, section 22)
+NORM_PROLOGUE_ROWS = int(os.environ.get("MEGARL_DECODE_NORM_PROLOGUE_ROWS", "0"))
 
 
 @triton.jit
@@ -339,9 +341,10 @@ def add_norm(inp: NormedInput) -> torch.Tensor:
     M, H = inp.x.shape
     (x, part, pb, nw, xo), const = inp.launch_args()
     h = torch.empty_like(x)
-    bm = 4
-    _parts_add_rms_kernel[(triton.cdiv(M, bm),)](x, part, pb, nw, xo, h, M, inp.eps, x.stride(0), xo.stride(0),
-                                                 h.stride(0), H=H, BLOCK_M=bm, BLOCK_K=_block_k(H), **const)
+    # one row per program, the whole row in one block: each pass is one round of loads (four rows
+    # per program in 128-column steps took 10.6 us on the H200 at 32 rows, section 22)
+    _parts_add_rms_kernel[(M,)](x, part, pb, nw, xo, h, M, inp.eps, x.stride(0), xo.stride(0), h.stride(0), H=H,
+                                BLOCK_M=1, BLOCK_K=triton.next_power_of_2(H), num_warps=4, **const)
     return h
 
 
