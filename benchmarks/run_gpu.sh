@@ -95,10 +95,7 @@ proj) # the projections alone over 24 layers: cuBLAS + elementwise kernels vs th
       run 300 python3 benchmarks/bench_proj.py --shape qwen2.5-0.5b --rows 1,8,32,128 ;;
 decode_proj) # the decode step with its projections in Triton too (proj_kernels.py) vs cuBLAS, same run
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
-          --new 128 --kernels triton,triton-proj --no-hf --profile $OUT/prof_decode_proj.txt $DECODE_ARGS
-        # batch 1 with the input norms as separate kernels (the prologue's share)
-        MEGARL_DECODE_NORM_PROLOGUE_ROWS=0 run 150 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b \
-          --batch 1 --prompt 32 --new 128 --kernels triton,triton-proj --no-hf ;;
+          --new 128 --kernels triton,triton-proj --no-hf --profile $OUT/prof_decode_proj.txt $DECODE_ARGS ;;
 sampler) run 120 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 rollout_topp128) # rollout_topp's decode runs at batch 128 only, filtered then unfiltered
          run 120 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 128 --prompt 32 --new 128 --temperature 1 --top-p 0.9 --no-hf
