@@ -1,27 +1,29 @@
 """Triton projections for a decode step's few rows, with the work around them folded in.
 
 Why: at decode, a projection multiplies a handful of rows (M = 1..128) by a weight matrix, so its
-time is the weight's bytes plus a fixed cost per kernel. cuBLAS pays that fixed cost more than
-once at these sizes (a split-K GEMM and its reduce kernel, 4.4-8 us each on the H200 for bytes
-that take ~1 us, benchmarks/RESULTS.md section 16), and the elementwise work between projections
-costs a kernel of its own. Here each projection is one kernel that also does its neighbours' work:
+time is the weight's bytes plus a fixed cost per kernel; section 16 of benchmarks/RESULTS.md saw
+cuBLAS at 4.4-8 us per projection for bytes that take ~1 us, and the elementwise work between
+projections costing a kernel of its own. Here each projection is one kernel that also does its
+neighbours' work:
 
 - ``qkv_rope``: the q/k/v projection + bias, q/k RMSNorm (qwen3), RoPE, and the key/value cache
   write -- the rotation pairs columns ``j`` and ``j + D/2`` of a head, so one program computes both
   halves of its column block as two accumulators;
 - ``gate_up_silu``: the gate/up projection + bias and ``silu(gate) * up``, gate and up columns of
-  one block as two accumulators;
+  one block as two accumulators over the same input tiles;
 - ``linear_parts``: o_proj / down_proj split over K into fp32 partial sums (more programs reading
-  the weight at once), summed in a fixed order by the next ``add_parts_rms_norm`` together with
-  the bias, the residual add and the RMSNorm -- so the row-parallel output costs no reduce kernel.
+  the weight at once), summed in a fixed order by their consumer (`add_norm`, or a projection's
+  `NormedInput` prologue) together with the bias and the residual add -- no reduce kernel.
+
+Measured (section 22): at parity with the cuBLAS step (0.97-1.04x on an H100, batch 128 to 1), so
+`DecoderModel` runs these only when asked (``decode_kernels = "triton-proj"``). Each program walks
+K in dependent 128-column steps; passing cuBLAS needs more bytes in flight per SM.
 
 Numerics follow the torch body op by op (``DecoderModel._layer``): q/k/v and gate/up round once
 after their bias (``F.linear(x, w, b)``), o/down round before their bias and after it (the bias
-is added after the TP all-reduce), RoPE and SiLU round where torch rounds. Only the order of the K reduction differs, as between any two GEMM kernels; the
-split count depends on K only, never on how many rows the step has.
-
-Every program loads its rows' whole K extent of the activations (a few KB at these M) and its
-own column block of the weight; the weight is read once per M block, which at decode is once.
+is added after the TP all-reduce), RoPE and SiLU round where torch rounds. Only the order of
+reductions differs (K, the norms' sums of squares), as between any two GEMM kernels; the split
+count depends on the weight's shape only, never on how many rows the step has.
 """
 from __future__ import annotations
 
@@ -38,10 +40,10 @@ from .kernels import _INTERPRET, rope_rotate, round_to
 MAX_SPLITS = 8
 SPLIT_MIN_K = 256     # a split reads at least this many of K (fewer: the fixed cost dominates)
 PARTS_PROGRAMS = 256  # o/down: split K until about this many programs read the weight
-# up to this many rows a projection makes its RMSNorm input itself (0: a separate norm kernel always)
-# Off by default: every program of the projection re-reads the rows' x and branch parts, twice, one
-# dependent load after another -- on the H200 it made q/k/v 18.8 us and the projections 0.69x
-# cuBLAS at one row, against 0.77x with a separate norm kernel (benchmarks/RESULTS.md, section 22)
+# Up to this many rows (at most 16) a projection makes its RMSNorm input itself; 0: the separate
+# `add_norm` kernel always. Off by default: every program of the projection re-reads the rows' x and
+# branch parts, twice, one dependent load after another -- 0.60-0.75x cuBLAS where the separate
+# kernel gives 0.96-1.02x (benchmarks/RESULTS.md, section 22).
 NORM_PROLOGUE_ROWS = int(os.environ.get("MEGARL_DECODE_NORM_PROLOGUE_ROWS", "0"))
 
 
