@@ -88,6 +88,17 @@ def test_tp2_equals_tp1_and_hf(tmp_path, family, capsys):
         assert (la - lb).abs().max().item() < 1e-5           # fp32 rounding of the all-reduce
 
 
+@pytest.mark.parametrize("kernels", ["triton", "triton-proj"])
+def test_tp2_triton_decode_step_serves_hfs_tokens(tmp_path, kernels):
+    """The Triton decode step on each of 2 ranks (its heads and MLP columns; o/down summed by the
+    all-reduce -- with triton-proj, from the rank's split-K partial sums) serves HF's greedy tokens
+    and logprobs. (Compiled on a GPU, interpreted here: the server inherits TRITON_INTERPRET.)"""
+    d = str(tmp_path / "m")
+    hf = make_tiny_hf_model(d, "qwen2", std=0.3, head_dim=32)
+    with ServerProcess(d, extra=["--tp-size", "2"], env={"MEGARL_DECODE_KERNELS": kernels}) as s:
+        assert_serves(s.url, hf)
+
+
 def test_tp_size_that_does_not_divide_is_refused_before_loading(tmp_path):
     d = str(tmp_path / "m")
     make_tiny_hf_model(d, "qwen3_moe", moe_intermediate_size=30)
