@@ -174,10 +174,19 @@ def serve_main(argv: Optional[List[str]] = None) -> int:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         followers = Followers.spawn(opts.tp_size, opts.to_dict(), env)   # from the main thread (PDEATHSIG)
     try:
-        return asyncio.run(_amain(args, opts, hf_config, followers, api_key))
+        code = asyncio.run(_amain(args, opts, hf_config, followers, api_key))
     finally:
         if followers is not None:
             followers.stop(timeout_s=2.0)
+    if code != 0 and followers is not None:
+        # a rank died (or the ranks fell out of step): everything is stopped, but the process group
+        # still names a dead peer, and tearing it down at interpreter exit can abort (SIGABRT, seen
+        # once under a loaded CI box) -- the exit code must say what happened, so skip the teardown
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _plan(args) -> "tuple[Any, Any, Optional[str]]":
