@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import SHAPES, sync, timed_steps, use_cuda  # noqa: E402
+from bench_train import SHAPES, graph_timed, timed_steps, use_cuda  # noqa: E402
 
 
 def _layers(shape: dict, n: int, dev, dtype):
@@ -114,21 +114,8 @@ def main() -> None:
                 variants[f"proj_bn{bn}_w{warps}_prologue"] = triton_proj(bn, warps, True)
         times, outs = {}, {}
         for name, fn in variants.items():
-            for _ in range(2):   # warm-up: Triton compiles, allocator settles
-                fn()
-            sync(dev)
-            if cuda:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = fn()
-                graph.replay()
-                step = graph.replay
-            else:
-                out, step = fn(), fn
-            sync(dev)
+            out, times[name] = graph_timed(fn, dev, a.repeats if cuda else 1)
             outs[name] = out.float().clone()
-            med, _ = timed_steps(step, 3 if cuda else 0, a.repeats if cuda else 1, dev)
-            times[name] = med
         base = times["cublas"]
         for name, t in times.items():
             res = {"bench": "decode_projections", "device": torch.cuda.get_device_name(0) if cuda else "cpu",

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import sync, timed_steps, use_cuda  # noqa: E402
+from bench_train import graph_timed, use_cuda  # noqa: E402
 
 
 def main() -> None:
@@ -57,20 +57,8 @@ def main() -> None:
                "top_k": a.top_k, "top_p": a.top_p, "min_p": a.min_p}
         tokens = {}
         for name, fn in variants.items():
-            for _ in range(2):   # warm-up: Triton compiles, allocator settles
-                fn()
-            sync(dev)
-            if cuda:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = fn()
-                graph.replay()
-                step = graph.replay
-            else:
-                out, step = fn(), fn
-            sync(dev)
+            out, med = graph_timed(fn, dev, a.repeats)
             tokens[name] = out[0].clone()
-            med, _ = timed_steps(step, 3 if cuda else 0, a.repeats, dev)
             res[f"{name}_ms"] = round(med * 1e3, 4)
         res["speedup_threshold_vs_sort"] = round(res["torch_sort_ms"] / res["triton_threshold_ms"], 2)
         res["threshold_over_unfiltered"] = round(res["triton_threshold_ms"] / res["triton_unfiltered_ms"], 2)

@@ -133,6 +133,26 @@ def timed_steps(step, warmup: int, steps: int, device) -> tuple[float, list[floa
     return times[len(times) // 2], times
 
 
+def graph_timed(fn, device, repeats: int):
+    """``fn``'s output and median seconds as a decode graph runs it: warmed up twice (Triton
+    compiles, the allocator settles), captured once in a CUDA graph and replayed ``repeats`` times.
+    On CPU (Triton's interpreter, a smoke run) it is called directly, without warm-up."""
+    for _ in range(2):
+        fn()
+    sync(device)
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        graph.replay()
+        step = graph.replay
+    else:
+        out, step = fn(), fn
+    sync(device)
+    med, _ = timed_steps(step, 3 if device.type == "cuda" else 0, repeats, device)
+    return out, med
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default=None, help=f"one of {sorted(SHAPES)} (default: tiny on CPU, qwen2.5-0.5b on GPU)")

@@ -84,13 +84,17 @@ class _Pending:
                  bias: Optional[torch.Tensor] = None):
         self.y, self.parts, self.bias = y, parts, bias
 
-    def add_and_norm(self, kernels, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """cuBLAS projections: ``x += y`` in place, then RMSNorm(x) * w."""
-        return kernels.add_rms_norm(x, self.y, w, eps)
-
     def normed(self, proj, x: torch.Tensor, w: torch.Tensor, eps: float):
         """Triton projections: RMSNorm(x + branch) * w as a `proj_kernels.NormedInput`."""
         return proj.NormedInput(x, self.parts if self.parts is not None else self.y, self.bias, w, eps)
+
+    def norm(self, kernels, proj, x: torch.Tensor, w: torch.Tensor, eps: float):
+        """(RMSNorm(x + branch) * w in memory, the residual after the add): cuBLAS projections (``proj``
+        None) add ``y`` into ``x`` in place, Triton ones write the sum out of place."""
+        if proj is None:
+            return kernels.add_rms_norm(x, self.y, w, eps), x
+        inp = self.normed(proj, x, w, eps)
+        return proj.add_norm(inp), inp.x_out
 
 
 def _row_parallel(model: "DecoderModel", proj, x: torch.Tensor, w: torch.Tensor,
@@ -110,8 +114,8 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
     """Decode rows ``[0, B)`` (token ``ids[b]`` at ``pos[b]``) attending over at most ``Lk`` keys;
     logits ``[B, V]`` in the model's dtype (None on TP ranks > 0). No host sync: graph-capturable.
     ``projections``: the q/k/v, o, gate/up and down projections run as Triton kernels with the
-    residual add + RMSNorm (up to NORM_PROLOGUE_ROWS rows), RoPE + the cache write, SiLU, and the partial-sum
-    reduction folded in (`proj_kernels.py`)."""
+    residual add + RMSNorm (up to NORM_PROLOGUE_ROWS rows), RoPE + the cache write, SiLU, and the
+    partial-sum reduction folded in (`proj_kernels.py`)."""
     from . import kernels   # triton: imported only where the fused step runs
     proj = None
     if projections:
@@ -134,16 +138,12 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
                 q = proj.qkv_rope(proj.projection_input(inp), v.qkv_weight, v.qkv_bias, *rope)
                 x = inp.x_out
             else:
-                h = y.add_and_norm(kernels, x, w_in, eps)
+                h, x = y.norm(kernels, proj, x, w_in, eps)
                 q = kernels.rope_and_store(F.linear(h, v.qkv_weight, v.qkv_bias), *rope)
             o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits)
             y = _row_parallel(model, proj, o, P[a + "o_proj.weight"], P.get(a + "o_proj.bias"))
             if v.gate_up_weight is None:   # MoE layer: the torch path (routing needs the host)
-                if proj is not None:
-                    inp = y.normed(proj, x, w_post, eps)
-                    h, x = proj.add_norm(inp), inp.x_out
-                else:
-                    h = y.add_and_norm(kernels, x, w_post, eps)
+                h, x = y.norm(kernels, proj, x, w_post, eps)
                 y = _Pending(model._mlp(i, h[:, None])[:, 0])
                 continue
             if proj is not None:
@@ -151,14 +151,13 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
                 act = proj.gate_up_silu(proj.projection_input(inp), v.gate_up_weight, v.gate_up_bias)
                 x = inp.x_out
             else:
-                act = kernels.silu_mul(F.linear(y.add_and_norm(kernels, x, w_post, eps), v.gate_up_weight,
-                                                v.gate_up_bias))
+                h, x = y.norm(kernels, proj, x, w_post, eps)
+                act = kernels.silu_mul(F.linear(h, v.gate_up_weight, v.gate_up_bias))
             y = _row_parallel(model, proj, act, P[m + "down_proj.weight"], P.get(m + "down_proj.bias"))
     finally:
         model._route_ctx = None
     if model.tp_rank != 0:
         return None
-    w_out = P["model.norm.weight"]
-    h = proj.add_norm(y.normed(proj, x, w_out, eps)) if proj is not None else y.add_and_norm(kernels, x, w_out, eps)
+    h, _ = y.norm(kernels, proj, x, P["model.norm.weight"], eps)
     # in the model's dtype: the sampler upcasts as it reads (no [B, V] fp32 copy in the step)
     return model._logits(h, upcast=False)

@@ -59,6 +59,17 @@ def round_to(x, dt: tl.constexpr, INTERPRET: tl.constexpr = _INTERPRET):
 
 
 @triton.jit
+def head_rms_norm(x1, x2, w1, w2, eps, HALF: tl.constexpr, AXIS: tl.constexpr, dt: tl.constexpr):
+    """qwen3's q/k RMSNorm of a head given as its halves of HALF (fp32; AXIS 0: one head, 1: a head
+    per row): ``w * (x * rsqrt(mean(x^2) + eps)).to(dt)``, rounded as torch's body rounds -> fp32."""
+    inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=AXIS) + tl.sum(x2 * x2, axis=AXIS)) / (2 * HALF) + eps)
+    if AXIS == 1:
+        inv = tl.expand_dims(inv, 1)
+    return (round_to(w1 * round_to(x1 * inv, dt).to(tl.float32), dt).to(tl.float32),
+            round_to(w2 * round_to(x2 * inv, dt).to(tl.float32), dt).to(tl.float32))
+
+
+@triton.jit
 def rope_rotate(x1, x2, c, s, dt: tl.constexpr):
     """RoPE on a head's halves (fp32 in, ``dt`` out): ``x*cos + rotate_half(x)*sin`` with
     ``rotate_half(x) = (-x2, x1)``, each product rounded to ``dt`` as torch's body rounds it."""
@@ -82,15 +93,13 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr
     x1 = tl.load(src + d).to(tl.float32)
     x2 = tl.load(src + HALF + d).to(tl.float32)
     if QK_NORM:   # qwen3: RMSNorm over each head before RoPE (q_norm / k_norm weights)
-        inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
         if h < NH:
             w1 = tl.load(qn_ptr + d).to(tl.float32)
             w2 = tl.load(qn_ptr + HALF + d).to(tl.float32)
         else:
             w1 = tl.load(kn_ptr + d).to(tl.float32)
             w2 = tl.load(kn_ptr + HALF + d).to(tl.float32)
-        x1 = (w1 * (x1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        x2 = (w2 * (x2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x1, x2 = head_rms_norm(x1, x2, w1, w2, eps, HALF, 0, dt)
     c = tl.load(cos_ptr + p * stride_cs + d).to(tl.float32)
     s = tl.load(sin_ptr + p * stride_cs + d).to(tl.float32)
     o1, o2 = rope_rotate(x1, x2, c, s, dt)

@@ -830,7 +830,7 @@ class DecoderModel:
             ok, why = _triton_ok(self.spec.head_dim, self.dtype, projections=mode == "triton-proj")
             views = fused_decode.layer_views(self) if ok else None
             if views is None and mode in ("triton", "triton-proj"):
-                raise RuntimeError(f"MEGARL_DECODE_KERNELS=triton: the fused decode step cannot serve this model "
+                raise RuntimeError(f"MEGARL_DECODE_KERNELS={mode}: the fused decode step cannot serve this model "
                                    f"({why or 'q/k/v or gate/up weights are not adjacent'})")
             self._fused_views = views if views is not None else []
         return self._fused_views or None

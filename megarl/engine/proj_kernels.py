@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import _INTERPRET, rope_rotate, round_to
+from .kernels import _INTERPRET, head_rms_norm, rope_rotate, round_to
 
 MAX_SPLITS = 8
 SPLIT_MIN_K = 256     # a split reads at least this many of K (fewer: the fixed cost dominates)
@@ -243,15 +243,13 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
         if QK_NORM:   # qwen3: RMSNorm over each head before RoPE
-            inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)
             if h < NH:
                 w1 = tl.load(qn_ptr + j).to(tl.float32)
                 w2 = tl.load(qn_ptr + HALF + j).to(tl.float32)
             else:
                 w1 = tl.load(kn_ptr + j).to(tl.float32)
                 w2 = tl.load(kn_ptr + HALF + j).to(tl.float32)
-            f1 = round_to(w1[None, :] * round_to(f1 * inv[:, None], dt).to(tl.float32), dt).to(tl.float32)
-            f2 = round_to(w2[None, :] * round_to(f2 * inv[:, None], dt).to(tl.float32), dt).to(tl.float32)
+            f1, f2 = head_rms_norm(f1, f2, w1[None, :], w2[None, :], eps, HALF, 1, dt)
         c = tl.load(cos_ptr + p[:, None] * stride_cs + j[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + p[:, None] * stride_cs + j[None, :], mask=mask, other=0.0).to(tl.float32)
         o1, o2 = rope_rotate(f1, f2, c, s, dt)
