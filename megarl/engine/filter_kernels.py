@@ -164,23 +164,26 @@ def _pass_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, stats_ptr, state_in, 
     xp = _key_value(_candidates(lo_p, hi_p, F))
     t = tl.load(temp_ptr + r)
     lane = tl.arange(0, BLOCK)
-    # per-lane sums over the chunk's blocks, reduced across lanes once at the end
-    above_k = tl.zeros([BLOCK, F], tl.int32)
-    above_p = tl.zeros([BLOCK, F], tl.float32)
+    # per-lane sums over the chunk's blocks, reduced across lanes once at the end. The ids are the
+    # last (contiguous) axis: the compiler spreads that axis over the threads, so each id's value
+    # and exp live in one thread; as [BLOCK, F] each was held and exponentiated by 8 threads (~10x
+    # the pass's op count on the H200, benchmarks/RESULTS.md section 22).
+    above_k = tl.zeros([F, BLOCK], tl.int32)
+    above_p = tl.zeros([F, BLOCK], tl.float32)
     total = tl.zeros([BLOCK], tl.float32)
     for j in range(0, CHUNK // BLOCK):
         v = c * CHUNK + j * BLOCK + lane
         ok = v < V
         z = tl.load(logits_ptr + r * stride + v, mask=ok, other=float("-inf")).to(tl.float32) / t
         if HAS_K:
-            above_k += (z[:, None] > xk[None, :]).to(tl.int32)
+            above_k += (z[None, :] > xk[:, None]).to(tl.int32)
         if HAS_P:
             p = tl.where(ok, tl.exp(z - lse), 0.0)
             total += p
-            above_p += tl.where(z[:, None] > xp[None, :], p[:, None], 0.0)
+            above_p += tl.where(z[None, :] > xp[:, None], p[None, :], 0.0)
     f = tl.arange(0, F)
-    tl.store(above_k_out + (r * S + c) * F + f, tl.sum(above_k, axis=0))
-    tl.store(above_p_out + (r * S + c) * F + f, tl.sum(above_p, axis=0))
+    tl.store(above_k_out + (r * S + c) * F + f, tl.sum(above_k, axis=1))
+    tl.store(above_p_out + (r * S + c) * F + f, tl.sum(above_p, axis=1))
     tl.store(total_out + r * S + c + tl.arange(0, 1), tl.sum(total, axis=0, keep_dims=True))
 
 
