@@ -48,9 +48,6 @@ def main() -> None:
                     help="block_n/num_warps[/block_m] of the projections (q/k/v: min(block_n, D/2); block_m: "
                          "rows per program, default up to 64)")
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    ap.add_argument("--pdl", default="both", choices=["both", "on", "off"],
-                    help="programmatic dependent launch of the Triton kernels (sm90+): each variant without "
-                         "and/or with it (\"+pdl\" in the variant's name)")
     a = ap.parse_args()
     cuda = use_cuda(a.device)
     if not cuda:
@@ -115,22 +112,16 @@ def main() -> None:
             variants[f"proj_bn{bn}_w{warps}"] = triton_proj(bn, warps, False)
             if M <= 16:
                 variants[f"proj_bn{bn}_w{warps}_prologue"] = triton_proj(bn, warps, True)
-        pdl_modes = {"both": ("0", "1"), "on": ("1",), "off": ("0",)}[a.pdl] if cuda else ("0",)
         times, outs = {}, {}
-        for mode in pdl_modes:
-            kernels.PDL_MODE = mode   # read as each graph is captured
-            for name, fn in variants.items():
-                name = name + ("+pdl" if mode == "1" else "")
-                out, times[name] = graph_timed(fn, dev, a.repeats if cuda else 1)
-                outs[name] = out.float().clone()
+        for name, fn in variants.items():
+            out, times[name] = graph_timed(fn, dev, a.repeats if cuda else 1)
+            outs[name] = out.float().clone()
         base = times["cublas"]
         for name, t in times.items():
             res = {"bench": "decode_projections", "device": torch.cuda.get_device_name(0) if cuda else "cpu",
                    "shape": a.shape, "layers": L, "rows": M, "variant": name, "us_per_layer": round(t / L * 1e6, 2),
                    "speedup_vs_cublas": round(base / t, 3),
                    "max_abs_diff_vs_cublas": float((outs[name] - outs["cublas"]).abs().max())}
-            if name.endswith("+pdl"):   # the same kernels in the same order: any difference is a race
-                res["identical_without_pdl"] = bool(torch.equal(outs[name], outs[name[:-4]]))
             if bw:
                 res["fraction_of_bw_bound"] = round(weight_bytes / bw / t, 3)
             print(json.dumps(res), flush=True)

@@ -42,8 +42,7 @@ def main():
                     help="decode step(s) to time, comma list of auto (triton on CUDA, torch on CPU) | triton (fused) | "
                          "triton-proj (fused, projections in Triton too) | "
                          "torch (the reference body); a +sync suffix turns off launching step t+1 before step t is "
-                         "read, +nopdl the programmatic dependent launch of the Triton kernels (sm90+); the first is "
-                         "the baseline of the ratio")
+                         "read; the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
     ap.add_argument("--top-p", type=float, default=1.0,
@@ -193,18 +192,10 @@ def main_gpu(a):
                 model.use_cuda_graphs = dev.type == "cuda"
 
         per_mode, outputs = {}, {}
-        pdl_default = None
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
-            kern_mode, *suffixes = mode.split("+")   # "triton+sync": no step launched ahead
-            unknown = set(suffixes) - {"sync", "nopdl"}
-            if unknown:
-                raise SystemExit(f"--kernels {mode}: unknown suffix {sorted(unknown)} (sync, nopdl)")
+            kern_mode, _, sync = mode.partition("+")   # "triton+sync": no step launched ahead
             model.decode_kernels, model._fused_views, model.graphs = kern_mode, None, None
-            model.decode_overlap = "sync" not in suffixes
-            if kern_mode.startswith("triton"):
-                from megarl.engine import kernels as fused_kernels
-                pdl_default = fused_kernels.PDL_MODE if pdl_default is None else pdl_default
-                fused_kernels.PDL_MODE = "0" if "nopdl" in suffixes else pdl_default   # read as graphs are captured
+            model.decode_overlap = sync != "sync"
             run_engine()
             te, ne = min(run_engine() for _ in range(2))
             per_mode[mode], outputs[mode] = ne / te, run_engine.outputs
@@ -214,9 +205,6 @@ def main_gpu(a):
             same = [x == y for x, y in zip(outputs[modes[0]], outputs[modes[-1]])]
             kern.update({f"ratio_{modes[-1]}_over_{modes[0]}": per_mode[modes[-1]] / per_mode[modes[0]],
                          "greedy_sequences_identical_across_kernels": sum(same) / len(same)})
-            for m in modes:   # PDL changes when kernels start, never what they compute: a difference is a race
-                if m + "+nopdl" in outputs:
-                    kern[f"{m}_identical_to_nopdl"] = outputs[m] == outputs[m + "+nopdl"]
         if a.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

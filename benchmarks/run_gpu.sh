@@ -97,11 +97,6 @@ decode_proj) # the decode step with its projections in Triton too (proj_kernels.
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
           --new 128 --kernels triton,triton-proj --no-hf --profile $OUT/prof_decode_proj.txt $DECODE_ARGS ;;
 sampler) run 120 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
-pdl) # programmatic dependent launch of the decode kernels: the projections alone and the whole step,
-     # each without and with it in the same run (the outputs must be identical: a difference is a race)
-     run 300 python3 benchmarks/bench_proj.py --shape qwen2.5-0.5b --rows 1,32,128 --configs 16/4,32/4,64/8/128
-     run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
-       --new 128 --kernels triton+nopdl,triton,triton-proj+nopdl,triton-proj --no-hf --profile $OUT/prof_pdl.txt $DECODE_ARGS ;;
 rollout_topp128) # rollout_topp's decode runs at batch 128 only, filtered then unfiltered
          run 120 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 128 --prompt 32 --new 128 --temperature 1 --top-p 0.9 --no-hf
          run 120 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 128 --prompt 32 --new 128 --temperature 1 --no-hf ;;

@@ -211,27 +211,3 @@ def test_projections_make_their_norm_input_as_the_norm_kernel_does(proj, dtype, 
     h = _rms(want_x, nw, 1e-6)
     want_act = F.silu(F.linear(h, wgu[:inter])) * F.linear(h, wgu[inter:])
     assert (outs[1][3].float() - want_act.float()).abs().max().item() <= (1e-4 if dtype == torch.float32 else 0.05)
-
-
-def test_programmatic_dependent_launch_is_on_where_the_gpu_has_it_and_says_where_not(proj, monkeypatch):
-    """MEGARL_DECODE_PDL: "auto" turns PDL on only for compiled sm90+ kernels; "1" where it cannot
-    work, or a value it does not know, is an error naming the variable -- not a silent fallback.
-    (On a GPU the decode tests above run with the default, so PDL's ordering is what they check.)"""
-    from megarl.engine import kernels
-    dev = torch.device(DEV)
-    expect = CUDA and torch.cuda.get_device_capability()[0] >= 9 and kernels.gdc_wait is not None
-    monkeypatch.setattr(kernels, "PDL_MODE", "auto")
-    assert kernels.pdl_enabled(dev) == expect
-    assert kernels.launch_opts(torch.empty(1, device=dev)) == (dict(PDL=True, launch_pdl=True) if expect
-                                                               else dict(PDL=False))
-    monkeypatch.setattr(kernels, "PDL_MODE", "0")
-    assert kernels.launch_opts(torch.empty(1, device=dev)) == dict(PDL=False)
-    monkeypatch.setattr(kernels, "PDL_MODE", "yes")
-    with pytest.raises(ValueError, match="MEGARL_DECODE_PDL='yes'"):
-        kernels.pdl_enabled(dev)
-    monkeypatch.setattr(kernels, "PDL_MODE", "1")
-    if expect:
-        assert kernels.pdl_enabled(dev)
-    else:
-        with pytest.raises(RuntimeError, match="MEGARL_DECODE_PDL=1: .*sm90"):
-            kernels.pdl_enabled(dev)

@@ -25,65 +25,15 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"   # kernels run on CPU tensors (tests)
 
-try:   # grid dependency control (Hopper's programmatic dependent launch), Triton >= 3.4
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:   # pragma: no cover - an older Triton: PDL stays off
-    gdc_launch_dependents = gdc_wait = None
-
-# Programmatic dependent launch: "auto" (on for sm90+ GPUs), "1" or "0". Why: a decode step is
-# ~250 dependent kernels of a few microseconds each; with PDL a kernel's programs are scheduled
-# while its predecessor finishes and load their weights before `await_inputs` blocks on it, instead
-# of starting only after the predecessor drained (the launch gap of every graph node).
-PDL_MODE = os.environ.get("MEGARL_DECODE_PDL", "auto")
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Can kernels on ``device`` be launched as programmatic dependents? (compiled, sm90+)"""
-    return (not _INTERPRET and gdc_wait is not None and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """PDL_MODE resolved for ``device``; "1" where it cannot work is an error, not a silent no."""
-    if PDL_MODE not in ("auto", "0", "1"):
-        raise ValueError(f"MEGARL_DECODE_PDL={PDL_MODE!r}: expected auto, 1 or 0")
-    if PDL_MODE == "0":
-        return False
-    ok = pdl_supported(device)
-    if PDL_MODE == "1" and not ok:
-        raise RuntimeError(f"MEGARL_DECODE_PDL=1: programmatic dependent launch needs a compiled sm90+ GPU "
-                           f"and Triton >= 3.4, not {device}")
-    return ok
-
-
-def launch_opts(t: torch.Tensor) -> dict:
-    """Launch kwargs for a decode kernel whose tensors live with ``t``: its PDL constexpr and,
-    when on, Triton's ``launch_pdl`` (the launch attribute CUDA graphs capture as a programmatic
-    edge)."""
-    return dict(PDL=True, launch_pdl=True) if pdl_enabled(t.device) else dict(PDL=False)
-
-
-@triton.jit
-def await_inputs(PDL: tl.constexpr):
-    """Where a PDL-launched kernel starts reading what earlier kernels wrote: let the next kernel be
-    scheduled, then wait for this one's predecessor to finish (its writes visible). Everything
-    before this point may read only what no kernel of the step writes (weights, norms, biases).
-    Without PDL it is nothing."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
 
 @triton.jit
 def _add_rms_kernel(x_ptr, y_ptr, w_ptr, h_ptr, H, eps, stride_x, stride_y, stride_h,
-                    HAS_Y: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                    HAS_Y: tl.constexpr, BLOCK: tl.constexpr):
     """Row ``r``: ``x[r] += y[r]`` (in place, rounded to x's dtype) when HAS_Y, then
     ``h[r] = w * rmsnorm(x[r])``."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
-    w = tl.load(w_ptr + offs, mask=m, other=0.0)
-    await_inputs(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
     if HAS_Y:
         y = tl.load(y_ptr + row * stride_y + offs, mask=m, other=0.0)
@@ -92,6 +42,7 @@ def _add_rms_kernel(x_ptr, y_ptr, w_ptr, h_ptr, H, eps, stride_x, stride_y, stri
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / H
     normed = (xf * tl.math.rsqrt(var + eps)).to(h_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0)
     tl.store(h_ptr + row * stride_h + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(h_ptr.dtype.element_ty),
              mask=m)
 
@@ -130,12 +81,11 @@ def rope_rotate(x1, x2, c, s, dt: tl.constexpr):
 @triton.jit
 def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr,
                        stride_qkv, stride_qb, stride_kr, stride_kh, stride_kp, stride_cs, NH, NKV, eps,
-                       HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                       HALF: tl.constexpr, QK_NORM: tl.constexpr):
     """Program (b, h): query head h < NH -> rotated into ``q[b, h]``; key head h - NH -> rotated
     into the cache at row b, position pos[b], its value head copied beside it."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    await_inputs(PDL)
     p = tl.load(pos_ptr + b)
     d = tl.arange(0, HALF)
     src = qkv_ptr + b * stride_qkv + h * (2 * HALF)
@@ -198,14 +148,13 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
                         stride_qb, stride_kr, stride_kh, stride_kp,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                        INTERPRET_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+                        INTERPRET_BLOCKS: tl.constexpr):
     """Program (b, kv head, split): the GROUP query heads of one kv head over keys
     ``[split * SPLIT_LEN, ...)`` up to pos[b] (inclusive), online softmax. One split: the output;
     several: unnormalised partial sums + (max, sum) for `_combine_kernel`."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
-    await_inputs(PDL)
     n_ctx = tl.load(pos_ptr + b) + 1
     start = sp * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, n_ctx)
@@ -239,10 +188,9 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
 
 
 @triton.jit
-def _combine_kernel(part_ptr, ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+def _combine_kernel(part_ptr, ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D: tl.constexpr):
     """Program (b * NH + head): merge the splits' partial softmax sums into the output row."""
     r = tl.program_id(0)
-    await_inputs(PDL)
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, D)
     m = tl.load(ml_ptr + (r * NUM_SPLITS + s) * 2)
@@ -255,10 +203,9 @@ def _combine_kernel(part_ptr, ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D: tl.c
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr):
     """``out[b] = silu(gate[b]) * up[b]`` where ``gu[b] = [gate | up]`` (the fused gate/up GEMM)."""
     b = tl.program_id(0)
-    await_inputs(PDL)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
     g = tl.load(gu_ptr + b * stride_gu + offs, mask=m, other=0.0).to(tl.float32)
@@ -398,7 +345,7 @@ def add_rms_norm(x: torch.Tensor, y: Optional[torch.Tensor], w: torch.Tensor, ep
     h = torch.empty_like(x)
     _add_rms_kernel[(B,)](x, y if y is not None else x, w, h, H, eps, x.stride(0),
                           y.stride(0) if y is not None else 0, h.stride(0),
-                          HAS_Y=y is not None, BLOCK=triton.next_power_of_2(H), **launch_opts(x))
+                          HAS_Y=y is not None, BLOCK=triton.next_power_of_2(H))
     return h
 
 
@@ -415,7 +362,7 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
     _rope_store_kernel[(B, nh + nkv)](qkv, pos, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, q,
                                       k_cache, v_cache, qkv.stride(0), q.stride(0), k_cache.stride(0),
                                       k_cache.stride(1), k_cache.stride(2), cos.stride(0), nh, nkv, eps,
-                                      HALF=D // 2, QK_NORM=norm, **launch_opts(qkv))
+                                      HALF=D // 2, QK_NORM=norm)
     return q
 
 
@@ -448,10 +395,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                           q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                           GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D,
                                           BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=ieee, INTERPRET=_INTERPRET,
-                                          INTERPRET_BLOCKS=split_len // block_n if _INTERPRET else 0,
-                                          **launch_opts(q))
+                                          INTERPRET_BLOCKS=split_len // block_n if _INTERPRET else 0)
     if splits > 1:
-        _combine_kernel[(B * nh,)](part, ml, out, NUM_SPLITS=splits, D=D, **launch_opts(q))
+        _combine_kernel[(B * nh,)](part, ml, out, NUM_SPLITS=splits, D=D)
     return out.view(B, nh * D)
 
 
@@ -462,7 +408,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(B, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(B, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
-                                                      BLOCK=block, **launch_opts(gate_up))
+                                                      BLOCK=block)
     return out
 
 

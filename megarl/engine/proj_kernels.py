@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import _INTERPRET, await_inputs, head_rms_norm, launch_opts, rope_rotate, round_to
+from .kernels import _INTERPRET, head_rms_norm, rope_rotate, round_to
 
 MAX_SPLITS = 8
 SPLIT_MIN_K = 256     # a split reads at least this many of K (fewer: the fixed cost dominates)
@@ -102,52 +102,30 @@ def _normed(x, nw_ptr, kk, km, inv, dt: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_ptr, rows_m, m_mask, kk, km, K, stride_x, part_ptr, pb_ptr, nw_ptr, inv, M,
-            NORM: tl.constexpr, SPLITS: tl.constexpr, HAS_PB: tl.constexpr, dt: tl.constexpr):
-    """The input's tile at columns ``kk``: read from x, or (NORM) RMSNorm(x + y) * w made from the
-    residual and the branch's partial sums (`_residual`, `_normed`; ``inv`` from `_add_rms_rows`)."""
-    if NORM:
-        xr = _residual(x_ptr, part_ptr, pb_ptr, rows_m, m_mask, kk, km, M, K, stride_x, SPLITS, HAS_PB, dt)
-        x = _normed(xr, nw_ptr, kk, km, inv, dt)
-    else:
-        x = tl.load(x_ptr + rows_m[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
-    return x
-
-
-@triton.jit
-def _w_tile(w_ptr, rows, n_mask, kk, km, stride_w):
-    return tl.load(w_ptr + rows[:, None] * stride_w + kk[None, :], mask=n_mask[:, None] & km[None, :], other=0.0)
-
-
-@triton.jit
 def _dot_pair(acc_a, acc_b, x_ptr, w_ptr, rows_m, m_mask, rows_a, rows_b, n_mask, k_lo, K, stride_x, stride_w,
               part_ptr, pb_ptr, nw_ptr, inv, M,
               PAIR: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr, HAS_PB: tl.constexpr,
-              LEN: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, dt: tl.constexpr,
-              PDL: tl.constexpr = False):
+              LEN: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, dt: tl.constexpr):
     """``acc_a += x[rows_m, k_lo:k_lo+LEN] @ w[rows_a, ...]^T`` and, with PAIR, ``acc_b`` over
     ``rows_b`` from the same x tiles (fp32 accumulation; columns past K masked; LEN a multiple of
-    BLOCK_K, a constant trip count). NORM: x is made tile by tile (`_x_tile`). PDL: the first
-    tile's weights are loaded before waiting on the previous kernel (`kernels.await_inputs`), so
-    their latency overlaps its tail -- weights are no kernel's output."""
-    kk = k_lo + tl.arange(0, BLOCK_K)
-    km = kk < K
-    wa = _w_tile(w_ptr, rows_a, n_mask, kk, km, stride_w)
-    if PAIR:
-        wb = _w_tile(w_ptr, rows_b, n_mask, kk, km, stride_w)
-    await_inputs(PDL)
-    x = _x_tile(x_ptr, rows_m, m_mask, kk, km, K, stride_x, part_ptr, pb_ptr, nw_ptr, inv, M, NORM, SPLITS, HAS_PB, dt)
-    acc_a = _mma(acc_a, x, wa, IEEE)
-    if PAIR:
-        acc_b = _mma(acc_b, x, wb, IEEE)
-    for k0 in range(BLOCK_K, LEN, BLOCK_K):
+    BLOCK_K, a constant trip count). NORM: x is not in memory but RMSNorm(x + y) * w, made tile by
+    tile from the residual and the branch's partial sums (`_residual`, `_normed`; ``inv`` from
+    `_add_rms_rows`)."""
+    for k0 in range(0, LEN, BLOCK_K):
         kk = k_lo + k0 + tl.arange(0, BLOCK_K)
         km = kk < K
-        x = _x_tile(x_ptr, rows_m, m_mask, kk, km, K, stride_x, part_ptr, pb_ptr, nw_ptr, inv, M, NORM, SPLITS,
-                    HAS_PB, dt)
-        acc_a = _mma(acc_a, x, _w_tile(w_ptr, rows_a, n_mask, kk, km, stride_w), IEEE)
+        if NORM:
+            xr = _residual(x_ptr, part_ptr, pb_ptr, rows_m, m_mask, kk, km, M, K, stride_x, SPLITS, HAS_PB, dt)
+            x = _normed(xr, nw_ptr, kk, km, inv, dt)
+        else:
+            x = tl.load(x_ptr + rows_m[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & km[None, :],
+                        other=0.0)
+        wa = tl.load(w_ptr + rows_a[:, None] * stride_w + kk[None, :], mask=n_mask[:, None] & km[None, :], other=0.0)
+        acc_a = _mma(acc_a, x, wa, IEEE)
         if PAIR:
-            acc_b = _mma(acc_b, x, _w_tile(w_ptr, rows_b, n_mask, kk, km, stride_w), IEEE)
+            wb = tl.load(w_ptr + rows_b[:, None] * stride_w + kk[None, :], mask=n_mask[:, None] & km[None, :],
+                         other=0.0)
+            acc_b = _mma(acc_b, x, wb, IEEE)
     return acc_a, acc_b
 
 
@@ -163,7 +141,7 @@ def _biased(acc, b_ptr, cols, n_mask, HAS_BIAS: tl.constexpr, dt: tl.constexpr):
 @triton.jit
 def _linear_parts_kernel(x_ptr, w_ptr, part_ptr, M, N, stride_x, stride_w,
                          K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """Program (column block, K split, row block): ``part[split, rows, cols]`` (fp32) = the rows
     times the columns' weights over ``[split * K_SPLIT, ...)``."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,14 +151,13 @@ def _linear_parts_kernel(x_ptr, w_ptr, part_ptr, M, N, stride_x, stride_w,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc, _ = _dot_pair(acc, acc, x_ptr, w_ptr, rows, m_mask, cols, cols, n_mask, sp * K_SPLIT, K, stride_x, stride_w,
                        x_ptr, x_ptr, x_ptr, acc, M, PAIR=False, NORM=False, SPLITS=0, HAS_PB=False, LEN=K_SPLIT,
-                       BLOCK_K=BLOCK_K, IEEE=IEEE, dt=tl.float32, PDL=PDL)
+                       BLOCK_K=BLOCK_K, IEEE=IEEE, dt=tl.float32)
     tl.store(part_ptr + (sp * M + rows[:, None]) * N + cols[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _parts_add_rms_kernel(x_ptr, part_ptr, pb_ptr, nw_ptr, xo_ptr, h_ptr, M, eps, stride_x, stride_xo, stride_h,
-                          H: tl.constexpr, SPLITS: tl.constexpr, HAS_PB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PDL: tl.constexpr):
+                          H: tl.constexpr, SPLITS: tl.constexpr, HAS_PB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row block: ``xo = x + y`` and ``h = w * rmsnorm(x + y)`` -- the arithmetic of a
     projection's NORM prologue (`_add_rms_rows`, `_residual`, `_normed`), for consumers that need
     ``h`` in memory (M above NORM_PROLOGUE_ROWS, an MoE layer, the LM head). Nothing is read after
@@ -189,7 +166,6 @@ def _parts_add_rms_kernel(x_ptr, part_ptr, pb_ptr, nw_ptr, xo_ptr, h_ptr, M, eps
     dt = h_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = rows < M
-    await_inputs(PDL)
     inv = _add_rms_rows(x_ptr, part_ptr, pb_ptr, xo_ptr, rows, m_mask, True, M, H, stride_x, stride_xo, eps,
                         SPLITS, HAS_PB, LEN, BLOCK_M, BLOCK_K, dt)
     for k0 in range(0, LEN, BLOCK_K):
@@ -205,7 +181,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, pb_ptr, nw_ptr,
                          stride_o, stride_xo, eps,
                          K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr,
                          HAS_PB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         IEEE: tl.constexpr, PDL: tl.constexpr):
+                         IEEE: tl.constexpr):
     """Program (column block j, row block): gate columns j and up columns I + j of the stacked
     ``[2I, K]`` weight, then ``out = silu(gate) * up`` (silu rounded before the product). NORM:
     the input is RMSNorm(x + y) * w, made here (the first column block stores x + y to ``xo``)."""
@@ -215,13 +191,12 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, pb_ptr, nw_ptr,
     m_mask, n_mask = rows < M, cols < I
     dt = out_ptr.dtype.element_ty
     inv = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:   # the prologue reads x and the branch: wait first (the weights are not prefetched)
-        await_inputs(PDL)
+    if NORM:
         inv = _add_rms_rows(x_ptr, part_ptr, pb_ptr, xo_ptr, rows, m_mask, tl.program_id(0) == 0, M, K, stride_x,
                             stride_xo, eps, SPLITS, HAS_PB, K_PAD, BLOCK_M, BLOCK_K, dt)
     g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     g, u = _dot_pair(g, g, x_ptr, w_ptr, rows, m_mask, cols, I + cols, n_mask, 0, K, stride_x, stride_w,
-                     part_ptr, pb_ptr, nw_ptr, inv, M, True, NORM, SPLITS, HAS_PB, K_PAD, BLOCK_K, IEEE, dt, PDL)
+                     part_ptr, pb_ptr, nw_ptr, inv, M, True, NORM, SPLITS, HAS_PB, K_PAD, BLOCK_K, IEEE, dt)
     g = _biased(g, b_ptr, cols, n_mask, HAS_BIAS, dt).to(tl.float32)
     u = _biased(u, b_ptr, I + cols, n_mask, HAS_BIAS, dt).to(tl.float32)
     act = round_to(g / (1.0 + tl.exp(-g)), dt).to(tl.float32)
@@ -236,8 +211,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
                      NH, NKV, eps,
                      K: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
                      NORM: tl.constexpr, SPLITS: tl.constexpr, HAS_PB: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                     PDL: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """Program (head h and column block j of its first half, row block): columns ``j`` and
     ``j + HALF`` of head h of the stacked ``[(NH + 2 NKV) * 2 HALF, K]`` q/k/v weight. A query head
     is rotated into ``q[rows, h]``; a key head rotated into the cache at (row, pos[row]); a value
@@ -255,13 +229,12 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_
     c1 = h * (2 * HALF) + j
     c2 = c1 + HALF
     inv = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:   # the prologue reads x and the branch: wait first (the weights are not prefetched)
-        await_inputs(PDL)
+    if NORM:
         inv = _add_rms_rows(x_ptr, part_ptr, pb_ptr, xo_ptr, rows, m_mask, tl.program_id(0) == 0, M, K, stride_x,
                             stride_xo, eps, SPLITS, HAS_PB, K_PAD, BLOCK_M, BLOCK_K, dt)
     x1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     x1, x2 = _dot_pair(x1, x1, x_ptr, w_ptr, rows, m_mask, c1, c2, n_all, 0, K, stride_x, stride_w,
-                       part_ptr, pb_ptr, nw_ptr, inv, M, True, NORM, SPLITS, HAS_PB, K_PAD, BLOCK_K, IEEE, dt, PDL)
+                       part_ptr, pb_ptr, nw_ptr, inv, M, True, NORM, SPLITS, HAS_PB, K_PAD, BLOCK_K, IEEE, dt)
     x1 = _biased(x1, b_ptr, c1, n_all, HAS_BIAS, dt)
     x2 = _biased(x2, b_ptr, c2, n_all, HAS_BIAS, dt)
     p = tl.load(pos_ptr + rows, mask=m_mask, other=0)
@@ -327,7 +300,7 @@ def linear_parts(x: torch.Tensor, w: torch.Tensor, splits: Optional[int] = None,
     bm = block_m or _block_m(M)
     _linear_parts_kernel[(triton.cdiv(N, block_n), S, triton.cdiv(M, bm))](
         x, w, part, M, N, x.stride(0), w.stride(0), K=K, K_SPLIT=k_split, BLOCK_M=bm, BLOCK_N=block_n,
-        BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=num_warps, **launch_opts(x))
+        BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=num_warps)
     return part
 
 
@@ -371,8 +344,7 @@ def add_norm(inp: NormedInput) -> torch.Tensor:
     # one row per program, the whole row in one block: each pass is one round of loads (four rows
     # per program in 128-column steps took 10.6 us on the H200 at 32 rows, section 22)
     _parts_add_rms_kernel[(M,)](x, part, pb, nw, xo, h, M, inp.eps, x.stride(0), xo.stride(0), h.stride(0), H=H,
-                                BLOCK_M=1, BLOCK_K=triton.next_power_of_2(H), num_warps=4, **const,
-                                **launch_opts(x))
+                                BLOCK_M=1, BLOCK_K=triton.next_power_of_2(H), num_warps=4, **const)
     return h
 
 
@@ -407,7 +379,7 @@ def gate_up_silu(inp, w: torch.Tensor, bias: Optional[torch.Tensor], block_n: in
     _gate_up_silu_kernel[(triton.cdiv(inter, block_n), triton.cdiv(M, bm))](
         x, w, bias if bias is not None else w, out, part, pb, nw, xo, M, inter, x.stride(0), w.stride(0),
         out.stride(0), stride_xo, eps, K=K, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n,
-        BLOCK_K=_block_k(K), IEEE=x.dtype == torch.float32, num_warps=num_warps, **const, **launch_opts(x))
+        BLOCK_K=_block_k(K), IEEE=x.dtype == torch.float32, num_warps=num_warps, **const)
     return out
 
 
@@ -436,7 +408,7 @@ def qkv_rope(inp, w: torch.Tensor, bias: Optional[torch.Tensor], pos: torch.Tens
         k_cache, v_cache, part, pb, nw, xo, M, x.stride(0), w.stride(0), q.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), cos.stride(0), stride_xo, nh, nkv, eps, K=K, HALF=half,
         HAS_BIAS=bias is not None, QK_NORM=norm, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=_block_k(K),
-        IEEE=x.dtype == torch.float32, num_warps=num_warps, **const, **launch_opts(x))
+        IEEE=x.dtype == torch.float32, num_warps=num_warps, **const)
     return q
 
 
