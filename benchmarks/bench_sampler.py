@@ -37,7 +37,8 @@ def main() -> None:
     cuda = use_cuda(a.device)
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
-    from megarl.engine.sampler import RowParams, sample_rows
+    from megarl.engine import filter_kernels, kernels
+    from megarl.engine.sampler import RowParams, _row_keys, sample_rows
     dev = torch.device("cuda" if cuda else "cpu")
     kinds = (a.top_k > 0, a.top_p < 1.0, a.min_p > 0.0)
     for B in (int(x) for x in a.batch.split(",")):
@@ -52,6 +53,15 @@ def main() -> None:
             "torch_sort": lambda: sample_rows(logits, rp, True, filter_all=True),
             "triton_threshold": lambda: sample_rows(logits, rp, True, fused=True, filter_all=True, filter_kinds=kinds),
             "triton_unfiltered": lambda: sample_rows(logits, rp, True, fused=True),
+            # baselines of this session's changes, same run: every id's noise in fp64; one
+            # 4096-id chunk per search program; greedy (no noise: the pass's floor)
+            "triton_unfiltered_exact_noise": lambda: kernels.sample_rows_fused(
+                logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps), exact_noise=True),
+            "triton_threshold_one_chunk": lambda: kernels.sample_rows_fused(
+                logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps),
+                threshold=filter_kernels.filter_thresholds(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p,
+                                                           kinds, group=1)),
+            "triton_greedy": lambda: sample_rows(logits, rp, False, fused=True),
         }
         res = {"bench": "sampler", "device": torch.cuda.get_device_name(0) if cuda else "cpu", "batch": B, "vocab": a.vocab,
                "top_k": a.top_k, "top_p": a.top_p, "min_p": a.min_p}
@@ -63,6 +73,12 @@ def main() -> None:
         res["speedup_threshold_vs_sort"] = round(res["torch_sort_ms"] / res["triton_threshold_ms"], 2)
         res["threshold_over_unfiltered"] = round(res["triton_threshold_ms"] / res["triton_unfiltered_ms"], 2)
         res["same_tokens_threshold_vs_sort"] = float((tokens["triton_threshold"] == tokens["torch_sort"]).float().mean())
+        res["speedup_noise_vs_exact"] = round(res["triton_unfiltered_exact_noise_ms"] / res["triton_unfiltered_ms"], 2)
+        res["speedup_grouped_vs_one_chunk"] = round(res["triton_threshold_one_chunk_ms"] / res["triton_threshold_ms"], 2)
+        res["same_tokens_noise_vs_exact"] = bool(torch.equal(tokens["triton_unfiltered"],
+                                                            tokens["triton_unfiltered_exact_noise"]))
+        res["same_tokens_grouped_vs_one_chunk"] = bool(torch.equal(tokens["triton_threshold"],
+                                                                  tokens["triton_threshold_one_chunk"]))
         print(json.dumps(res), flush=True)
 
 

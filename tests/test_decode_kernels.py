@@ -194,6 +194,39 @@ def test_fused_sampling_draws_what_the_torch_sampler_draws(kernels):
         assert torch.equal(sample_rows(half, rp, stochastic)[0], sample_rows(half.float(), rp, stochastic)[0])
 
 
+def test_fused_sampling_decides_near_ties_with_the_exact_noise(kernels):
+    """The one-pass sampler scores with fp32 noise and re-scores exactly (fp64, the definition)
+    only what might be a block's best. Rows built so that two ids' scores z + g differ by at most
+    one fp32 ulp -- in one block, or in two -- must draw the id that argmax(z + g) over the exact
+    noise draws (first id on ties); pure-noise rows exercise the common path."""
+    from megarl.engine import kernels as K
+    from megarl.engine.sampler import _row_keys, seeded_gumbel
+    B, V, T = 48, 6000, 32                              # T rows of near ties, the rest ~pure noise
+    seeds = torch.arange(B, dtype=torch.int64) * 7919 + 11
+    steps = torch.arange(B, dtype=torch.int64) * 3
+    g = seeded_gumbel(seeds, steps, V)                  # the exact noise, fp32 [B, V]
+    z = torch.full((B, V), -40.0)
+    # the ids of the tie pairs: noise where fp32's -log(u) is least accurate (u just below 1 - 2^-7),
+    # so the approximate scores differ by more than the exact ones do
+    worst = (g > 4.2) & (g < 4.84)
+    for r in range(T):                                  # near ties: a and b score 5 +- 1 ulp
+        ids = worst[r].nonzero()[:, 0]
+        a = int(ids[ids < 1024][0])
+        b = int(ids[ids < 1024][1] if r % 2 == 0 else ids[ids >= 2048][0])   # same block / another block
+        z[r, a] = 5.0 - g[r, a]
+        z[r, b] = 5.0 - g[r, b] + (r % 3 - 1) * 2.0 ** -21   # 2^-21: one ulp of a score near 5
+    z[T:] = torch.randn(B - T, V, generator=torch.Generator().manual_seed(3)) * 0.01
+    want = (z + g).argmax(dim=-1)
+    temp = torch.ones(B, device=DEV)
+    got, _ = K.sample_rows_fused(z.to(DEV), temp, torch.zeros(B, dtype=torch.bool, device=DEV),
+                                 _row_keys(seeds, steps).to(DEV))
+    assert torch.equal(got.cpu(), want)
+    exact, _ = K.sample_rows_fused(z.to(DEV), temp, torch.zeros(B, dtype=torch.bool, device=DEV),
+                                   _row_keys(seeds, steps).to(DEV), exact_noise=True)   # fp64 for every id
+    assert torch.equal(exact.cpu(), want)
+    assert 0 < int((want[:T] == (z[:T] > 0).int().argmax(dim=-1)).sum()) < T   # the ties fall both ways
+
+
 def _keep_reference(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
     """The keep-set of one row by the definition, in float64 with a sort: top-k keeps p >= the k-th
     largest; top-p keeps the ids whose larger ids (sorted, descending) hold at most top_p of the
@@ -244,6 +277,12 @@ def test_filter_thresholds_keep_what_a_sort_keeps(kernels):
     # a filter another row has but this one does not stays off; kinds compiled out change nothing
     only_p = filter_thresholds(logits[1:2], t[1:2], top_k[1:2], top_p[1:2], min_p[1:2], (False, True, False))
     assert torch.equal(only_p, thr[1:2])
+    # programs taking several chunks each (as at large batches on a GPU), one group ragged: the
+    # same thresholds, bit for bit (a chunk's sums do not depend on who computes them)
+    wide = torch.cat([logits, logits[:, :3000]], dim=1)   # 3 chunks of 4096
+    base = filter_thresholds(wide, t, top_k, top_p, min_p, group=1)
+    for group in (2, 3):
+        assert torch.equal(filter_thresholds(wide, t, top_k, top_p, min_p, group=group), base)
 
 
 def test_fused_filtered_sampling_draws_what_the_torch_sampler_draws(kernels):

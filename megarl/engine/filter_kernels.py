@@ -23,7 +23,7 @@ batch) into the row's narrowed interval. No host sync: the whole search is graph
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -135,39 +135,15 @@ def _fold_pass(r, S, topk_ptr, topp_ptr, state_ptr, above_k_ptr, above_p_ptr, to
 
 
 @triton.jit
-def _pass_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, stats_ptr, state_in, above_k_in, above_p_in, total_in,
-                 state_out, above_k_out, above_p_out, total_out, stride,
-                 V: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, F: tl.constexpr,
-                 BLOCK_S: tl.constexpr, FIRST: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr):
-    """Program (row r, chunk c) of one search pass: the row's intervals (the first pass: every key
-    from min z to max z; later ones: the previous pass folded in, chunk 0 records them), then over
-    its chunk, for each candidate, the count (top-k) and the mass (top-p) of the ids above it."""
-    r = tl.program_id(0)
-    c = tl.program_id(1)
-    S = tl.num_programs(1)
-    zmax, lse, zmin = _row_stats(stats_ptr, r, S, BLOCK_S)
-    if FIRST:
-        lo_k = _order_key(zmin) - 1
-        hi_k = _order_key(zmax)
-        lo_p = lo_k
-        hi_p = hi_k
-    else:
-        lo_k, hi_k, lo_p, hi_p = _fold_pass(r, S, topk_ptr, topp_ptr, state_in, above_k_in, above_p_in, total_in,
-                                            F, BLOCK_S, HAS_K, HAS_P)
-    first_chunk = c == 0
-    so = state_out + r * 4
-    tl.store(so, lo_k, mask=first_chunk)
-    tl.store(so + 1, hi_k, mask=first_chunk)
-    tl.store(so + 2, lo_p, mask=first_chunk)
-    tl.store(so + 3, hi_p, mask=first_chunk)
-    xk = _key_value(_candidates(lo_k, hi_k, F))
-    xp = _key_value(_candidates(lo_p, hi_p, F))
-    t = tl.load(temp_ptr + r)
+def _chunk_sums(logits_ptr, r, c, stride, t, lse, xk, xp, above_k_out, above_p_out, total_out, S,
+                V: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, F: tl.constexpr,
+                HAS_K: tl.constexpr, HAS_P: tl.constexpr):
+    """Chunk c of row r: for each candidate, the count (top-k) and the mass (top-p) of the ids
+    above it, and the chunk's total mass -> slot (r, c)."""
     lane = tl.arange(0, BLOCK)
     # per-lane sums over the chunk's blocks, reduced across lanes once at the end. The ids are the
     # last (contiguous) axis: the compiler spreads that axis over the threads, so each id's value
-    # and exp live in one thread; as [BLOCK, F] each was held and exponentiated by 8 threads (~10x
-    # the pass's op count on the H200, benchmarks/RESULTS.md section 22).
+    # and exp live in one thread; as [BLOCK, F] each was held and exponentiated by 8 threads.
     above_k = tl.zeros([F, BLOCK], tl.int32)
     above_p = tl.zeros([F, BLOCK], tl.float32)
     total = tl.zeros([BLOCK], tl.float32)
@@ -185,6 +161,42 @@ def _pass_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, stats_ptr, state_in, 
     tl.store(above_k_out + (r * S + c) * F + f, tl.sum(above_k, axis=1))
     tl.store(above_p_out + (r * S + c) * F + f, tl.sum(above_p, axis=1))
     tl.store(total_out + r * S + c + tl.arange(0, 1), tl.sum(total, axis=0, keep_dims=True))
+
+
+@triton.jit
+def _pass_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, stats_ptr, state_in, above_k_in, above_p_in, total_in,
+                 state_out, above_k_out, above_p_out, total_out, stride, S,
+                 CPP: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, F: tl.constexpr,
+                 BLOCK_S: tl.constexpr, FIRST: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr):
+    """Program (row r, group g) of one search pass: the row's intervals (the first pass: every key
+    from min z to max z; later ones: the previous pass folded in, group 0 records them), then chunks
+    ``[g * CPP, (g + 1) * CPP)`` (`_chunk_sums`). A chunk's sums do not depend on CPP: grouping
+    only spreads the interval work over fewer programs."""
+    r = tl.program_id(0)
+    grp = tl.program_id(1)
+    zmax, lse, zmin = _row_stats(stats_ptr, r, S, BLOCK_S)
+    if FIRST:
+        lo_k = _order_key(zmin) - 1
+        hi_k = _order_key(zmax)
+        lo_p = lo_k
+        hi_p = hi_k
+    else:
+        lo_k, hi_k, lo_p, hi_p = _fold_pass(r, S, topk_ptr, topp_ptr, state_in, above_k_in, above_p_in, total_in,
+                                            F, BLOCK_S, HAS_K, HAS_P)
+    first_group = grp == 0
+    so = state_out + r * 4
+    tl.store(so, lo_k, mask=first_group)
+    tl.store(so + 1, hi_k, mask=first_group)
+    tl.store(so + 2, lo_p, mask=first_group)
+    tl.store(so + 3, hi_p, mask=first_group)
+    xk = _key_value(_candidates(lo_k, hi_k, F))
+    xp = _key_value(_candidates(lo_p, hi_p, F))
+    t = tl.load(temp_ptr + r)
+    for i in range(0, CPP):
+        c = grp * CPP + i
+        if c < S:
+            _chunk_sums(logits_ptr, r, c, stride, t, lse, xk, xp, above_k_out, above_p_out, total_out, S,
+                        V, CHUNK, BLOCK, F, HAS_K, HAS_P)
 
 
 @triton.jit
@@ -210,12 +222,24 @@ def _threshold_kernel(topk_ptr, topp_ptr, minp_ptr, stats_ptr, state_in, above_k
     tl.store(thr_ptr + r, thr)
 
 
+def chunks_per_program(rows: int, chunks: int, device: torch.device) -> int:
+    """How many chunks a search program takes: one while the rows' chunks are few, more once they
+    exceed ~4 programs per SM (each program folds the previous pass and the row's statistics
+    first -- a few dependent loads -- then streams its chunks)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(chunks, rows * chunks // (4 * sms)))
+
+
 def filter_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      min_p: torch.Tensor, kinds: Tuple[bool, bool, bool] = (True, True, True)) -> torch.Tensor:
+                      min_p: torch.Tensor, kinds: Tuple[bool, bool, bool] = (True, True, True),
+                      group: Optional[int] = None) -> torch.Tensor:
     """Per row of ``logits [B, V]`` (fp32 or the model's 16-bit logits, upcast as read), the smallest
     ``logits / T`` its top-k / top-p / min-p keep: fp32 ``[B]``, -inf where no filter is on
     (``top_k <= 0`` or ``>= V``, ``top_p >= 1``, ``min_p <= 0``). ``kinds``: which of (top-k, top-p,
-    min-p) any row has -- host knowledge; the others are compiled out."""
+    min-p) any row has -- host knowledge; the others are compiled out. ``group``: chunks per search
+    program (default `chunks_per_program`; the result does not depend on it)."""
     B, V = logits.shape
     logits = logits.contiguous()
     dev = logits.device
@@ -232,11 +256,12 @@ def filter_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     above_k = torch.empty(passes + 1, B, S, F, dtype=torch.int32, device=dev)
     above_p = torch.empty(passes + 1, B, S, F, dtype=torch.float32, device=dev)
     total = torch.empty(passes + 1, B, S, dtype=torch.float32, device=dev)
+    cpp = group or chunks_per_program(B, S, dev)
     for i in range(passes):
         src = max(i - 1, 0)
-        _pass_kernel[(B, S)](logits, temperature, top_k, top_p, stats, state[src], above_k[src], above_p[src],
-                             total[src], state[i], above_k[i], above_p[i], total[i], logits.stride(0),
-                             V=V, CHUNK=CHUNK, BLOCK=BLOCK, F=F, BLOCK_S=block_s, FIRST=i == 0,
+        _pass_kernel[(B, triton.cdiv(S, cpp))](logits, temperature, top_k, top_p, stats, state[src], above_k[src],
+                             above_p[src], total[src], state[i], above_k[i], above_p[i], total[i], logits.stride(0),
+                             S, CPP=cpp, V=V, CHUNK=CHUNK, BLOCK=BLOCK, F=F, BLOCK_S=block_s, FIRST=i == 0,
                              HAS_K=has_k, HAS_P=has_p, num_warps=8)
     last = max(passes - 1, 0)
     thr = torch.empty(B, dtype=torch.float32, device=dev)

@@ -224,6 +224,30 @@ def _hash32(x):
 
 
 @triton.jit
+def _gumbel_exact(bits):
+    """sampler.seeded_gumbel's noise for 32-bit hash ``bits``: u = (bits + 0.5) / 2^32,
+    -log(-log(u)) in fp64, rounded to fp32 -- the definition every sampler follows."""
+    u = (bits.to(tl.float64) + 0.5) / 4294967296.0
+    return (-tl.log(-tl.log(u))).to(tl.float32)
+
+
+# |_gumbel_approx - _gumbel_exact| is below ~1e-4 (fp32 rounding of u or 1 - u, the series' cut-off,
+# two fp32 logs); scores this close to a block's best are re-decided with the exact noise.
+GUMBEL_SLACK: tl.constexpr = tl.constexpr(1e-3)
+
+
+@triton.jit
+def _gumbel_approx(bits):
+    """`_gumbel_exact` in fp32 (~1e-5 off; fp64 logs cost ~4x the rest of the sampler): -log(u)
+    from u itself where u <= 1 - 2^-7, else from w = 1 - u by its series w + w^2/2 + w^3/3 (u's
+    fp32 rounding would swamp -log(u) there)."""
+    w = ((4294967295 - bits).to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    u = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    neg_log_u = tl.where(w < 0.0078125, w * (1.0 + w * (0.5 + w * 0.3333333333)), -tl.log(u))
+    return -tl.log(neg_log_u)
+
+
+@triton.jit
 def online_max_sumexp(m, ssum, z):
     """One block ``z`` into a running (max, sum of exp(z - max)) -- masked ids read as -inf; a block
     wholly past the vocabulary leaves the pair as it was."""
@@ -242,7 +266,7 @@ def merged_lse(m, ssum):
 @triton.jit
 def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, thr_ptr, part_ptr, idx_ptr, stride,
                         V: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr,
-                        HAS_THR: tl.constexpr):
+                        HAS_THR: tl.constexpr, EXACT: tl.constexpr):
     """Program (row r, chunk c) over vocabulary ids ``[c * CHUNK, (c + 1) * CHUNK)``: z = logits / T,
     running (max, sum exp) of z, and the best of z + gumbel (z for greedy rows; first id on ties)
     with its z. The noise is sampler.seeded_gumbel's: bits = hash32(row key ^ hash32(token id)),
@@ -269,17 +293,34 @@ def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, thr_ptr, part
         ok = v < V
         z = tl.load(logits_ptr + r * stride + v, mask=ok, other=float("-inf")).to(tl.float32) / t
         m, ssum = online_max_sumexp(m, ssum, z)
-        score = z
+        drawable = ok
+        if HAS_THR:   # (a greedy row's argmax is always kept: every filter keeps the top id)
+            drawable = drawable & (z >= thr)
         if NOISE:
             bits = _hash32(key ^ _hash32(v.to(tl.uint32)))
-            u = (bits.to(tl.float64) + 0.5) / 4294967296.0
-            g = (-tl.log(-tl.log(u))).to(tl.float32)
-            score = tl.where(greedy, z, z + g)
-        if HAS_THR:   # (a greedy row's argmax is always kept: every filter keeps the top id)
-            score = tl.where(z >= thr, score, float("-inf"))
-        score = tl.where(ok, score, float("-inf"))
+            if EXACT:
+                g = _gumbel_exact(bits)
+            else:
+                g = _gumbel_approx(bits)
+            score = tl.where(drawable, tl.where(greedy, z, z + g), float("-inf"))
+        else:
+            score = tl.where(drawable, z, float("-inf"))
         i = tl.argmax(score, axis=0, tie_break_left=True)
         sc = tl.max(score, axis=0)
+        if NOISE and not EXACT:
+            # the approximate best is the exact best unless another score is within twice the
+            # noise's error of it (then, rarely, the whole block is scored exactly); either way the
+            # chosen score is the exact one, so tokens equal the fp64 definition's
+            if sc > float("-inf"):
+                slack = 2.0 * (GUMBEL_SLACK + tl.abs(sc) * 1e-6)
+                if tl.sum((score >= sc - slack).to(tl.int32), axis=0) > 1:
+                    score = tl.where(drawable, tl.where(greedy, z, z + _gumbel_exact(bits)), float("-inf"))
+                    i = tl.argmax(score, axis=0, tie_break_left=True)
+                    sc = tl.max(score, axis=0)
+                else:
+                    z_one = tl.sum(tl.where(lane == i, z, 0.0), axis=0)
+                    g_one = _gumbel_exact(tl.sum(tl.where(lane == i, bits, 0), axis=0))
+                    sc = tl.where(greedy, z_one, z_one + g_one)
         zi = tl.sum(tl.where(lane == i, z, 0.0), axis=0)
         take = sc > best
         best_i = tl.where(take, v0 + i, best_i)
@@ -316,12 +357,15 @@ def _sample_combine_kernel(part_ptr, idx_ptr, tok_ptr, lp_ptr, S, BLOCK_S: tl.co
 # ------------------------------------------------------------------------------------ wrappers
 def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
                       row_keys: torch.Tensor, noise: bool = True,
-                      threshold: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      threshold: Optional[torch.Tensor] = None,
+                      exact_noise: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """sampler.sample_rows in one pass over ``logits [B, V]``
     (fp32, or the model's bf16/fp16 logits: upcast exactly as they are read, so no fp32 copy of
     ``[B, V]`` is written and read again), split into 4096-id chunks so that even one row spreads over the GPU: (tokens int64
     [B], logprobs fp32 [B]); ``row_keys``: sampler's per-row noise keys; ``noise`` False: every
-    row is greedy; ``threshold`` (`filter_kernels.filter_thresholds`): sampled rows draw among ``logits / T >= threshold``."""
+    row is greedy; ``threshold`` (`filter_kernels.filter_thresholds`): sampled rows draw among ``logits / T >= threshold``.
+    The noise is scored in fp32 and only a block's likely best re-scored in fp64; ``exact_noise``
+    scores every id in fp64 instead (the same tokens: the benchmark's baseline)."""
     B, V = logits.shape
     logits = logits.contiguous()
     chunk = 4096
@@ -332,7 +376,7 @@ def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: t
     _sample_part_kernel[(B, S)](logits, temperature, greedy.to(torch.int8), row_keys.to(torch.int32),
                                 threshold if threshold is not None else temperature, part, idx,
                                 logits.stride(0), V=V, CHUNK=chunk, BLOCK=1024, NOISE=noise,
-                                HAS_THR=threshold is not None)
+                                HAS_THR=threshold is not None, EXACT=exact_noise)
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     lps = torch.empty(B, dtype=torch.float32, device=dev)
     _sample_combine_kernel[(B,)](part, idx, tokens, lps, S, BLOCK_S=triton.next_power_of_2(S))
