@@ -358,14 +358,17 @@ def _sample_combine_kernel(part_ptr, idx_ptr, tok_ptr, lp_ptr, S, BLOCK_S: tl.co
 def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
                       row_keys: torch.Tensor, noise: bool = True,
                       threshold: Optional[torch.Tensor] = None,
-                      exact_noise: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                      exact_noise: bool = False, block: int = 4096,
+                      num_warps: int = 8) -> Tuple[torch.Tensor, torch.Tensor]:
     """sampler.sample_rows in one pass over ``logits [B, V]``
     (fp32, or the model's bf16/fp16 logits: upcast exactly as they are read, so no fp32 copy of
     ``[B, V]`` is written and read again), split into 4096-id chunks so that even one row spreads over the GPU: (tokens int64
     [B], logprobs fp32 [B]); ``row_keys``: sampler's per-row noise keys; ``noise`` False: every
     row is greedy; ``threshold`` (`filter_kernels.filter_thresholds`): sampled rows draw among ``logits / T >= threshold``.
     The noise is scored in fp32 and only a block's likely best re-scored in fp64; ``exact_noise``
-    scores every id in fp64 instead (the same tokens: the benchmark's baseline)."""
+    scores every id in fp64 instead (the same tokens: the benchmark's baseline). ``block``: ids a
+    program holds at once (a divisor of the chunk); each block costs ~8 cross-warp reductions, so
+    one block per chunk does them once per 4096 ids (section 23: they dominated after the fp64 noise)."""
     B, V = logits.shape
     logits = logits.contiguous()
     chunk = 4096
@@ -375,8 +378,8 @@ def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: t
     idx = torch.empty(B, S, dtype=torch.int32, device=dev)
     _sample_part_kernel[(B, S)](logits, temperature, greedy.to(torch.int8), row_keys.to(torch.int32),
                                 threshold if threshold is not None else temperature, part, idx,
-                                logits.stride(0), V=V, CHUNK=chunk, BLOCK=1024, NOISE=noise,
-                                HAS_THR=threshold is not None, EXACT=exact_noise)
+                                logits.stride(0), V=V, CHUNK=chunk, BLOCK=block, NOISE=noise,
+                                HAS_THR=threshold is not None, EXACT=exact_noise, num_warps=num_warps)
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     lps = torch.empty(B, dtype=torch.float32, device=dev)
     _sample_combine_kernel[(B,)](part, idx, tokens, lps, S, BLOCK_S=triton.next_power_of_2(S))
