@@ -358,8 +358,8 @@ def _sample_combine_kernel(part_ptr, idx_ptr, tok_ptr, lp_ptr, S, BLOCK_S: tl.co
 def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
                       row_keys: torch.Tensor, noise: bool = True,
                       threshold: Optional[torch.Tensor] = None,
-                      exact_noise: bool = False, block: int = 4096,
-                      num_warps: int = 8) -> Tuple[torch.Tensor, torch.Tensor]:
+                      exact_noise: bool = False, block: int = 1024,
+                      num_warps: int = 4) -> Tuple[torch.Tensor, torch.Tensor]:
     """sampler.sample_rows in one pass over ``logits [B, V]``
     (fp32, or the model's bf16/fp16 logits: upcast exactly as they are read, so no fp32 copy of
     ``[B, V]`` is written and read again), split into 4096-id chunks so that even one row spreads over the GPU: (tokens int64
@@ -367,8 +367,9 @@ def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: t
     row is greedy; ``threshold`` (`filter_kernels.filter_thresholds`): sampled rows draw among ``logits / T >= threshold``.
     The noise is scored in fp32 and only a block's likely best re-scored in fp64; ``exact_noise``
     scores every id in fp64 instead (the same tokens: the benchmark's baseline). ``block``: ids a
-    program holds at once (a divisor of the chunk); each block costs ~8 cross-warp reductions, so
-    one block per chunk does them once per 4096 ids (section 23: they dominated after the fp64 noise)."""
+    program holds at once (a divisor of the chunk; 4096 with 8 warps measured 1.13x at one row and
+    0.99-1.00x from 32 rows, benchmarks/RESULTS.md section 23 -- the per-block reductions are not
+    what bounds it)."""
     B, V = logits.shape
     logits = logits.contiguous()
     chunk = 4096
