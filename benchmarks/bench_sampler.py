@@ -38,7 +38,7 @@ def main() -> None:
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
     from megarl.engine import filter_kernels, kernels
-    from megarl.engine.sampler import RowParams, _row_keys, sample_rows
+    from megarl.engine.sampler import RowParams, sample_rows
     dev = torch.device("cuda" if cuda else "cpu")
     kinds = (a.top_k > 0, a.top_p < 1.0, a.min_p > 0.0)
     for B in (int(x) for x in a.batch.split(",")):
@@ -56,14 +56,14 @@ def main() -> None:
             # baselines of this session's changes, same run: every id's noise in fp64; one
             # 4096-id chunk per search program; greedy (no noise: the pass's floor)
             "triton_unfiltered_exact_noise": lambda: kernels.sample_rows_fused(
-                logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps), exact_noise=True),
+                logits, rp.temperature, rp.greedy, rp.seeds, rp.steps, exact_noise=True),
             "triton_threshold_one_chunk": lambda: kernels.sample_rows_fused(
-                logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps),
+                logits, rp.temperature, rp.greedy, rp.seeds, rp.steps,
                 threshold=filter_kernels.filter_thresholds(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p,
                                                            kinds, group=1)),
             "triton_greedy": lambda: sample_rows(logits, rp, False, fused=True),
             "triton_unfiltered_block4096": lambda: kernels.sample_rows_fused(
-                logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps), block=4096, num_warps=8),
+                logits, rp.temperature, rp.greedy, rp.seeds, rp.steps, block=4096, num_warps=8),
         }
         res = {"bench": "sampler", "device": torch.cuda.get_device_name(0) if cuda else "cpu", "batch": B, "vocab": a.vocab,
                "top_k": a.top_k, "top_p": a.top_p, "min_p": a.min_p}

@@ -200,7 +200,7 @@ def test_fused_sampling_decides_near_ties_with_the_exact_noise(kernels):
     one fp32 ulp -- in one block, or in two -- must draw the id that argmax(z + g) over the exact
     noise draws (first id on ties); pure-noise rows exercise the common path."""
     from megarl.engine import kernels as K
-    from megarl.engine.sampler import _row_keys, seeded_gumbel
+    from megarl.engine.sampler import seeded_gumbel
     B, V, T = 48, 6000, 32                              # T rows of near ties, the rest ~pure noise
     seeds = torch.arange(B, dtype=torch.int64) * 7919 + 11
     steps = torch.arange(B, dtype=torch.int64) * 3
@@ -220,10 +220,10 @@ def test_fused_sampling_decides_near_ties_with_the_exact_noise(kernels):
     temp = torch.ones(B, device=DEV)
     for block in (1024, 4096):   # 1024: the pairs 2048 apart are in two blocks
         got, _ = K.sample_rows_fused(z.to(DEV), temp, torch.zeros(B, dtype=torch.bool, device=DEV),
-                                     _row_keys(seeds, steps).to(DEV), block=block)
+                                     seeds.to(DEV), steps.to(DEV), block=block)
         assert torch.equal(got.cpu(), want), block
     exact, _ = K.sample_rows_fused(z.to(DEV), temp, torch.zeros(B, dtype=torch.bool, device=DEV),
-                                   _row_keys(seeds, steps).to(DEV), exact_noise=True)   # fp64 for every id
+                                   seeds.to(DEV), steps.to(DEV), exact_noise=True)   # fp64 for every id
     assert torch.equal(exact.cpu(), want)
     assert 0 < int((want[:T] == (z[:T] > 0).int().argmax(dim=-1)).sum()) < T   # the ties fall both ways
 

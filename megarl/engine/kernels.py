@@ -264,7 +264,17 @@ def merged_lse(m, ssum):
 
 
 @triton.jit
-def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, thr_ptr, part_ptr, idx_ptr, stride,
+def _row_key(seed_ptr, step_ptr, r):
+    """sampler._row_keys of row r, from its int64 seed and step: only their low 32 bits enter the
+    hash (the multiplication wraps modulo 2^32, as the reference masks it). Made here rather than by
+    the ~25 tiny torch ops of the reference, each a graph node of its own per decode step."""
+    seed = tl.load(seed_ptr + r).to(tl.uint32)
+    step = tl.load(step_ptr + r).to(tl.uint32)
+    return _hash32(_hash32(seed) ^ (step * 0x27D4EB2D))
+
+
+@triton.jit
+def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, seed_ptr, step_ptr, thr_ptr, part_ptr, idx_ptr, stride,
                         V: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr,
                         HAS_THR: tl.constexpr, EXACT: tl.constexpr):
     """Program (row r, chunk c) over vocabulary ids ``[c * CHUNK, (c + 1) * CHUNK)``: z = logits / T,
@@ -280,7 +290,7 @@ def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, thr_ptr, part
     greedy = tl.load(greedy_ptr + r) != 0
     if HAS_THR:
         thr = tl.load(thr_ptr + r)
-    key = tl.load(key_ptr + r).to(tl.uint32, bitcast=True)
+    key = _row_key(seed_ptr, step_ptr, r)
     m = tl.full([1], float("-inf"), tl.float32)
     ssum = tl.zeros([1], tl.float32)
     best = tl.full([1], float("-inf"), tl.float32)
@@ -356,14 +366,15 @@ def _sample_combine_kernel(part_ptr, idx_ptr, tok_ptr, lp_ptr, S, BLOCK_S: tl.co
 
 # ------------------------------------------------------------------------------------ wrappers
 def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
-                      row_keys: torch.Tensor, noise: bool = True,
+                      seeds: torch.Tensor, steps: torch.Tensor, noise: bool = True,
                       threshold: Optional[torch.Tensor] = None,
                       exact_noise: bool = False, block: int = 1024,
                       num_warps: int = 4) -> Tuple[torch.Tensor, torch.Tensor]:
     """sampler.sample_rows in one pass over ``logits [B, V]``
     (fp32, or the model's bf16/fp16 logits: upcast exactly as they are read, so no fp32 copy of
     ``[B, V]`` is written and read again), split into 4096-id chunks so that even one row spreads over the GPU: (tokens int64
-    [B], logprobs fp32 [B]); ``row_keys``: sampler's per-row noise keys; ``noise`` False: every
+    [B], logprobs fp32 [B]); ``seeds``, ``steps`` (int64): each row's noise key, as sampler's
+    ``_row_keys`` makes it (made in the kernel); ``noise`` False: every
     row is greedy; ``threshold`` (`filter_kernels.filter_thresholds`): sampled rows draw among ``logits / T >= threshold``.
     The noise is scored in fp32 and only a block's likely best re-scored in fp64; ``exact_noise``
     scores every id in fp64 instead (the same tokens: the benchmark's baseline). ``block``: ids a
@@ -377,7 +388,7 @@ def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: t
     dev = logits.device
     part = torch.empty(B, S, 4, dtype=torch.float32, device=dev)
     idx = torch.empty(B, S, dtype=torch.int32, device=dev)
-    _sample_part_kernel[(B, S)](logits, temperature, greedy.to(torch.int8), row_keys.to(torch.int32),
+    _sample_part_kernel[(B, S)](logits, temperature, greedy, seeds, steps,
                                 threshold if threshold is not None else temperature, part, idx,
                                 logits.stride(0), V=V, CHUNK=chunk, BLOCK=block, NOISE=noise,
                                 HAS_THR=threshold is not None, EXACT=exact_noise, num_warps=num_warps)

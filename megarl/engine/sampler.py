@@ -194,7 +194,7 @@ def sample_rows(logits: torch.Tensor, rp: RowParams, any_stochastic: bool = True
         if filtering:
             threshold = filter_kernels.filter_thresholds(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p,
                                                          filter_kinds)
-        return kernels.sample_rows_fused(logits, rp.temperature, rp.greedy, _row_keys(rp.seeds, rp.steps),
+        return kernels.sample_rows_fused(logits, rp.temperature, rp.greedy, rp.seeds, rp.steps,
                                          noise=any_stochastic, threshold=threshold)
     logits = logits.float()   # a no-op for fp32 logits
     if not any_stochastic:   # every row greedy (temperature 1): one reduction, no [B, V] log-softmax
