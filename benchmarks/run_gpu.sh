@@ -97,6 +97,8 @@ decode_proj) # the decode step with its projections in Triton too (proj_kernels.
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
           --new 128 --kernels triton,triton-proj --no-hf --profile $OUT/prof_decode_proj.txt $DECODE_ARGS ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
+grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
+         run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;
 rollout_t1) # seeded sampling at temperature 1 (the RL loop's), the Triton step, batch 128 and 512
          run 240 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 128,512 --prompt 32 \
            --new 128 --temperature 1 --no-hf --kernels triton ;;
