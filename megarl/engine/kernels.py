@@ -280,7 +280,8 @@ def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, seed_ptr, step_ptr, th
     """Program (row r, chunk c) over vocabulary ids ``[c * CHUNK, (c + 1) * CHUNK)``: z = logits / T,
     running (max, sum exp) of z, and the best of z + gumbel (z for greedy rows; first id on ties)
     with its z. The noise is sampler.seeded_gumbel's: bits = hash32(row key ^ hash32(token id)),
-    u = (bits + 0.5) / 2^32, -log(-log(u)) in fp64, rounded to fp32. HAS_THR: a sampled row draws
+    u = (bits + 0.5) / 2^32, -log(-log(u)) in fp64, rounded to fp32 -- scored in fp32 first
+    (`_gumbel_approx`), the chosen score always the exact one (EXACT: fp64 for every id). HAS_THR: a sampled row draws
     only among the ids with z >= thr[r] (its top-k / top-p / min-p keep-set, `filter_kernels.filter_thresholds`);
     the (max, sum exp) stay those of every id, so the logprob is of the unfiltered distribution."""
     r = tl.program_id(0)
