@@ -264,6 +264,12 @@ def merged_lse(m, ssum):
 
 
 @triton.jit
+def _noisy_score(z, g, greedy, drawable):
+    """A block's scores: z + noise (z for a greedy row), -inf where the id may not be drawn."""
+    return tl.where(drawable, tl.where(greedy, z, z + g), float("-inf"))
+
+
+@triton.jit
 def _row_key(seed_ptr, step_ptr, r):
     """sampler._row_keys of row r, from its int64 seed and step: only their low 32 bits enter the
     hash (the multiplication wraps modulo 2^32, as the reference masks it). Made here rather than by
@@ -313,11 +319,12 @@ def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, seed_ptr, step_ptr, th
                 g = _gumbel_exact(bits)
             else:
                 g = _gumbel_approx(bits)
-            score = tl.where(drawable, tl.where(greedy, z, z + g), float("-inf"))
+            score = _noisy_score(z, g, greedy, drawable)
         else:
             score = tl.where(drawable, z, float("-inf"))
         i = tl.argmax(score, axis=0, tie_break_left=True)
         sc = tl.max(score, axis=0)
+        zi = tl.sum(tl.where(lane == i, z, 0.0), axis=0)
         if NOISE and not EXACT:
             # the approximate best is the exact best unless another score is within twice the
             # noise's error of it (then, rarely, the whole block is scored exactly); either way the
@@ -325,14 +332,13 @@ def _sample_part_kernel(logits_ptr, temp_ptr, greedy_ptr, seed_ptr, step_ptr, th
             if sc > float("-inf"):
                 slack = 2.0 * (GUMBEL_SLACK + tl.abs(sc) * 1e-6)
                 if tl.sum((score >= sc - slack).to(tl.int32), axis=0) > 1:
-                    score = tl.where(drawable, tl.where(greedy, z, z + _gumbel_exact(bits)), float("-inf"))
+                    score = _noisy_score(z, _gumbel_exact(bits), greedy, drawable)
                     i = tl.argmax(score, axis=0, tie_break_left=True)
                     sc = tl.max(score, axis=0)
+                    zi = tl.sum(tl.where(lane == i, z, 0.0), axis=0)
                 else:
-                    z_one = tl.sum(tl.where(lane == i, z, 0.0), axis=0)
                     g_one = _gumbel_exact(tl.sum(tl.where(lane == i, bits, 0), axis=0))
-                    sc = tl.where(greedy, z_one, z_one + g_one)
-        zi = tl.sum(tl.where(lane == i, z, 0.0), axis=0)
+                    sc = tl.where(greedy, zi, zi + g_one)
         take = sc > best
         best_i = tl.where(take, v0 + i, best_i)
         best_z = tl.where(take, zi, best_z)
