@@ -118,6 +118,12 @@ hostbound) # issue 29: the host's share of a train micro-batch -- SmolLM2's 30 l
            # the GPU's work is nil and the step time is Python + dispatch + launches; compiled fusions vs eager
            run 120 python3 benchmarks/bench_train.py --shape host-smollm2 --device cuda --seq 2048 --mbs 1 --num-mb 1 --steps 20 --peak 1e15
            run 120 python3 benchmarks/bench_train.py --shape host-smollm2 --device cuda --seq 2048 --mbs 1 --num-mb 1 --steps 20 --peak 1e15 --no-fusions ;;
+hostprof) # issue 29: where the trainer's host time goes -- py-spy (carried as .whl/py_spy-*.whl) samples every
+          # thread of the GRPO loop (random-init SmolLM2 shape, the real_e2e sizes); collapsed stacks come back
+          python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
+          run 300 /tmp/pyspy/bin/py-spy record --format raw --rate 200 --threads --subprocesses --nonblocking \
+            -o $OUT/hostprof_e2e.txt -- python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok \
+            --device cuda --steps 5 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_hostprof ;;
 layerops) # issue 29: ops and wall per packed micro-batch pass, RoPE rows gathered once vs per layer vs megatron's
           run 120 python3 benchmarks/bench_layer_ops.py --device cuda --shape host-smollm2 --sequences 64 --mean-len 96 --repeats 20
           run 300 python3 benchmarks/bench_layer_ops.py --device cuda --shape host-smollm2 --sequences 64 --mean-len 96 --repeats 20 --fusions
