@@ -121,9 +121,19 @@ hostbound) # issue 29: the host's share of a train micro-batch -- SmolLM2's 30 l
 hostprof) # issue 29: where the trainer's host time goes -- py-spy (carried as .whl/py_spy-*.whl) samples every
           # thread of the GRPO loop (random-init SmolLM2 shape, the real_e2e sizes); collapsed stacks come back
           python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
-          run 300 /tmp/pyspy/bin/py-spy record --format raw --rate 200 --threads --subprocesses --nonblocking \
-            -o $OUT/hostprof_e2e.txt -- python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok \
-            --device cuda --steps 5 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_hostprof ;;
+          run 300 /tmp/pyspy/bin/py-spy record --format raw --rate 100 --threads --subprocesses --nonblocking \
+            -o /tmp/hostprof_e2e.txt -- python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok \
+            --device cuda --steps 5 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_hostprof
+          gzip -9 -c /tmp/hostprof_e2e.txt > $OUT/hostprof_e2e.txt.gz ;;
+hostops) # issue 29: the trainer's per-micro-batch bookkeeping and small launches at 16 / 4 / 1 torch threads; the
+         # engine's weight release three ways (fresh pageable copy, reused pinned copy, dropped)
+         run 120 python3 benchmarks/bench_host_ops.py ;;
+e2e_host) # issue 29: the GRPO loop at the real_e2e sizes on a random-init SmolLM2 (no weights to carry): torch's
+          # thread pool in the trainer process at its default, then at 4 threads (OMP_NUM_THREADS)
+          run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda \
+            --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_eh1
+          OMP_NUM_THREADS=4 run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok \
+            --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_eh2 ;;
 layerops) # issue 29: ops and wall per packed micro-batch pass, RoPE rows gathered once vs per layer vs megatron's
           run 120 python3 benchmarks/bench_layer_ops.py --device cuda --shape host-smollm2 --sequences 64 --mean-len 96 --repeats 20
           run 300 python3 benchmarks/bench_layer_ops.py --device cuda --shape host-smollm2 --sequences 64 --mean-len 96 --repeats 20 --fusions

@@ -57,12 +57,15 @@ def note(message: str) -> None:
 
 class PhaseTimer:
     """Wall seconds of each phase of a step, measured by one context manager (``with
-    timer("train"): ...``), reported as ``time/<phase>_s``, their sum ``time/step_s`` and, for the
-    token-bound phases, ``throughput/<phase>_tokens_per_s``."""
+    timer("train"): ...``), reported as ``time/<phase>_s``; ``time/step_s`` is the wall of the
+    whole step (from this timer's creation to :meth:`metrics`), so work between the phases --
+    batch building, advantages, the servers handing memory over -- is counted too and shows as
+    ``time/other_s``; for the token-bound phases also ``throughput/<phase>_tokens_per_s``."""
 
     def __init__(self, around: Optional[Callable[[str], ContextManager[None]]] = None) -> None:
         self.seconds: dict[str, float] = {}
         self.around = around   # e.g. a profiler of this step's phases (megarl.profiling)
+        self.started = time.time()
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
@@ -76,7 +79,9 @@ class PhaseTimer:
     def metrics(self, tokens: float, throughput_phases: Sequence[str] = ("rollout", "old_logprobs", "train")
                 ) -> dict[str, float]:
         out = {f"time/{phase}_s": s for phase, s in self.seconds.items()}
-        out["time/step_s"] = sum(self.seconds.values())
+        wall = time.time() - self.started
+        out["time/other_s"] = max(wall - sum(self.seconds.values()), 0.0)
+        out["time/step_s"] = wall
         for phase in throughput_phases:
             if phase in self.seconds:
                 out[f"throughput/{phase}_tokens_per_s"] = tokens / max(self.seconds[phase], 1e-9)

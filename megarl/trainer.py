@@ -180,7 +180,8 @@ class Trainer:
             metrics["rollout/restarted_servers"] = manager.restarted - restarted
             metrics.update(agent_metrics(samples))
             baseline = self.rollout.greedy_baseline(samples) if a.advantage == "remax" else None
-        self.rollout.server_memory("release")
+        with timer("release"):   # colocated GPU: the servers give their memory back (nothing else: ~0 s)
+            self.rollout.server_memory("release")
 
         batch = token_batch(samples, routes_shape=self.moe_routing)  # flat; [B, R] views only for the algorithms
         mask = batch.loss_mask()    # tokens the model sampled (agent: environment tokens are 0)

@@ -36,12 +36,13 @@ log = logging.getLogger("megarl.engine")
 
 class ServerState:
     def __init__(self, model_path: str, served_model_name: Optional[str] = None, tp_size: int = 1,
-                 weights_dir: Optional[str] = None, enable_lora: bool = False):
+                 weights_dir: Optional[str] = None, enable_lora: bool = False, weights_cpu_backup: bool = False):
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path
         self.tp_size = tp_size
         self.weights_dir = weights_dir
         self.enable_lora = enable_lora     # --enable-lora: the LoRA endpoints and lora_path (SGLang's flag)
+        self.weights_cpu_backup = weights_cpu_backup   # --enable-weights-cpu-backup: released weights kept
         self.engine: Optional[Engine] = None
         self.handle: Optional[ModelHandle] = None
         self.worker: Optional[RankWorker] = None     # rank 0's own worker (its groups, counters)
@@ -519,7 +520,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
             if "kv_cache" in tags:
                 eng.model.free_cache()
             if "weights" in tags and eng.model.device.type == "cuda":
-                eng.model.offload_weights()
+                eng.model.offload_weights(state.weights_cpu_backup)
             eng.released.update(tags)
             return "released " + ",".join(tags)
         try:

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="MoE: record each token's routed experts; requests ask for them with "
                         "return_routed_experts (SGLang's flag and wire format)")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="keep the weights in host memory while released (/release_memory_occupation); without "
+                        "it they are dropped, as SGLang drops them, and must be pushed again before generating")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (SGLang's flag): /load_lora_adapter_from_tensors, /load_lora_adapter "
                         "(PEFT folders under --weights-dir only), /unload_lora_adapter, /generate's lora_path")
@@ -106,7 +109,7 @@ async def _amain(args, opts, hf_config, followers, api_key: Optional[str]) -> in
 
     from .app import ServerState, build_app
     state = ServerState(args.model, args.served_model_name, tp_size=opts.tp_size, weights_dir=opts.weights_dir,
-                        enable_lora=args.enable_lora)
+                        enable_lora=args.enable_lora, weights_cpu_backup=args.enable_weights_cpu_backup)
     app = build_app(state, api_key)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

@@ -167,6 +167,9 @@ class Engine:
                 raise ValueError(f"prompt of {n} tokens does not fit max_len {self.max_len}")
         if "kv_cache" in self.released or "weights" in self.released:
             raise RuntimeError(f"memory released ({sorted(self.released)}); call /resume_memory_occupation")
+        if self.model.weights_stale():
+            raise RuntimeError("the weights were released without --enable-weights-cpu-backup and none were "
+                               "pushed since: update the weights before generating")
         with self._closing:
             if self._stop.is_set():
                 raise EngineStopped("server shutting down")

@@ -96,8 +96,8 @@ class RankWorker:
     def forward_full(self, ids: List[int], lora: Optional[str] = None) -> Optional[torch.Tensor]:
         return self.model.forward_full(ids, lora)
 
-    def offload_weights(self) -> None:
-        self.model.offload_weights()
+    def offload_weights(self, keep: bool = True) -> None:
+        self.model.offload_weights(keep)
 
     def reload_weights(self) -> None:
         self.model.reload_weights()
@@ -190,8 +190,13 @@ class ModelHandle:
         """Read on rank 0 only (routing is replicated over TP ranks; no collective)."""
         return self.lockstep.target.model.routed_experts(slot, start, end)
 
-    def offload_weights(self) -> None:
-        self.lockstep.call("offload_weights")
+    def offload_weights(self, keep: bool = True) -> None:
+        self.lockstep.call("offload_weights", keep)
+
+    def weights_stale(self) -> bool:
+        """Released without a host copy and not pushed since (rank 0's flag: every rank gets the
+        same releases and updates)."""
+        return self.lockstep.target.model.weights_stale()
 
     def reload_weights(self) -> None:
         self.lockstep.call("reload_weights")

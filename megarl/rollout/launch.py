@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from megarl.config.colocation import adapter_push, released_weights_resume_unpushed
 from megarl.config.loader import ConfigError
 from megarl.config.served import served_quant_method
 from megarl.config.validate import api_key_env_problem, max_sequence_len
@@ -200,7 +201,7 @@ def sglang_args(cfg: Any, model_dir: Path, spec: LaunchSpec) -> list[str]:
         args += ["--device", "cpu"]  # SGLang's CPU backend (and the CPU conformance harness)
     elif cfg.placement.mode == "colocated":
         args.append("--enable-memory-saver")  # /release_memory_occupation while the trainer trains
-        if adapter_push(cfg):   # released base weights come back from host memory: no push restores them
+        if released_weights_resume_unpushed(cfg):
             args.append("--enable-weights-cpu-backup")
     if r.deterministic:
         args.append("--enable-deterministic-inference")  # sampling_seed honoured (batch-invariant kernels)
@@ -237,14 +238,11 @@ def embedded_args(cfg: Any, model_dir: Path, spec: LaunchSpec, weights_dir: Path
         args.append("--enable-return-routed-experts")
     if adapter_push(cfg):
         args.append("--enable-lora")   # the base is the checkpoint the embedded server loads anyway
+    if not cpu and released_weights_resume_unpushed(cfg):
+        args.append("--enable-weights-cpu-backup")
     if cpu:
         args += ["--num-threads", "2"]
     return args
-
-
-def adapter_push(cfg: Any) -> bool:
-    """Does the trainer push LoRA adapters only (``actor.lora.push: adapter``)?"""
-    return bool(cfg.actor.lora.rank) and cfg.actor.lora.push == "adapter"
 
 
 def lora_server_args(cfg: Any) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from megarl.metrics_log import note
 from megarl.quant.served import read_served_format
-from megarl.rollout.launch import adapter_push
+from megarl.config.colocation import adapter_push
 from megarl.sync.adapter_push import AdapterPush
 from megarl.sync.colocated import ipc_groups_for
 from megarl.sync.rank import PushTarget, checkpoint_names, run_transport

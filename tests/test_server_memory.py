@@ -1,0 +1,109 @@
+"""Colocated servers lending their weights' memory to the trainer (`/release_memory_occupation`).
+
+SGLang's memory saver drops released weights unless the server runs with
+``--enable-weights-cpu-backup``; the embedded engine now does the same (it used to copy them to a
+fresh host buffer every step). These tests hold the engine to that contract -- dropped weights are
+refused until pushed, kept weights come back unchanged -- and the launcher to asking for the host
+copy exactly where released weights come back without a push."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from megarl.engine.engine import Engine, Request, Sampling
+from megarl.engine.model import DecoderModel
+from tests.helpers.servers import make_tiny_hf_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("release") / "m")
+    make_tiny_hf_model(d, "llama", std=0.3)
+    return d
+
+
+def _model(d: str) -> DecoderModel:
+    m = DecoderModel(AutoConfig.from_pretrained(d))
+    m.load_hf_dir(d)
+    return m
+
+
+def _greedy(eng: Engine) -> list[int]:
+    req = Request(list(PROMPT), Sampling(max_new_tokens=8, temperature=0.0))
+    return eng.submit_many([req])[0].result(timeout=120)["output_ids"]
+
+
+def test_dropped_weights_are_refused_until_pushed_then_serve_as_before(tiny):
+    model = _model(tiny)
+    eng = Engine(model, max_running=2, max_len=64)
+    eng.start()
+    try:
+        before = _greedy(eng)
+        model.offload_weights(keep=False)
+        assert all(p.device.type == "meta" for p in model.params.values())   # nothing held anywhere
+        model.reload_weights()
+        assert model.weights_stale()
+        with pytest.raises(RuntimeError, match="enable-weights-cpu-backup"):
+            _greedy(eng)
+        model.load_hf_dir(tiny)        # the push (any weight update clears the flag)
+        assert not model.weights_stale()
+        assert _greedy(eng) == before
+    finally:
+        eng.stop()
+
+
+def test_kept_weights_come_back_unchanged_through_one_reused_host_buffer(tiny):
+    model = _model(tiny)
+    reference = {n: p.clone() for n, p in model.params.items()}
+    model.offload_weights(keep=True)
+    host = model._host_copy
+    model.reload_weights()
+    assert not model.weights_stale()
+    for n, p in model.params.items():
+        assert torch.equal(p, reference[n]), n
+    model.offload_weights(keep=True)
+    assert model._host_copy is host          # made once, reused by every later release
+    model.reload_weights()
+    eng = Engine(model, max_running=2, max_len=64)
+    eng.start()
+    try:
+        kept = _greedy(eng)
+    finally:
+        eng.stop()
+    fresh = Engine(_model(tiny), max_running=2, max_len=64)
+    fresh.start()
+    try:
+        assert kept == _greedy(fresh)
+    finally:
+        fresh.stop()
+
+
+def _cfg(recipe: str, *overrides: str):
+    from megarl.config import load_config
+    return load_config(ROOT / "recipes" / recipe, list(overrides))
+
+
+@pytest.mark.parametrize("recipe, overrides, backup", [
+    ("qwen2.5-7b-grpo-1gpu.yaml", (), False),                    # every release is followed by a full push
+    ("llama3.1-8b-ppo.yaml", (), True),                          # reward model: released inside the rollout
+    ("qwen2.5-7b-lora-grpo.yaml", ("actor.lora.push=adapter",), True),   # the base is never pushed
+    ("qwen2.5-7b-lora-grpo.yaml", ("actor.lora.push=merged",), False),
+])
+def test_servers_keep_a_host_copy_exactly_where_weights_resume_unpushed(recipe, overrides, backup):
+    from megarl.config.colocation import released_weights_resume_unpushed
+    from megarl.engine.cli import build_parser
+    from megarl.rollout.launch import LaunchSpec, embedded_args, sglang_args
+
+    cfg = _cfg(recipe, *overrides)
+    assert released_weights_resume_unpushed(cfg) is backup
+    spec = LaunchSpec(0, "127.0.0.1", 30000)
+    assert ("--enable-weights-cpu-backup" in sglang_args(cfg, Path("/models/x"), spec)) is backup
+    embedded = embedded_args(cfg, Path("/models/x"), spec, Path("/tmp/w"))
+    assert ("--enable-weights-cpu-backup" in embedded) is backup
+    assert build_parser().parse_args(embedded).enable_weights_cpu_backup is backup   # the engine's own parser
