@@ -690,11 +690,13 @@ class DecoderModel:
                 rows, pos, b, t = a.write
                 self.k_cache[i][rows, :, pos] = k[b, :, t]
                 self.v_cache[i][rows, :, pos] = v[b, :, t]
-            if a.kind == "local":
-                kk, vv = k, v
-            else:   # "cache": rows [row0, row0 + B) hold earlier positions (copied prefixes)
-                kk = self.k_cache[i][a.row0:a.row0 + B, :, :a.Lk]
-                vv = self.v_cache[i][a.row0:a.row0 + B, :, :a.Lk]
+            if a.kind == "local":   # causal, no mask tensor, K/V heads shared by their query groups:
+                # one flash/efficient-attention call per layer (no mask build, no K/V repeat)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=nkv != nh)
+                return out.transpose(1, 2).reshape(B, T, nh * D)
+            # "cache": rows [row0, row0 + B) hold earlier positions (copied prefixes)
+            kk = self.k_cache[i][a.row0:a.row0 + B, :, :a.Lk]
+            vv = self.v_cache[i][a.row0:a.row0 + B, :, :a.Lk]
             if nkv != nh:
                 kk = kk.repeat_interleave(nh // nkv, dim=1)
                 vv = vv.repeat_interleave(nh // nkv, dim=1)
@@ -737,9 +739,8 @@ class DecoderModel:
         b_idx, t_idx = torch.nonzero(t_ar[None, :] < lens[:, None], as_tuple=True)
         dev = self.device
         write = tuple(z.to(dev) for z in (b_idx + row0, pos[b_idx, t_idx], b_idx, t_idx))
-        if int(st.max()) == 0:   # from the start: attend over the batch's own keys (causal)
-            mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None].expand(U, 1, T, T)
-            a = _Attn("local", mask, write=write)
+        if int(st.max()) == 0:   # from the start: causal over the batch's own keys -- rows are
+            a = _Attn("local", None, write=write)   # right-padded, so a token's earlier positions are its own
         else:
             Lk = int((st + lens).max())
             mask = (torch.arange(Lk)[None, None, :] <= pos[:, :, None])[:, None].to(dev)
@@ -871,9 +872,8 @@ class DecoderModel:
         t = torch.tensor(ids, dtype=torch.long, device=self.device)[None]
         pos = torch.arange(T, device=self.device)[None]
         cos, sin = self._rope(pos)
-        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None]
         x = F.embedding(t, self.params["model.embed_tokens.weight"])
-        a = _Attn("local", mask)
+        a = _Attn("local", None)
         self.use_adapters([lora])
         try:
             for i in range(self.spec.num_layers):
@@ -887,12 +887,13 @@ class DecoderModel:
 class _Attn:
     """How every layer of one forward stores keys/values and attends.
 
-    kind: "local" (over the call's own keys: a prefill from position 0, or a cache-less forward),
+    kind: "local" (causal over the call's own keys, no mask: a prefill from position 0, or a
+    cache-less forward),
     "cache" (over cache rows ``[row0, row0 + B)``, positions ``[0, Lk)``: a prefill after a copied
     prefix), "decode" (one token per row over rows ``[0, B)``, positions ``[0, Lk)``)."""
 
     kind: str
-    mask: torch.Tensor                          # bool, True = attend, broadcast over heads
+    mask: Optional[torch.Tensor]                # bool, True = attend, broadcast over heads (None: local)
     row0: int = 0
     Lk: int = 0
     write: Optional[Tuple[torch.Tensor, ...]] = None   # (cache row, position, batch index, token index)
