@@ -196,6 +196,20 @@ def test_release_and_resume_on_every_rank(moe, tp2):
     assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
 
 
+def test_released_weights_are_dropped_on_every_rank_until_pushed(moe, tp2):
+    """SGLang drops released weights without --enable-weights-cpu-backup (the fixture has none):
+    after the resume both ranks refuse to generate, and a push brings every rank's slice back."""
+    import shutil
+    d, m = moe
+    assert call(tp2.url, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})[0] == 200
+    assert call(tp2.url, "/resume_memory_occupation", {})[0] == 200
+    status, body = call(tp2.url, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}})
+    assert status == 400 and "--enable-weights-cpu-backup" in body["error"]["message"], body
+    shutil.copytree(d / "c", d / "weights" / "c", dirs_exist_ok=True)
+    ok(tp2.url, "/update_weights_from_disk", {"model_path": str(d / "weights" / "c"), "weight_version": "c"})
+    assert_serves(tp2.url, m["c"])
+
+
 def _children(pid):
     return [c.pid for c in psutil.Process(pid).children(recursive=True)]
 

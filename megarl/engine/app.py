@@ -519,7 +519,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
                 raise RuntimeError("requests in flight; release memory when idle")
             if "kv_cache" in tags:
                 eng.model.free_cache()
-            if "weights" in tags and eng.model.device.type == "cuda":
+            if "weights" in tags:   # (on CPU too: the same contract, host memory either way)
                 eng.model.offload_weights(state.weights_cpu_backup)
             eng.released.update(tags)
             return "released " + ",".join(tags)
@@ -536,7 +536,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
         tags = b.get("tags") or ["weights", "kv_cache"]
 
         def op():
-            if "weights" in tags and "weights" in eng.released and eng.model.device.type == "cuda":
+            if "weights" in tags and "weights" in eng.released:
                 eng.model.reload_weights()
             if "kv_cache" in tags and "kv_cache" in eng.released:
                 eng.model.alloc_cache(eng.max_running, eng.max_len)
