@@ -310,3 +310,35 @@ def test_stop_answers_what_the_engine_holds_and_refuses_what_comes_after(tiny):
         eng.submit_many([_req(PROMPT_A, seed=3, max_new=4)])
     with pytest.raises(EngineStopped):
         eng.control(eng.requests, new_epoch=False).result(timeout=300)
+
+
+def test_the_served_handle_takes_the_one_launch_decode_path_at_tp1(tiny):
+    """What `megarl serve` builds (rank 0's `ModelHandle` over `Lockstep` and a `RankWorker`) must
+    decode as the bare model does: forward and sampling in one (emulated) graph, the next step queued
+    ahead -- no eager `decode` call -- with every request's tokens and logprobs those of the eager
+    path. Before, the handle had no `decode_launch` and every served step decoded, then sampled."""
+    from megarl.engine.tp import Lockstep, TPComm
+    from megarl.engine.worker import ModelHandle, RankWorker
+
+    d, _ = tiny
+    reqs = lambda: ([_req(PROMPT_A, seed=90 + i, max_new=5 + 3 * i, ignore_eos=True) for i in range(3)]  # noqa: E731
+                    + [_req(PROMPT_B, max_new=8, temperature=0.0)])
+    eager, _ = _run(d, reqs(), max_running=4, max_len=128)
+    m = _model(d)
+    eager_calls = []
+    decode = m.decode
+    m.decode = lambda *a, **k: (eager_calls.append(1), decode(*a, **k))[1]
+    handle = ModelHandle(Lockstep(RankWorker(m, None, TPComm()), TPComm()))
+    eng = Engine(handle, max_running=4, max_len=128)
+    m.use_cuda_graphs = True
+    m.graphs = _EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 4, 128)
+    assert handle.decode_launch is not None and handle.can_chain()
+    eng.start()
+    try:
+        served = [f.result(timeout=120) for f in eng.submit_many(reqs())]
+    finally:
+        eng.stop()
+    assert not eager_calls and m.graphs.captures > 0
+    assert all(len(key) == 3 for key in m.graphs.graphs)    # sampled inside the graph
+    for a, b in zip(served, eager):
+        _same(a, b)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -89,6 +89,10 @@ class RankWorker:
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                loras: Optional[Sequence[Optional[str]]] = None) -> Optional[torch.Tensor]:
         return self.model.decode(tokens, positions, loras)
+
+    def decode_launch(self, tokens: Optional[Sequence[int]], positions: Sequence[int],
+                      sample: Callable[[torch.Tensor, int], torch.Tensor], sample_key: tuple = ()) -> Any:
+        return self.model.decode_launch(tokens, positions, sample, sample_key)
 
     def copy_rows(self, src: Sequence[int], dst: Sequence[int], length: int) -> None:
         self.model.copy_rows(src, dst, length)
@@ -173,6 +177,30 @@ class ModelHandle:
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                loras: Optional[Sequence[Optional[str]]] = None) -> torch.Tensor:
         return self.lockstep.call("decode", tokens, positions, loras)
+
+    @property
+    def decode_launch(self) -> Optional[Callable[..., Any]]:
+        """A decode step and its sampling queued as one launch -- one CUDA graph, the next step
+        queued before this one's tokens reach the host, the one-pass Triton sampler -- at TP 1,
+        where rank 0's model is the whole model. None at TP > 1: the followers run `decode` in
+        lockstep and a sampling closure cannot reach them, so the engine decodes, then samples.
+        (Until this existed the served engine -- what every RL run uses -- always took that second
+        path, and the decode work measured on a bare model never reached it.)"""
+        return self._decode_launch if self.tp_size == 1 else None
+
+    def _decode_launch(self, tokens: Optional[Sequence[int]], positions: Sequence[int],
+                       sample: Callable[[torch.Tensor, int], torch.Tensor], sample_key: tuple = ()) -> Any:
+        return self.lockstep.call("decode_launch", tokens, positions, sample, sample_key)
+
+    def can_chain(self) -> bool:
+        return self.lockstep.target.model.can_chain()
+
+    @staticmethod
+    def decode_result(handle: Any) -> Any:
+        return DecoderModel.decode_result(handle)
+
+    def uses_triton(self) -> bool:
+        return self.lockstep.target.model.uses_triton()
 
     def copy_rows(self, src: Sequence[int], dst: Sequence[int], length: int) -> None:
         self.lockstep.call("copy_rows", src, dst, length)
