@@ -56,6 +56,7 @@ def main():
 
     from megarl.engine.engine import Engine, Request, Sampling
     from megarl.engine.model import DecoderModel
+    from megarl.engine.worker import one_rank_handle
     from tests.helpers.servers import make_tiny_hf_model
     d = a.model
     if a.smollm2:
@@ -77,7 +78,7 @@ def main():
 
     model = DecoderModel(AutoConfig.from_pretrained(d))
     model.load_hf_dir(d)
-    eng = Engine(model, max_running=a.batch, max_len=a.prompt + a.new + 1)
+    eng = Engine(one_rank_handle(model), max_running=a.batch, max_len=a.prompt + a.new + 1)
     eng.start()
 
     def run_engine():
@@ -152,6 +153,7 @@ def main_gpu(a):
 
     from megarl.engine.engine import Engine, Request, Sampling
     from megarl.engine.model import DecoderModel
+    from megarl.engine.worker import one_rank_handle
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -171,7 +173,7 @@ def main_gpu(a):
     V = s.vocab_size
     for B in batches:
         prompts = torch.randint(0, V, (B, a.prompt), generator=g)
-        eng = Engine(model, max_running=B, max_len=a.prompt + a.new + 1)
+        eng = Engine(one_rank_handle(model), max_running=B, max_len=a.prompt + a.new + 1)   # as `megarl serve` runs it
         eng.start()
 
         def run_engine():
@@ -217,7 +219,7 @@ def main_gpu(a):
         eng.stop()
         fp8 = {}
         if model8 is not None:
-            eng8 = Engine(model8, max_running=B, max_len=a.prompt + a.new + 1)
+            eng8 = Engine(one_rank_handle(model8), max_running=B, max_len=a.prompt + a.new + 1)
             eng8.start()
             eng, saved = eng8, eng
             run_engine()

@@ -317,8 +317,7 @@ def test_the_served_handle_takes_the_one_launch_decode_path_at_tp1(tiny):
     decode as the bare model does: forward and sampling in one (emulated) graph, the next step queued
     ahead -- no eager `decode` call -- with every request's tokens and logprobs those of the eager
     path. Before, the handle had no `decode_launch` and every served step decoded, then sampled."""
-    from megarl.engine.tp import Lockstep, TPComm
-    from megarl.engine.worker import ModelHandle, RankWorker
+    from megarl.engine.worker import one_rank_handle
 
     d, _ = tiny
     reqs = lambda: ([_req(PROMPT_A, seed=90 + i, max_new=5 + 3 * i, ignore_eos=True) for i in range(3)]  # noqa: E731
@@ -328,7 +327,7 @@ def test_the_served_handle_takes_the_one_launch_decode_path_at_tp1(tiny):
     eager_calls = []
     decode = m.decode
     m.decode = lambda *a, **k: (eager_calls.append(1), decode(*a, **k))[1]
-    handle = ModelHandle(Lockstep(RankWorker(m, None, TPComm()), TPComm()))
+    handle = one_rank_handle(m)
     eng = Engine(handle, max_running=4, max_len=128)
     m.use_cuda_graphs = True
     m.graphs = _EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 4, 128)

@@ -234,6 +234,14 @@ class ModelHandle:
         return self.lockstep.call(op, *args)
 
 
+def one_rank_handle(model: DecoderModel, weights_dir: Optional[str] = None) -> ModelHandle:
+    """Rank 0's handle on a one-rank server around ``model``: what `megarl serve --tp-size 1` puts
+    under its engine, so a benchmark or test of ``Engine(one_rank_handle(model))`` runs the served
+    code path, not the bare model's."""
+    comm = TPComm()
+    return ModelHandle(Lockstep(RankWorker(model, WeightReceiver(model, comm, weights_dir), comm), comm))
+
+
 def build_worker(opts: RankOptions, rank: int, hf_config=None) -> RankWorker:
     """Join the TP group, build this rank's shard and load its weights (checkpoint or dummy).
     Ranks load independently (no collectives), each reading the FULL tensors and keeping its
