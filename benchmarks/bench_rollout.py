@@ -42,7 +42,8 @@ def main():
                     help="decode step(s) to time, comma list of auto (triton on CUDA, torch on CPU) | triton (fused) | "
                          "triton-proj (fused, projections in Triton too) | "
                          "torch (the reference body); a +sync suffix turns off launching step t+1 before step t is "
-                         "read; the first is the baseline of the ratio")
+                         "read; +fallback decodes, then samples (the served engine before session 12, and at TP > 1); "
+                         "the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
     ap.add_argument("--top-p", type=float, default=1.0,
@@ -148,6 +149,19 @@ def copy_bandwidth(dev, nbytes=2 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t)
 
 
+class _WithoutLaunch:
+    """The served handle without ``decode_launch``: the engine decodes, then samples (a host read per
+    step, the eager sampler) -- the served engine's path before session 12, and the TP > 1 path."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def __getattr__(self, name):
+        if name == "decode_launch":
+            raise AttributeError(name)
+        return getattr(self._handle, name)
+
+
 def main_gpu(a):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -173,7 +187,8 @@ def main_gpu(a):
     V = s.vocab_size
     for B in batches:
         prompts = torch.randint(0, V, (B, a.prompt), generator=g)
-        eng = Engine(one_rank_handle(model), max_running=B, max_len=a.prompt + a.new + 1)   # as `megarl serve` runs it
+        handle = one_rank_handle(model)
+        eng = Engine(handle, max_running=B, max_len=a.prompt + a.new + 1)   # as `megarl serve` runs it
         eng.start()
 
         def run_engine():
@@ -195,9 +210,10 @@ def main_gpu(a):
 
         per_mode, outputs = {}, {}
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
-            kern_mode, _, sync = mode.partition("+")   # "triton+sync": no step launched ahead
+            kern_mode, _, suffix = mode.partition("+")   # "triton+sync": no step launched ahead
             model.decode_kernels, model._fused_views, model.graphs = kern_mode, None, None
-            model.decode_overlap = sync != "sync"
+            model.decode_overlap = suffix != "sync"
+            eng.model = _WithoutLaunch(handle) if suffix == "fallback" else handle   # (the engine is idle here)
             run_engine()
             te, ne = min(run_engine() for _ in range(2))
             per_mode[mode], outputs[mode] = ne / te, run_engine.outputs

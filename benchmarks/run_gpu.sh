@@ -125,6 +125,10 @@ hostprof) # issue 29: where the trainer's host time goes -- py-spy (carried as .
             -o /tmp/hostprof_e2e.txt -- python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok \
             --device cuda --steps 5 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_hostprof
           gzip -9 -c /tmp/hostprof_e2e.txt > $OUT/hostprof_e2e.txt.gz ;;
+served) # issue 29 (session 12): the served engine's decode -- decode, then sample (its path before; TP > 1's) vs
+        # one launch (sampling in the graph, step t+1 queued ahead) -- seeded sampling as in the loop, same run
+        run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 32,128,512 --prompt 32 \
+          --new 64 --temperature 1 --no-hf --kernels triton+fallback,triton ;;
 hostops) # issue 29: the trainer's per-micro-batch bookkeeping and small launches at 16 / 4 / 1 torch threads; the
          # engine's weight release three ways (fresh pageable copy, reused pinned copy, dropped)
          run 120 python3 benchmarks/bench_host_ops.py ;;
