@@ -292,3 +292,13 @@ def test_train_switches_on_what_the_plan_needs_and_says_so():
     cpu = load_config(CPU_RECIPE)
     assert resolve_offload(cpu, lambda c: make_plan(c, CPU_RECIPE, suggest=False)) is None
     assert (cpu.actor.offload.params, cpu.actor.offload.grads, cpu.actor.offload.optimizer) == (False, False, False)
+
+
+def test_released_engine_weights_are_on_the_host_only_where_the_servers_keep_them():
+    """The embedded engine drops released weights (SGLang's default) unless it runs with
+    --enable-weights-cpu-backup; the host plan counts them exactly when the launcher asks for that."""
+    line = "embedded engine weights (released)"
+    dropped = make_plan(load_config(SEVEN_B, []), SEVEN_B)      # every release followed by a full push
+    assert line not in dropped.host
+    kept = make_plan(load_config(SEVEN_B, ["reward.kind=model", "reward_model.enabled=true"]), SEVEN_B)
+    assert kept.host[line] == kept.rollout.weights            # one GPU: one server's weights
