@@ -341,3 +341,31 @@ def test_the_served_handle_takes_the_one_launch_decode_path_at_tp1(tiny):
     assert all(len(key) == 3 for key in m.graphs.graphs)    # sampled inside the graph
     for a, b in zip(served, eager):
         _same(a, b)
+
+
+def test_a_control_queued_while_a_step_is_in_flight_runs_after_that_step_is_read(tiny):
+    """The loop drains a step launched ahead when it sees a queued control, but a control can arrive
+    between that check and ``_run_controls``: it must still meet a settled batch (an abort run with
+    a step in flight left that step's tokens for more rows than the batch held, and the next step
+    failed every request)."""
+    d, _ = tiny
+    reqs = [_req(PROMPT_A, seed=40 + i, max_new=12, ignore_eos=True) for i in range(3)]
+    m = _model(d)
+    eng = Engine(m, max_running=4, max_len=128)
+    m.use_cuda_graphs = True
+    m.graphs = _EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 4, 128)
+    futs = eng.submit_many(reqs)
+    eng._admit()
+    eng._decode()                                   # step t read, step t+1 left in flight
+    assert eng._inflight is not None
+    aborted = eng.control(lambda: eng.abort(reqs[0].rid))
+    eng._run_controls()                             # as if queued after the loop's drain check
+    assert aborted.result(timeout=10) == 1 and eng._inflight is None
+    eng.start()
+    try:
+        outs = [f.result(timeout=120) for f in futs]
+    finally:
+        eng.stop()
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    for r, o in zip(reqs[1:], outs[1:]):
+        _same(o, _alone(d, _req(PROMPT_A, seed=r.sampling.sampling_seed, max_new=12, ignore_eos=True)))

@@ -294,10 +294,10 @@ def test_train_switches_on_what_the_plan_needs_and_says_so():
     assert (cpu.actor.offload.params, cpu.actor.offload.grads, cpu.actor.offload.optimizer) == (False, False, False)
 
 
-def test_released_engine_weights_are_on_the_host_only_where_the_servers_keep_them():
-    """The embedded engine drops released weights (SGLang's default) unless it runs with
-    --enable-weights-cpu-backup; the host plan counts them exactly when the launcher asks for that."""
-    line = "embedded engine weights (released)"
+def test_released_server_weights_are_on_the_host_only_where_the_servers_keep_them():
+    """Rollout servers drop released weights (SGLang's default, the embedded engine alike) unless they
+    run with --enable-weights-cpu-backup; the host plan counts them exactly when the launcher asks."""
+    line = "rollout weights (released, host copy)"
     dropped = make_plan(load_config(SEVEN_B, []), SEVEN_B)      # every release followed by a full push
     assert line not in dropped.host
     kept = make_plan(load_config(SEVEN_B, ["reward.kind=model", "reward_model.enabled=true"]), SEVEN_B)

@@ -58,6 +58,43 @@ def test_dropped_weights_are_refused_until_pushed_then_serve_as_before(tiny):
         eng.stop()
 
 
+def test_updates_into_released_weights_are_refused_and_a_partial_push_does_not_serve(tiny):
+    """SGLang's order is resume, then push: a push into released weights would land nowhere (dropped)
+    and must not clear the guard; after a drop the model serves again only once every weight of it
+    has been written, not after the first tensor."""
+    model = _model(tiny)
+    model.offload_weights(keep=False)
+    with pytest.raises(RuntimeError, match="resume them before updating"):
+        model.load_hf_dir(tiny)
+    assert model.weights_stale()
+    model.reload_weights()
+    from safetensors.torch import load_file
+    tensors = load_file(str(Path(tiny) / "model.safetensors"))
+    first = sorted(tensors)[0]
+    model.load_state([(first, tensors[first])])              # one tensor of many
+    assert model.weights_stale()
+    model.load_state(sorted(tensors.items()))
+    assert not model.weights_stale()
+
+
+def test_retracted_requests_held_across_a_dropping_release_fail_with_the_reason(tiny):
+    """A request held by a pause (retracted ones wait in the same queue) while the weights are
+    dropped and resumed without a push is answered with the reason, not run on uninitialised memory."""
+    model = _model(tiny)
+    eng = Engine(model, max_running=2, max_len=64)
+    eng.start()
+    try:
+        eng.control(lambda: eng.pause("retract")).result(timeout=60)
+        req = Request(list(PROMPT), Sampling(max_new_tokens=8, temperature=0.0))
+        fut = eng.submit_many([req])[0]          # held in the queue while paused, as retracted ones are
+        eng.control(lambda: (model.offload_weights(keep=False), model.reload_weights())).result(timeout=60)
+        eng.control(eng.unpause).result(timeout=60)
+        with pytest.raises(RuntimeError, match="enable-weights-cpu-backup"):
+            fut.result(timeout=60)
+    finally:
+        eng.stop()
+
+
 def test_kept_weights_come_back_unchanged_through_one_reused_host_buffer(tiny):
     model = _model(tiny)
     reference = {n: p.clone() for n, p in model.params.items()}

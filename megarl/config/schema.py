@@ -394,8 +394,8 @@ class LoggingConfig:
     profile_steps: list[int] = opt([], "steps (1-based) whose phases run under torch.profiler: a table of the top "
                                    "operations and a Chrome trace per phase, of the trainer's process (local "
                                    "backend: the actor's ranks included; Ray: the driver only)")
-    profile_phases: list[str] = opt([], "phases to profile in those steps (rollout, old_logprobs, ref_logprobs, "
-                                    "values, train, sync); empty = all")
+    profile_phases: list[str] = opt([], "phases to profile in those steps (rollout, release, old_logprobs, "
+                                    "ref_logprobs, values, train, sync); empty = all")
     profile_dir: Optional[str] = opt(None, "profile tables and traces (default: OUTPUT_DIR/profile)")
 
 

@@ -18,7 +18,7 @@ from megarl.config.schema import LoRAConfig, ModelArch, ParallelConfig, RoleConf
 
 GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"}
 ROLES = ("actor", "critic", "ref", "reward_model")
-PROFILED_PHASES = ("rollout", "old_logprobs", "ref_logprobs", "values", "train", "sync")  # Trainer.step's timers
+PROFILED_PHASES = ("rollout", "release", "old_logprobs", "ref_logprobs", "values", "train", "sync")  # Trainer.step's timers
 
 # HF config.json key(s) -> ModelArch field; the first key present wins.
 HF_ARCH_KEYS: dict[str, tuple[str, ...]] = {

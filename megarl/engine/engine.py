@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("megarl.rollout.engine")
 
+STALE_WEIGHTS = ("the weights were released without --enable-weights-cpu-backup and not all pushed since: "
+                 "update the weights before generating")
+
 
 def _context(r: Request) -> List[int]:
     """What a prefill runs for ``r``: its prompt, or for a retracted request its prompt and all it
@@ -168,8 +171,7 @@ class Engine:
         if "kv_cache" in self.released or "weights" in self.released:
             raise RuntimeError(f"memory released ({sorted(self.released)}); call /resume_memory_occupation")
         if self.model.weights_stale():
-            raise RuntimeError("the weights were released without --enable-weights-cpu-backup and none were "
-                               "pushed since: update the weights before generating")
+            raise RuntimeError(STALE_WEIGHTS)
         with self._closing:
             if self._stop.is_set():
                 raise EngineStopped("server shutting down")
@@ -343,6 +345,8 @@ class Engine:
                 fn, fut, new_epoch = self.controls.get_nowait()
             except queue.Empty:
                 return
+            if self._inflight is not None:
+                self._drain()     # queued after the loop's check: settle the step in flight first
             if new_epoch:
                 self.epoch += 1   # weights may change: no prefix computed before is shared after
             if not fut.set_running_or_notify_cancel():
@@ -357,6 +361,9 @@ class Engine:
         b = self.batch
         free = b.cap - b.size
         if not self._backlog or not free:
+            return
+        if self.model.weights_stale():   # retracted requests held across a release that dropped the
+            self._fail_backlog(RuntimeError(STALE_WEIGHTS))   # weights, resumed without a push
             return
         held: Optional[Dict[tuple, int]] = None   # prompt -> running row holding its KV (this epoch)
         take: List[Request] = []
@@ -417,6 +424,11 @@ class Engine:
         self.stats["prefill_tokens"] += sum(len(q) for q in seqs)
         self.stats["shared_prefill_tokens"] += sum(starts) + sum(len(r.input_ids) for r in siblings)
         self._sample_and_record(logits, a, a + len(take))
+
+    def _fail_backlog(self, error: BaseException) -> None:
+        while self._backlog:
+            r = self._backlog.popleft()
+            self._resolve(r, {"type": "abort", "message": str(error)}, error=error)
 
     def _share_key(self, r: Request) -> Any:
         """Requests with the same key share one prefill (a group's samples); a retracted request

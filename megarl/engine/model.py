@@ -29,7 +29,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -197,7 +197,7 @@ class DecoderModel:
         self._dequantize_pending = False
         self._flat: Optional[torch.Tensor] = None          # every parameter's bytes (params are views)
         self._host_copy: Optional[torch.Tensor] = None     # pinned bytes of a release that keeps them
-        self._weights_stale = False   # released without a host copy, no weight update since
+        self._unwritten: Set[str] = set()   # HF names not rewritten since the weights were dropped
         self._layout: Dict[str, Tuple[int, torch.dtype, Tuple[int, ...]]] = {}
         self._alloc()
         self.k_cache: Optional[torch.Tensor] = None   # [layers, rows, kv_heads, max_len, head_dim]
@@ -364,7 +364,11 @@ class DecoderModel:
         return None
 
     def place(self, name: str, full: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(destination on this rank, the slice of the full HF tensor `full` that goes there)."""
+        """(destination on this rank, the slice of the full HF tensor `full` that goes there).
+        Refused while the weights are released: a write would land in the host copy or, dropped,
+        nowhere (SGLang's order is resume, then push)."""
+        if self._flat is not None and not self._resident():
+            raise RuntimeError("the weights are released (/release_memory_occupation): resume them before updating")
         dst = self.target(name)
         if dst is None:
             raise KeyError(f"unknown weight name {name!r}")
@@ -374,10 +378,14 @@ class DecoderModel:
 
     def mark_weights_changed(self) -> None:
         """Weights were written (a push, a load): FP8 weights are dequantized before the next
-        forward (a no-op for unquantized models), and weights dropped at a release count as
-        replaced."""
+        forward. A no-op for unquantized models."""
         self._dequantize_pending = self.fp8 is not None
-        self._weights_stale = False
+
+    def note_written(self, names: Iterable[str]) -> None:
+        """HF names an applied update (a push, a load) wrote: after a drop the model serves again
+        once every one of its weights has been written."""
+        if self._unwritten:
+            self._unwritten.difference_update(names)
 
     def _dequantize_if_pending(self) -> None:
         if self._dequantize_pending:
@@ -405,6 +413,7 @@ class DecoderModel:
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
             seen.append(name)
         self.mark_weights_changed()
+        self.note_written(seen)
         return seen
 
     def init_dummy(self, seed: int) -> None:
@@ -429,7 +438,7 @@ class DecoderModel:
         bytes are dropped, as SGLang's memory saver drops them: the trainer pushes every weight
         before the next generation, so the copy (a fresh pageable buffer each step: ~0.19 s per
         step for SmolLM2-135M on the H100 box) bought nothing. Until the next weight update the
-        model then has no weights (:meth:`weights_stale`)."""
+        model serves nothing until every weight has been written again (:meth:`weights_stale`)."""
         if self._flat is None or not self._resident():
             return
         if keep:
@@ -440,7 +449,7 @@ class DecoderModel:
             held = self._host_copy
         else:
             held = torch.empty(self._flat.numel(), dtype=torch.uint8, device="meta")   # sizes only
-            self._weights_stale = True
+            self._unwritten = {n for n in self.hf_names() if not self.is_ignored(n)}
         self._flat = held
         self._carve(held)
         self._empty_device_cache()
@@ -450,8 +459,8 @@ class DecoderModel:
         return self._flat is not None and self._flat is not self._host_copy and self._flat.device.type != "meta"
 
     def weights_stale(self) -> bool:
-        """Released without a host copy and no weight update since: nothing valid to serve."""
-        return self._weights_stale
+        """Released without a host copy and not every weight written since: nothing valid to serve."""
+        return bool(self._unwritten)
 
     def reload_weights(self) -> None:
         """Back onto the serving device (`/resume_memory_occupation`), as one allocation: the kept

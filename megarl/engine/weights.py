@@ -72,6 +72,7 @@ class WeightReceiver:
         self.weights_dir = weights_dir
         self.groups: Dict[str, Any] = {}
         self.num_updates = 0
+        self._checked_names: List[str] = []    # HF names of the last verified update
 
     # ------------------------------------------------------------------ groups
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -235,7 +236,10 @@ class WeightReceiver:
             if not t.dtype.is_floating_point:
                 errors.append(f"non-float dtype {t.dtype} for {name}")
                 continue
-            pairs.append(self.model.place(name, t))
+            try:
+                pairs.append(self.model.place(name, t))
+            except RuntimeError as e:      # released weights: nothing is applied, every rank refuses
+                raise WeightRefused(str(e)) from None
             checked.append((name, t))
         if not errors and not _all_finite([t for _, t in named], flat):
             # something in the bucket is not finite: name it (an ignored tensor, e.g. a tied
@@ -243,6 +247,7 @@ class WeightReceiver:
             errors = [f"non-finite values in {n}" for n, t in checked if t.numel() and not torch.isfinite(t).all()]
         if errors:
             raise WeightRefused("; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
+        self._checked_names = [n for n, _ in checked]   # what `apply` writes next (same thread, right after)
         return pairs
 
     def apply(self, pairs: Pairs) -> int:
@@ -257,6 +262,7 @@ class WeightReceiver:
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
         self.model.mark_weights_changed()
+        self.model.note_written(self._checked_names)
         self.num_updates += 1
         return len(pairs)
 

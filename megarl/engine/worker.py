@@ -184,8 +184,9 @@ class ModelHandle:
         queued before this one's tokens reach the host, the one-pass Triton sampler -- at TP 1,
         where rank 0's model is the whole model. None at TP > 1: the followers run `decode` in
         lockstep and a sampling closure cannot reach them, so the engine decodes, then samples.
-        (Until this existed the served engine -- what every RL run uses -- always took that second
-        path, and the decode work measured on a bare model never reached it.)"""
+        (Until this existed the served engine -- what every run with ``rollout.engine: embedded``
+        uses -- always took that second path, and the decode work measured on a bare model never
+        reached it.)"""
         return self._decode_launch if self.tp_size == 1 else None
 
     def _decode_launch(self, tokens: Optional[Sequence[int]], positions: Sequence[int],

@@ -583,7 +583,7 @@ def _host_plan(cfg: RunConfig, roles: dict[str, RolePlan], rollout: RolloutPlan,
                cpu: bool) -> tuple[dict[str, int], int, float]:
     """Host memory per node (GPU runs): every GPU of a node hosts one rank of each role (colocated;
     disaggregated: the trainer pool's GPUs), each with its pinned offloaded state and CPU optimizer
-    share; the embedded engine keeps its weights on the host while released when they come back
+    share; the rollout servers keep their weights on the host while released when they come back
     unpushed (``released_weights_resume_unpushed``). Also the seconds one
     offload (and one onload) takes per GPU at the measured pinned bandwidth."""
     capacity = int(cfg.cluster.host_memory_gb * GIB) if cfg.cluster.host_memory_gb else host_memory()
@@ -598,8 +598,8 @@ def _host_plan(cfg: RunConfig, roles: dict[str, RolePlan], rollout: RolloutPlan,
         if r.host_optimizer:
             per_node[f"{n} CPU optimizer"] = ranks * r.host_optimizer
         per_node[f"{n} processes"] = ranks * HOST_RUNTIME_PER_GPU_PROCESS
-    if cfg.rollout.engine == "embedded" and released_weights_resume_unpushed(cfg):
-        per_node["embedded engine weights (released)"] = min(gpn, rollout.gpus) * rollout.weights
+    if released_weights_resume_unpushed(cfg):   # --enable-weights-cpu-backup (SGLang, the embedded engine)
+        per_node["rollout weights (released, host copy)"] = min(gpn, rollout.gpus) * rollout.weights
     moved = sum(r.host_pinned for r in roles.values())
     seconds = moved / (cfg.cluster.host_bandwidth_gbps * 1e9) if cfg.cluster.host_bandwidth_gbps > 0 else 0.0
     return per_node, capacity, seconds
