@@ -439,7 +439,7 @@ class DecoderModel:
         before the next generation, so the copy (a fresh pageable buffer each step: ~0.19 s per
         step for SmolLM2-135M on the H100 box) bought nothing. Until the next weight update the
         model serves nothing until every weight has been written again (:meth:`weights_stale`)."""
-        if self._flat is None or not self._resident():
+        if not self._resident():
             return
         if keep:
             if self._host_copy is None or self._host_copy.numel() != self._flat.numel():

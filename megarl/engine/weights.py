@@ -39,7 +39,7 @@ from .unpickle import loads
 log = logging.getLogger("megarl.rollout.weights")
 
 FLATTENED_BUCKET = "flattened_bucket"
-Pairs = List[Tuple[torch.Tensor, torch.Tensor]]       # (destination slice, source slice)
+Pairs = List[Tuple[str, torch.Tensor, torch.Tensor]]  # (HF name, destination slice, source slice)
 Done = Tuple[str, Dict[str, float]]                  # (message, timings)
 
 
@@ -72,7 +72,6 @@ class WeightReceiver:
         self.weights_dir = weights_dir
         self.groups: Dict[str, Any] = {}
         self.num_updates = 0
-        self._checked_names: List[str] = []    # HF names of the last verified update
 
     # ------------------------------------------------------------------ groups
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -219,7 +218,7 @@ class WeightReceiver:
     def _check(self, named: Sequence[Tuple[str, torch.Tensor]], flat: Optional[torch.Tensor] = None) -> Pairs:
         """Verify names / FULL shapes / dtypes / finiteness; `flat` = the uint8 bucket all tensors
         are views of (lets the finiteness check run as one reduction over the whole bucket).
-        Returns (this rank's destination, its slice of the source) pairs."""
+        Returns (HF name, this rank's destination, its slice of the source) triples."""
         pairs: Pairs = []
         checked = []
         errors = []
@@ -237,7 +236,7 @@ class WeightReceiver:
                 errors.append(f"non-float dtype {t.dtype} for {name}")
                 continue
             try:
-                pairs.append(self.model.place(name, t))
+                pairs.append((name, *self.model.place(name, t)))
             except RuntimeError as e:      # released weights: nothing is applied, every rank refuses
                 raise WeightRefused(str(e)) from None
             checked.append((name, t))
@@ -247,14 +246,13 @@ class WeightReceiver:
             errors = [f"non-finite values in {n}" for n, t in checked if t.numel() and not torch.isfinite(t).all()]
         if errors:
             raise WeightRefused("; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
-        self._checked_names = [n for n, _ in checked]   # what `apply` writes next (same thread, right after)
         return pairs
 
     def apply(self, pairs: Pairs) -> int:
         """Copy verified slices into the live parameters (cast on the way), then wait for the
         copies: the sender may reuse the source memory once we answer."""
         devs = set()
-        for dst, src in pairs:
+        for _, dst, src in pairs:
             dst.copy_(src)
             devs.add(dst.device)
             devs.add(src.device)
@@ -262,7 +260,7 @@ class WeightReceiver:
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
         self.model.mark_weights_changed()
-        self.model.note_written(self._checked_names)
+        self.model.note_written(name for name, _, _ in pairs)
         self.num_updates += 1
         return len(pairs)
 

@@ -238,7 +238,7 @@ def embedded_args(cfg: Any, model_dir: Path, spec: LaunchSpec, weights_dir: Path
         args.append("--enable-return-routed-experts")
     if adapter_push(cfg):
         args.append("--enable-lora")   # the base is the checkpoint the embedded server loads anyway
-    if not cpu and released_weights_resume_unpushed(cfg):
+    if released_weights_resume_unpushed(cfg):   # (GPU runs only)
         args.append("--enable-weights-cpu-backup")
     if cpu:
         args += ["--num-threads", "2"]
