@@ -45,6 +45,7 @@ from . import fused_decode
 from .graphs import DecodeGraphs
 from .lora import Adapter, lora_delta
 from .shard import local_part, local_shape
+from .stable_memory import StableRegion, stable_memory_available
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
@@ -197,6 +198,11 @@ class DecoderModel:
         self._dequantize_pending = False
         self._flat: Optional[torch.Tensor] = None          # every parameter's bytes (params are views)
         self._host_copy: Optional[torch.Tensor] = None     # pinned bytes of a release that keeps them
+        # CUDA VMM (stable_memory.py): weights and cache keep their addresses across a release, so
+        # captured decode graphs stay valid; None where unavailable (CPU): plain torch allocations
+        self._weights_region: Optional[StableRegion] = None
+        self._cache_region: Optional[StableRegion] = None
+        self._kept_at_release = False                      # the last release kept a host copy
         self._unwritten: Set[str] = set()   # HF names not rewritten since the weights were dropped
         self._layout: Dict[str, Tuple[int, torch.dtype, Tuple[int, ...]]] = {}
         self._alloc()
@@ -284,7 +290,12 @@ class DecoderModel:
             nxt = entries[j + 1][0] if j + 1 < len(entries) else None
             if nxt is None or _fused_group(n) is None or _fused_group(n) != _fused_group(nxt):
                 off = -(-off // 256) * 256   # q/k/v and gate/up stay back to back (fused_decode views)
-        self._flat = torch.zeros(off, dtype=torch.uint8, device=self.device)
+        if stable_memory_available(self.device):
+            self._weights_region = StableRegion(off, self.device)
+            self._flat = self._weights_region.tensor
+            self._flat.zero_()
+        else:
+            self._flat = torch.zeros(off, dtype=torch.uint8, device=self.device)
         self._carve(self._flat)
 
     def _carve(self, flat: torch.Tensor) -> None:
@@ -446,16 +457,21 @@ class DecoderModel:
                 self._host_copy = torch.empty(self._flat.numel(), dtype=torch.uint8,
                                               pin_memory=self.device.type == "cuda")
             self._host_copy.copy_(self._flat)
-            held = self._host_copy
         else:
-            held = torch.empty(self._flat.numel(), dtype=torch.uint8, device="meta")   # sizes only
             self._unwritten = {n for n in self.hf_names() if not self.is_ignored(n)}
+        self._kept_at_release = keep
+        if self._weights_region is not None:
+            self._weights_region.release()    # same address on resume: the decode graphs stay valid
+            return
+        held = self._host_copy if keep else torch.empty(self._flat.numel(), dtype=torch.uint8, device="meta")
         self._flat = held
         self._carve(held)
         self._empty_device_cache()
 
     def _resident(self) -> bool:
         """The weights are on the serving device (not released)."""
+        if self._weights_region is not None:
+            return self._weights_region.mapped
         return self._flat is not None and self._flat is not self._host_copy and self._flat.device.type != "meta"
 
     def weights_stale(self) -> bool:
@@ -466,6 +482,11 @@ class DecoderModel:
         """Back onto the serving device (`/resume_memory_occupation`), as one allocation: the kept
         host copy, or -- dropped at release -- uninitialised bytes the next push overwrites."""
         if self._flat is None or self._resident():
+            return
+        if self._weights_region is not None:
+            self._weights_region.restore()
+            if self._kept_at_release:
+                self._flat.copy_(self._host_copy)
             return
         flat = torch.empty(self._flat.numel(), dtype=torch.uint8, device=self.device)
         if self._flat.device.type != "meta":
@@ -520,12 +541,15 @@ class DecoderModel:
         """Rows ``[0, max_slots)`` of ``max_len`` positions each (zeroed)."""
         s = self.spec
         shp = (s.num_layers, max_slots, self.nkv, max_len, s.head_dim)
-        self.k_cache = self.v_cache = None
-        self.k_cache = torch.zeros(shp, device=self.device, dtype=self.dtype)
-        self.v_cache = torch.zeros(shp, device=self.device, dtype=self.dtype)
-        self.routes = None
+        self.k_cache = self.v_cache = self.routes = None
+        parts = [(shp, self.dtype), (shp, self.dtype)]
         if self.record_routes:
-            self.routes = torch.zeros(max_slots, max_len, s.num_layers, s.top_k, dtype=torch.int32, device=self.device)
+            parts.append(((max_slots, max_len, s.num_layers, s.top_k), torch.int32))
+        if stable_memory_available(self.device):
+            self.k_cache, self.v_cache, *routes = self._cache_views(parts)
+        else:
+            self.k_cache, self.v_cache, *routes = (torch.zeros(p, dtype=d, device=self.device) for p, d in parts)
+        self.routes = routes[0] if routes else None
         if self.row_ids is None or self.row_ids.numel() != max_slots:
             self.row_ids = torch.arange(max_slots, device=self.device)
         if self.rope_cos is None or self.rope_cos.shape[0] != max_len:
@@ -540,9 +564,29 @@ class DecoderModel:
         if self.graphs is not None:
             self.graphs.mark_dirty()
 
+    def _cache_views(self, parts: List[Tuple[Tuple[int, ...], torch.dtype]]) -> List[torch.Tensor]:
+        """Zeroed tensors of ``parts`` (shape, dtype) carved from one stable region: the same
+        sizes as last time come back at the same addresses (the decode graphs stay valid)."""
+        sizes = [-(-math.prod(p) * d.itemsize // 256) * 256 for p, d in parts]
+        if self._cache_region is not None and self._cache_region.nbytes != sum(sizes):
+            self._cache_region.close()
+            self._cache_region = None
+        if self._cache_region is None:
+            self._cache_region = StableRegion(sum(sizes), self.device)
+        self._cache_region.restore()
+        flat = self._cache_region.tensor
+        flat.zero_()
+        out, off = [], 0
+        for (shape, dtype), size in zip(parts, sizes):
+            out.append(flat[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+            off += size
+        return out
+
     def free_cache(self):
         self.k_cache, self.v_cache = None, None
         self.routes = None
+        if self._cache_region is not None:
+            self._cache_region.release()
         self._empty_device_cache()
 
     def records_routes(self) -> bool:
