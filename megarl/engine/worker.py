@@ -164,6 +164,12 @@ class ModelHandle:
         self.spec, self.cfg, self.device, self.dtype = local.spec, local.cfg, local.device, local.dtype
         self.tp_size = lockstep.comm.size
 
+    @property
+    def local(self) -> DecoderModel:
+        """Rank 0's own model: read-only state every rank holds alike (flags, routes) is read here,
+        without a collective."""
+        return self.lockstep.target.model
+
     def alloc_cache(self, max_slots: int, max_len: int) -> None:
         self.lockstep.call("alloc_cache", max_slots, max_len)
 
@@ -194,14 +200,14 @@ class ModelHandle:
         return self.lockstep.call("decode_launch", tokens, positions, sample, sample_key)
 
     def can_chain(self) -> bool:
-        return self.lockstep.target.model.can_chain()
+        return self.local.can_chain()
 
     @staticmethod
     def decode_result(handle: Any) -> Any:
         return DecoderModel.decode_result(handle)
 
     def uses_triton(self) -> bool:
-        return self.lockstep.target.model.uses_triton()
+        return self.local.uses_triton()
 
     def copy_rows(self, src: Sequence[int], dst: Sequence[int], length: int) -> None:
         self.lockstep.call("copy_rows", src, dst, length)
@@ -213,11 +219,11 @@ class ModelHandle:
         self.lockstep.call("unload_lora", name)
 
     def records_routes(self) -> bool:
-        return self.lockstep.target.model.records_routes()
+        return self.local.records_routes()
 
     def routed_experts(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Read on rank 0 only (routing is replicated over TP ranks; no collective)."""
-        return self.lockstep.target.model.routed_experts(slot, start, end)
+        return self.local.routed_experts(slot, start, end)
 
     def offload_weights(self, keep: bool = True) -> None:
         self.lockstep.call("offload_weights", keep)
@@ -225,7 +231,7 @@ class ModelHandle:
     def weights_stale(self) -> bool:
         """Released without a host copy and not pushed since (rank 0's flag: every rank gets the
         same releases and updates)."""
-        return self.lockstep.target.model.weights_stale()
+        return self.local.weights_stale()
 
     def reload_weights(self) -> None:
         self.lockstep.call("reload_weights")
