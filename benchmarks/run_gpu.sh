@@ -141,12 +141,9 @@ e2e_host) # issue 29: the GRPO loop at the real_e2e sizes on a random-init SmolL
 gpu_tests) # the GPU-only tests (tests_gpu/: CUDA VMM weights and cache keep their addresses across a release)
            python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest/*.whl
            python3 -m pytest -q -p no:cacheprovider tests_gpu 2>&1 | tail -15 | tee -a $OUT/log ;;
-e2e_rand) # issue 29: the GRPO loop at the real_e2e sizes on a random-init SmolLM2 (no weights to carry), then the
-          # same with algorithm.old_logprobs=rollout (no old-logprob pass after step 0)
+e2e_rand) # issue 29: the GRPO loop at the real_e2e sizes on a random-init SmolLM2 (no weights to carry)
           run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda \
             --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_er1
-          run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda \
-            --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_er2 --set algorithm.old_logprobs=rollout
           # the default again with the engine's weights and cache in plain torch allocations (graphs recaptured each step)
           MEGARL_STABLE_MEMORY=0 run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok \
             --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_er3 ;;
