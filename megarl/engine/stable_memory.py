@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -92,9 +93,31 @@ def stable_memory_available(device: torch.device) -> bool:
         _check(drv.cuDeviceGetAttribute(ctypes.byref(supported),
                                         _CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
                "cuDeviceGetAttribute")
-        return bool(supported.value)
+        return bool(supported.value) and _probe(index)
     except (OSError, RuntimeError, AttributeError):
         return False
+
+
+_probed: dict = {}
+
+
+def _probe(index: int) -> bool:
+    """One granule reserved, mapped, released and mapped again, once per device and process: a
+    driver that reports VMM but refuses it (e.g. under some MPS or virtualised set-ups) makes the
+    engine fall back to torch allocations with one line on stderr instead of failing at start."""
+    if index not in _probed:
+        try:
+            region = StableRegion(1, torch.device("cuda", index))
+            region.release()
+            region.restore()
+            region.close()
+            _probed[index] = True
+        except RuntimeError as e:
+            print(f"megarl: CUDA virtual memory unusable on cuda:{index} ({e}); the engine's weights and "
+                  f"cache use plain allocations (decode graphs are captured again after each release)",
+                  file=sys.stderr, flush=True)
+            _probed[index] = False
+    return _probed[index]
 
 
 class _DevicePointer:
