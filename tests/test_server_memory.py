@@ -121,6 +121,63 @@ def test_kept_weights_come_back_unchanged_through_one_reused_host_buffer(tiny):
         fresh.stop()
 
 
+class _PoisoningRegion:
+    """The model's side of a stable region on CPU: the same address for the region's life, and on
+    release its bytes overwritten (what unmapped-then-remapped pages hold is undefined), so only
+    what the model restores itself comes back. The driver side (pages freed, the address kept,
+    graphs replayed) is held by tests_gpu/test_stable_memory.py on a GPU."""
+
+    def __init__(self, nbytes: int, device):
+        self.nbytes = nbytes
+        self.tensor = torch.zeros(nbytes, dtype=torch.uint8)
+        self.mapped = True
+        self.closed = False
+
+    def release(self) -> None:
+        self.tensor.fill_(0xFF)          # a NaN in every float weight, garbage in the cache
+        self.mapped = False
+
+    def restore(self) -> None:
+        self.mapped = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_weights_and_cache_in_stable_regions_keep_their_addresses_and_serve_as_before(tiny, monkeypatch):
+    import megarl.engine.model as model_module
+    monkeypatch.setattr(model_module, "stable_memory_available", lambda device: True)
+    monkeypatch.setattr(model_module, "StableRegion", _PoisoningRegion)
+    model = _model(tiny)
+    eng = Engine(model, max_running=2, max_len=64)
+    eng.start()
+    try:
+        before = _greedy(eng)
+        addresses = model.tensor_addresses()
+
+        def cycle(keep: bool) -> None:
+            model.offload_weights(keep=keep)
+            model.free_cache()
+            with pytest.raises(RuntimeError, match="resume them before updating"):
+                model.load_hf_dir(tiny)
+            model.reload_weights()
+            model.alloc_cache(eng.max_running, eng.max_len)
+        eng.control(lambda: cycle(True)).result(timeout=60)
+        assert model.tensor_addresses() == addresses and not model.weights_stale()
+        assert _greedy(eng) == before                    # restored from the host copy, cache zeroed
+        eng.control(lambda: cycle(False)).result(timeout=60)
+        assert model.tensor_addresses() == addresses and model.weights_stale()
+        with pytest.raises(RuntimeError, match="enable-weights-cpu-backup"):
+            _greedy(eng)
+        model.load_hf_dir(tiny)
+        assert _greedy(eng) == before
+        region = model._cache_region
+        eng.control(lambda: model.alloc_cache(eng.max_running, 32)).result(timeout=60)
+        assert region.closed and model._cache_region is not region   # another size: a new region
+    finally:
+        eng.stop()
+
+
 def _cfg(recipe: str, *overrides: str):
     from megarl.config import load_config
     return load_config(ROOT / "recipes" / recipe, list(overrides))

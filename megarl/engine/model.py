@@ -509,7 +509,8 @@ class DecoderModel:
         if params or self._tensor_attrs is None:
             names = []
             for k, v in vars(self).items():
-                if k in ("params", "_fused_views", "_tensor_attrs"):   # parameter views: listed above
+                if k in ("params", "_fused_views", "_tensor_attrs", "_host_copy"):   # parameter views: listed
+                    # above; the released weights' host copy: no forward reads it
                     continue
                 items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
                 if any(isinstance(t, torch.Tensor) for t in items):
