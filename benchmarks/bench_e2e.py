@@ -315,9 +315,9 @@ def full(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> dict:
 
 
 def _engine_seconds(manager: Any) -> dict[str, float]:
-    """The embedded servers' admit/decode seconds and admission count so far, summed ({} for
-    servers without them)."""
-    total = {"admit": 0.0, "decode": 0.0, "admissions": 0.0}
+    """The embedded servers' admit/decode seconds, admission count and decode graph captures so
+    far, summed ({} for servers without them)."""
+    total = {"admit": 0.0, "decode": 0.0, "admissions": 0.0, "graph_captures": 0.0}
     for info in manager.call_all("get_model_info").values():
         stats = info.get("megarl_stats") if isinstance(info, dict) else None
         if not stats or "admit_s" not in stats:
@@ -325,6 +325,7 @@ def _engine_seconds(manager: Any) -> dict[str, float]:
         total["admit"] += stats["admit_s"]
         total["decode"] += stats["decode_s"]
         total["admissions"] += stats.get("admissions", 0)
+        total["graph_captures"] += stats.get("graph_captures", 0)
     return total
 
 

@@ -112,7 +112,10 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
             "megarl_num_weight_updates": state.worker.receiver.num_updates,
             "megarl_weight_sessions": state.gate.opened,
             "megarl_lora_adapters": sorted(eng.loras),   # names /generate may give as lora_path
-            "megarl_stats": dict(eng.stats, cpu_s=time.process_time()),   # cpu_s: this process, all threads
+            # cpu_s: this process, all threads; graph_captures: decode CUDA graphs captured so far on
+            # rank 0 (replayed across releases when the weights and cache keep their addresses)
+            "megarl_stats": dict(eng.stats, cpu_s=time.process_time(),
+                                 graph_captures=getattr(state.worker.model.graphs, "captures", 0)),
         })
 
     @routes.get("/get_server_info")
