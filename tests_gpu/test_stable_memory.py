@@ -1,7 +1,10 @@
 """GPU only (run by ``benchmarks/run_gpu.sh gpu_tests``; CI's CPU suite is ``tests/``): weights and
 KV cache released through CUDA VMM come back at the same addresses, so the engine's captured
 decode graphs replay after a release/resume instead of being captured again, and give the tokens
-of before. The reference for "released" is the driver's own free-memory count."""
+of before. The reference for "released" is the driver's own free-memory count. (No unit control
+with plain torch allocations: the driver may hand a freed range back at the same address, so
+whether they move is chance; the loop measures it -- 2.8 captures a step without stable regions,
+0.0 with them, RESULTS 25.)"""
 from __future__ import annotations
 
 import torch
@@ -97,15 +100,3 @@ def test_dropped_weights_pushed_again_serve_the_same_tokens_without_a_recapture(
     m.load_state(saved)
     assert not m.weights_stale()
     assert _greedy(m) == before and m.graphs.captures == captures
-
-
-def test_without_stable_memory_the_same_cycle_captures_again(monkeypatch):
-    """The control: plain torch allocations come back elsewhere once the trainer holds the freed
-    memory, so the graphs are captured again."""
-    monkeypatch.setenv("MEGARL_STABLE_MEMORY", "0")
-    m = _model()
-    assert m._weights_region is None
-    before = _greedy(m)
-    captures = m.graphs.captures
-    _release_and_resume(m, keep=True)
-    assert _greedy(m) == before and m.graphs.captures > captures
