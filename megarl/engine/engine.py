@@ -360,8 +360,8 @@ class Engine:
         self._drain_waiting()
         b = self.batch
         free = b.cap - b.size
-        if not self._backlog or not free:
-            return
+        if not self._backlog or not free or self.released:
+            return       # (released: requests held by a pause wait for /resume_memory_occupation)
         if self.model.weights_stale():   # retracted requests held across a release that dropped the
             self._fail_backlog(RuntimeError(STALE_WEIGHTS))   # weights, resumed without a push
             return

@@ -398,7 +398,12 @@ class DecoderModel:
         if self._unwritten:
             self._unwritten.difference_update(names)
 
-    def _dequantize_if_pending(self) -> None:
+    def _before_forward(self) -> None:
+        """Every forward's first step: refuse released weights (with stable regions their views
+        point at unmapped pages, and a kernel reading them would lose the CUDA context), then
+        dequantize FP8 weights that changed."""
+        if self._flat is not None and not self._resident():
+            raise RuntimeError("the weights are released (/release_memory_occupation): resume them before generating")
         if self._dequantize_pending:
             self.fp8.dequantize(self.params)
             self._dequantize_pending = False
@@ -462,6 +467,7 @@ class DecoderModel:
         self._kept_at_release = keep
         if self._weights_region is not None:
             self._weights_region.release()    # same address on resume: the decode graphs stay valid
+            self._empty_device_cache()        # cached activation blocks go to the trainer too
             return
         held = self._host_copy if keep else torch.empty(self._flat.numel(), dtype=torch.uint8, device="meta")
         self._flat = held
@@ -780,7 +786,7 @@ class DecoderModel:
         already filled (copied from a row holding the same prefix); ``loras[u]`` is its LoRA
         adapter's name (None: the base model). fp32 logits ``[U, V]`` of each sequence's last token
         (None on TP ranks > 0)."""
-        self._dequantize_if_pending()
+        self._before_forward()
         U = len(seqs)
         lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
         T = int(lens.max())
@@ -819,7 +825,7 @@ class DecoderModel:
         """``loras``: each row's adapter name (None: the base; any adapter: no CUDA graph). One step for the B running rows ``[0, B)``: token b sits at ``positions[b]`` of row b.
         logits ``[B, V]``, fp32 (the Triton step: the model's dtype, see `_logits`; None on TP
         ranks > 0); with CUDA graphs a view of the graph's output, valid until the next step."""
-        self._dequantize_if_pending()
+        self._before_forward()
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
         if self._graphed() and not (loras and any(loras)):
@@ -856,7 +862,7 @@ class DecoderModel:
         captured into the step's graph and nothing waits for the GPU here (``tokens`` None: the
         tokens the previous launch sampled, see `DecodeGraphs.launch`). `decode_result` gives the
         output. Rank 0 only (TP > 1 runs `decode`)."""
-        self._dequantize_if_pending()
+        self._before_forward()
         positions = np.asarray(positions, dtype=np.int64)
         if self._graphed():
             return self._decode_graphs().launch(None if tokens is None else np.asarray(tokens, dtype=np.int64), positions,
@@ -921,7 +927,7 @@ class DecoderModel:
     def forward_full(self, ids: List[int], lora: Optional[str] = None) -> Optional[torch.Tensor]:
         """Logits [T, V] over a whole sequence, without the cache (None on TP ranks > 0), with adapter
         ``lora`` if given.  For tests and prompt logprobs."""
-        self._dequantize_if_pending()
+        self._before_forward()
         T = len(ids)
         t = torch.tensor(ids, dtype=torch.long, device=self.device)[None]
         pos = torch.arange(T, device=self.device)[None]

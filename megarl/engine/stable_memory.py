@@ -32,6 +32,7 @@ _CU_MEM_LOCATION_TYPE_DEVICE = 1
 _CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 _CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
 _CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
+_CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 class _Location(ctypes.Structure):
@@ -112,7 +113,7 @@ def _probe(index: int) -> bool:
             region.restore()
             region.close()
             _probed[index] = True
-        except RuntimeError as e:
+        except Exception as e:       # a refusal, a missing symbol, torch refusing the pointer
             print(f"megarl: CUDA virtual memory unusable on cuda:{index} ({e}); the engine's weights and "
                   f"cache use plain allocations (decode graphs are captured again after each release)",
                   file=sys.stderr, flush=True)
@@ -132,7 +133,9 @@ class StableRegion:
     """``nbytes`` of device memory at a fixed virtual address: :attr:`tensor` (uint8) views it for
     the region's life; :meth:`release` frees the physical memory, :meth:`restore` maps fresh
     (uninitialised) physical memory at the same address. Reading :attr:`tensor` while released
-    faults the device: callers guard it (the engine refuses to serve released weights)."""
+    faults the device (a sticky error: the process's CUDA context is lost), so callers guard it
+    (the model refuses any forward while its weights are released). Views of :attr:`tensor` do not
+    keep the region alive: the owner drops them before :meth:`close`."""
 
     def __init__(self, nbytes: int, device: torch.device):
         self.device = torch.device(device)
@@ -167,23 +170,42 @@ class StableRegion:
         drv = _cuda_driver()
         with torch.cuda.device(self.index):
             torch.cuda.synchronize()
-            prop = _device_props(self.index)
-            handle = ctypes.c_uint64()
-            _check(drv.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.size), ctypes.byref(prop),
-                                   ctypes.c_uint64(0)), "cuMemCreate")
+            handle = self._create()
+            ptr, size = ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size)
             try:
-                _check(drv.cuMemMap(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size), ctypes.c_size_t(0),
-                                    handle, ctypes.c_uint64(0)), "cuMemMap")
+                _check(drv.cuMemMap(ptr, size, ctypes.c_size_t(0), handle, ctypes.c_uint64(0)), "cuMemMap")
+                access = _AccessDesc()
+                access.location.type = _CU_MEM_LOCATION_TYPE_DEVICE
+                access.location.id = self.index
+                access.flags = _CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                try:
+                    _check(drv.cuMemSetAccess(ptr, size, ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess")
+                except RuntimeError:
+                    drv.cuMemUnmap(ptr, size)
+                    raise
             except RuntimeError:
                 drv.cuMemRelease(handle)
                 raise
-            access = _AccessDesc()
-            access.location.type = _CU_MEM_LOCATION_TYPE_DEVICE
-            access.location.id = self.index
-            access.flags = _CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            _check(drv.cuMemSetAccess(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size),
-                                      ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess")
         self._handle = handle.value
+
+    def _create(self) -> ctypes.c_uint64:
+        """Physical memory for the range. Torch's caching allocator may hold freed blocks this
+        needs (weight-update buckets, activations): on out-of-memory they are returned to the driver
+        and the allocation tried once more, as torch itself does before failing a cudaMalloc."""
+        drv, prop, handle = _cuda_driver(), _device_props(self.index), ctypes.c_uint64()
+        create = lambda: drv.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.size),  # noqa: E731
+                                         ctypes.byref(prop), ctypes.c_uint64(0))
+        result = create()
+        if result == _CUDA_ERROR_OUT_OF_MEMORY:
+            torch.cuda.empty_cache()
+            result = create()
+        if result == _CUDA_ERROR_OUT_OF_MEMORY:
+            free, total = torch.cuda.mem_get_info(self.index)
+            raise torch.OutOfMemoryError(f"cuMemCreate: {self.size / 2**30:.2f} GiB for the engine's weights or "
+                                         f"cache do not fit on cuda:{self.index} ({free / 2**30:.2f} of "
+                                         f"{total / 2**30:.2f} GiB free)")
+        _check(result, "cuMemCreate")
+        return handle
 
     def release(self) -> None:
         """The physical memory back to the driver once the device is idle; the address stays
@@ -194,8 +216,8 @@ class StableRegion:
         with torch.cuda.device(self.index):
             torch.cuda.synchronize()          # no kernel may still read the pages
             _check(drv.cuMemUnmap(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size)), "cuMemUnmap")
-            _check(drv.cuMemRelease(ctypes.c_uint64(self._handle)), "cuMemRelease")
-        self._handle = None
+            handle, self._handle = self._handle, None     # unmapped now, whatever the release says
+            _check(drv.cuMemRelease(ctypes.c_uint64(handle)), "cuMemRelease")
 
     def close(self) -> None:
         """Unmap, free and unreserve (the region is unusable afterwards)."""
@@ -203,7 +225,8 @@ class StableRegion:
             return
         try:
             self.release()
-            _cuda_driver().cuMemAddressFree(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size))
+            _check(_cuda_driver().cuMemAddressFree(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size)),
+                   "cuMemAddressFree")
         finally:
             self.ptr = None
 
