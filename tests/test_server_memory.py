@@ -144,7 +144,9 @@ class _PoisoningRegion:
         self.closed = True
 
 
-def test_weights_and_cache_in_stable_regions_keep_their_addresses_and_serve_as_before(tiny, monkeypatch):
+@pytest.fixture
+def stable_engine(tiny, monkeypatch):
+    """A running engine whose model keeps its weights and cache in (CPU stand-in) stable regions."""
     import megarl.engine.model as model_module
     monkeypatch.setattr(model_module, "stable_memory_available", lambda device: True)
     monkeypatch.setattr(model_module, "StableRegion", _PoisoningRegion)
@@ -152,68 +154,65 @@ def test_weights_and_cache_in_stable_regions_keep_their_addresses_and_serve_as_b
     eng = Engine(model, max_running=2, max_len=64)
     eng.start()
     try:
-        before = _greedy(eng)
-        addresses = model.tensor_addresses()
-
-        def cycle(keep: bool) -> None:
-            model.offload_weights(keep=keep)
-            model.free_cache()
-            assert not model._weights_region.mapped and not model._cache_region.mapped
-            with pytest.raises(RuntimeError, match="resume them before updating"):
-                model.load_hf_dir(tiny)
-            model.reload_weights()
-            model.alloc_cache(eng.max_running, eng.max_len)
-        eng.control(lambda: cycle(True)).result(timeout=60)
-        assert model.tensor_addresses() == addresses and not model.weights_stale()
-        assert _greedy(eng) == before                    # restored from the host copy, cache zeroed
-        eng.control(lambda: cycle(False)).result(timeout=60)
-        assert model.tensor_addresses() == addresses and model.weights_stale()
-        with pytest.raises(RuntimeError, match="enable-weights-cpu-backup"):
-            _greedy(eng)
-        model.load_hf_dir(tiny)
-        assert _greedy(eng) == before
-        region = model._cache_region
-        eng.control(lambda: model.alloc_cache(eng.max_running, 32)).result(timeout=60)
-        assert region.closed and model._cache_region is not region   # another size: a new region
+        yield model, eng
     finally:
         eng.stop()
 
 
+def test_weights_and_cache_in_stable_regions_keep_their_addresses_and_serve_as_before(tiny, stable_engine):
+    model, eng = stable_engine
+    before = _greedy(eng)
+    addresses = model.tensor_addresses()
+
+    def cycle(keep: bool) -> None:
+        model.offload_weights(keep=keep)
+        model.free_cache()
+        assert not model._weights_region.mapped and not model._cache_region.mapped
+        with pytest.raises(RuntimeError, match="resume them before updating"):
+            model.load_hf_dir(tiny)
+        model.reload_weights()
+        model.alloc_cache(eng.max_running, eng.max_len)
+    eng.control(lambda: cycle(True)).result(timeout=60)
+    assert model.tensor_addresses() == addresses and not model.weights_stale()
+    assert _greedy(eng) == before                    # restored from the host copy, cache zeroed
+    eng.control(lambda: cycle(False)).result(timeout=60)
+    assert model.tensor_addresses() == addresses and model.weights_stale()
+    with pytest.raises(RuntimeError, match="enable-weights-cpu-backup"):
+        _greedy(eng)
+    model.load_hf_dir(tiny)
+    assert _greedy(eng) == before
+    region = model._cache_region
+    eng.control(lambda: model.alloc_cache(eng.max_running, 32)).result(timeout=60)
+    assert region.closed and model._cache_region is not region   # another size: a new region
+
+
 def test_requests_held_across_a_release_wait_for_the_resume_and_no_forward_reads_released_weights(
-        tiny, monkeypatch):
+        stable_engine):
     """pause(retract) -> release -> continue -> resume, as a client may order them: the held
     request is admitted only after the resume (with stable regions, a forward before it would read
     unmapped pages -- on a GPU the CUDA context is lost; here the poisoned bytes give other tokens),
     and any forward on released weights is refused."""
-    import megarl.engine.model as model_module
-    monkeypatch.setattr(model_module, "stable_memory_available", lambda device: True)
-    monkeypatch.setattr(model_module, "StableRegion", _PoisoningRegion)
-    model = _model(tiny)
-    eng = Engine(model, max_running=2, max_len=64)
-    eng.start()
-    try:
-        before = _greedy(eng)
-        eng.control(lambda: eng.pause("retract")).result(timeout=60)
-        held = eng.submit_many([Request(list(PROMPT), Sampling(max_new_tokens=8, temperature=0.0))])[0]
+    model, eng = stable_engine
+    before = _greedy(eng)
+    eng.control(lambda: eng.pause("retract")).result(timeout=60)
+    held = eng.submit_many([Request(list(PROMPT), Sampling(max_new_tokens=8, temperature=0.0))])[0]
 
-        def release() -> None:
-            model.offload_weights(keep=True)
-            model.free_cache()
-            eng.released.update({"weights", "kv_cache"})
+    def release() -> None:
+        model.offload_weights(keep=True)
+        model.free_cache()
+        eng.released.update({"weights", "kv_cache"})
 
-        def resume() -> None:
-            model.reload_weights()
-            model.alloc_cache(eng.max_running, eng.max_len)
-            eng.released.clear()
-        eng.control(release).result(timeout=60)
-        eng.control(eng.unpause).result(timeout=60)     # continue before resume: the loop admits now
-        with pytest.raises(RuntimeError, match="resume them before generating"):
-            eng.control(lambda: model.prefill([list(PROMPT)], 0)).result(timeout=60)
-        assert not held.done()
-        eng.control(resume).result(timeout=60)
-        assert held.result(timeout=120)["output_ids"] == before
-    finally:
-        eng.stop()
+    def resume() -> None:
+        model.reload_weights()
+        model.alloc_cache(eng.max_running, eng.max_len)
+        eng.released.clear()
+    eng.control(release).result(timeout=60)
+    eng.control(eng.unpause).result(timeout=60)     # continue before resume: the loop admits now
+    with pytest.raises(RuntimeError, match="resume them before generating"):
+        eng.control(lambda: model.prefill([list(PROMPT)], 0)).result(timeout=60)
+    assert not held.done()
+    eng.control(resume).result(timeout=60)
+    assert held.result(timeout=120)["output_ids"] == before
 
 
 def _cfg(recipe: str, *overrides: str):

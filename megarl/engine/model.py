@@ -552,7 +552,7 @@ class DecoderModel:
         parts = [(shp, self.dtype), (shp, self.dtype)]
         if self.record_routes:
             parts.append(((max_slots, max_len, s.num_layers, s.top_k), torch.int32))
-        if stable_memory_available(self.device):
+        if self._weights_region is not None:     # stable memory chosen at construction (_alloc)
             self.k_cache, self.v_cache, *routes = self._cache_views(parts)
         else:
             self.k_cache, self.v_cache, *routes = (torch.zeros(p, dtype=d, device=self.device) for p, d in parts)
