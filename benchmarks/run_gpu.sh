@@ -96,6 +96,10 @@ proj) # the projections alone over 24 layers: cuBLAS + elementwise kernels vs th
 decode_proj) # the decode step with its projections in Triton too (proj_kernels.py) vs cuBLAS, same run
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
           --new 128 --kernels triton,triton-proj --no-hf --profile $OUT/prof_decode_proj.txt $DECODE_ARGS ;;
+decode_prof) # issue 29: where a decode step's time goes now -- the default Triton step, greedy, batch 1 and 128,
+             # one torch.profiler table per batch (kernels inside the CUDA graphs, per engine run of 128 steps)
+        run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,128 --prompt 32 \
+          --new 128 --no-hf --kernels triton --profile $OUT/prof_decode_triton.txt $DECODE_ARGS ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
          run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;
