@@ -43,6 +43,8 @@ def main():
                          "triton-proj (fused, projections in Triton too) | "
                          "torch (the reference body); a +sync suffix turns off launching step t+1 before step t is "
                          "read; +fallback decodes, then samples (the served engine before session 12, and at TP > 1); "
+                         "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +sepmerge: the splits "
+                         "merged by a second kernel, not by the attention kernel's last program; "
                          "the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
@@ -149,6 +151,12 @@ def copy_bandwidth(dev, nbytes=2 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t)
 
 
+def _attention_split(kernels, suffixes, default_keys: int) -> None:
+    """Apply a mode's attention suffixes (+splitN, +sepmerge) to the Triton step; defaults otherwise."""
+    kernels.SPLIT_KEYS = next((int(x[5:]) for x in suffixes if x.startswith("split")), default_keys)
+    kernels.COMBINE_IN_KERNEL = "sepmerge" not in suffixes
+
+
 class _WithoutLaunch:
     """The served handle without ``decode_launch``: the engine decodes, then samples (a host read per
     step, the eager sampler) -- the served engine's path before session 12, and the TP > 1 path."""
@@ -209,11 +217,14 @@ def main_gpu(a):
                 model.use_cuda_graphs = dev.type == "cuda"
 
         per_mode, outputs = {}, {}
+        from megarl.engine import kernels as triton_kernels
+        default_split = triton_kernels.SPLIT_KEYS
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
-            kern_mode, _, suffix = mode.partition("+")   # "triton+sync": no step launched ahead
+            kern_mode, *suffixes = mode.split("+")   # "triton+sync": no step launched ahead
             model.decode_kernels, model._fused_views, model.graphs = kern_mode, None, None
-            model.decode_overlap = suffix != "sync"
-            eng.model = _WithoutLaunch(handle) if suffix == "fallback" else handle   # (the engine is idle here)
+            model.decode_overlap = "sync" not in suffixes
+            _attention_split(triton_kernels, suffixes, default_split)
+            eng.model = _WithoutLaunch(handle) if "fallback" in suffixes else handle   # (the engine is idle here)
             run_engine()
             te, ne = min(run_engine() for _ in range(2))
             per_mode[mode], outputs[mode] = ne / te, run_engine.outputs

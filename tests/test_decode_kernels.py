@@ -107,10 +107,12 @@ def test_engine_with_the_fused_step_generates_what_hf_generates(tmp_path, kernel
         assert (want - got).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("group,splits", [(1, 1), (3, 2), (4, 8)])
-def test_attention_reads_each_rows_keys_only(kernels, group, splits):
+@pytest.mark.parametrize("group,splits,merge_here", [(1, 1, False), (3, 2, False), (4, 8, False), (3, 2, True),
+                                                      (4, 8, True)])
+def test_attention_reads_each_rows_keys_only(kernels, group, splits, merge_here):
     """Against SDPA over each row's own prefix; the cache beyond pos[b] holds garbage that must
-    not leak in, rows sit at position 0 and past several blocks."""
+    not leak in, rows sit at position 0 and past several blocks. ``merge_here``: the last program
+    of a row's splits merges them (split counters), and leaves its counter at 0 again."""
     g = torch.Generator().manual_seed(group)
     nkv, D, L = 2, 32, 300
     pos = torch.tensor([0, 5, 63, 64, 200, 299])
@@ -118,7 +120,12 @@ def test_attention_reads_each_rows_keys_only(kernels, group, splits):
     kc = torch.randn(B + 1, nkv, L, D, generator=g)
     vc = torch.randn(B + 1, nkv, L, D, generator=g)
     q = torch.randn(B, nkv * group, D, generator=g)
-    out = kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), pos.to(DEV), L, 1 / math.sqrt(D), splits)
+    counters = torch.zeros(B * nkv + 3, dtype=torch.int32, device=DEV) if merge_here else None
+    for _ in range(2 if merge_here else 1):   # a second call: the counters were left at 0
+        out = kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), pos.to(DEV), L, 1 / math.sqrt(D), splits,
+                                       counters)
+        if merge_here:
+            assert counters.abs().sum().item() == 0
     for b in range(B):
         n = int(pos[b]) + 1
         k = kc[b, :, :n].repeat_interleave(group, 0)

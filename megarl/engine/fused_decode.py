@@ -109,6 +109,17 @@ def _row_parallel(model: "DecoderModel", proj, x: torch.Tensor, w: torch.Tensor,
     return _Pending(parts=parts, bias=bias)
 
 
+def split_counters(model: "DecoderModel", rows: int) -> torch.Tensor:
+    """The model's zeroed attention split counters (`kernels.decode_attention`), one per (row, kv
+    head) of its cache. Made once, by the first (eager) step: a graph's capture runs its body
+    eagerly first, so the buffer never comes from a graph's pool, and its address never changes."""
+    need = max(rows, model.k_cache[0].shape[0]) * model.nkv
+    buf = getattr(model, "_split_counters", None)
+    if buf is None or buf.numel() < need or buf.device != model.k_cache[0].device:
+        buf = model._split_counters = torch.zeros(need, dtype=torch.int32, device=model.k_cache[0].device)
+    return buf
+
+
 def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tensor, pos: torch.Tensor,
                 B: int, Lk: int, route_ctx=None, projections: bool = False) -> Optional[torch.Tensor]:
     """Decode rows ``[0, B)`` (token ``ids[b]`` at ``pos[b]``) attending over at most ``Lk`` keys;
@@ -124,6 +135,7 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
     nh, nkv, D, eps = model.nh, model.nkv, s.head_dim, s.rms_norm_eps
     scale = 1.0 / math.sqrt(D)
     splits = kernels.attention_splits(Lk)
+    counters = split_counters(model, B)
     x = F.embedding(ids, P["model.embed_tokens.weight"])       # [B, H]: the residual stream
     y = _Pending()                                              # the branch output still to add
     model._route_ctx = route_ctx
@@ -140,7 +152,7 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
             else:
                 h, x = y.norm(kernels, proj, x, w_in, eps)
                 q = kernels.rope_and_store(F.linear(h, v.qkv_weight, v.qkv_bias), *rope)
-            o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits)
+            o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits, counters)
             y = _row_parallel(model, proj, o, P[a + "o_proj.weight"], P.get(a + "o_proj.bias"))
             if v.gate_up_weight is None:   # MoE layer: the torch path (routing needs the host)
                 h, x = y.norm(kernels, proj, x, w_post, eps)

@@ -144,14 +144,16 @@ def _attend_block(q, kc_ptr, vc_ptr, base, n0, end, stride_kp, scale, m_i, l_i, 
 
 
 @triton.jit
-def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr, scale, SPLIT_LEN, NH,
-                        stride_qb, stride_kr, stride_kh, stride_kp,
+def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, scale, SPLIT_LEN, NH,
+                        NKV, stride_qb, stride_kr, stride_kh, stride_kp,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                        INTERPRET_BLOCKS: tl.constexpr):
+                        NUM_SPLITS: tl.constexpr, COMBINE_HERE: tl.constexpr, IEEE: tl.constexpr,
+                        INTERPRET: tl.constexpr, INTERPRET_BLOCKS: tl.constexpr):
     """Program (b, kv head, split): the GROUP query heads of one kv head over keys
     ``[split * SPLIT_LEN, ...)`` up to pos[b] (inclusive), online softmax. One split: the output;
-    several: unnormalised partial sums + (max, sum) for `_combine_kernel`."""
+    several: unnormalised partial sums + (max, sum), merged by the last of the (b, kv head)'s
+    programs to finish (COMBINE_HERE: a counter per (b, kv head), back to 0 after) or by
+    `_combine_kernel`."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -185,6 +187,36 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
         tl.store(part_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=gm)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
+        if COMBINE_HERE:
+            tl.debug_barrier()   # every thread's partials stored before the release below
+            done = tl.atomic_add(cnt_ptr + b * NKV + kh, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                tl.store(cnt_ptr + b * NKV + kh, 0)   # ready for the next step (graph replays)
+                first = (b * NH + heads) * NUM_SPLITS
+                _merge_splits(part_ptr, ml_ptr, out_ptr + b * stride_qb + heads[:, None] * D + d[None, :],
+                              first, gm, NUM_SPLITS, BLOCK_G, D)
+
+
+@triton.jit
+def _merge_splits(part_ptr, ml_ptr, out_ptrs, first, gm, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                  D: tl.constexpr):
+    """Merge the splits' partials of BLOCK_G heads (rows ``first + s``) into their output rows, in
+    split order. Loads bypass L1: other programs wrote these bytes."""
+    d = tl.arange(0, D)
+    mx = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        mx = tl.maximum(mx, tl.load(ml_ptr + (first + s) * 2, mask=gm, other=float("-inf"), cache_modifier=".cg"))
+    num = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    den = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m = tl.load(ml_ptr + (first + s) * 2, mask=gm, other=0.0, cache_modifier=".cg")
+        lsum = tl.load(ml_ptr + (first + s) * 2 + 1, mask=gm, other=0.0, cache_modifier=".cg")
+        w = tl.where(lsum > 0, tl.exp(m - mx), 0.0)
+        acc = tl.load(part_ptr + (first + s)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0,
+                      cache_modifier=".cg")
+        num += acc * w[:, None]
+        den += lsum * w
+    tl.store(out_ptrs, (num / den[:, None]).to(out_ptrs.dtype.element_ty), mask=gm[:, None])
 
 
 @triton.jit
@@ -432,18 +464,25 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
     return q
 
 
+SPLIT_KEYS = 256       # keys per split of a decode step's attention (see `attention_splits`)
+COMBINE_IN_KERNEL = True   # the last program of a row's splits merges them (no `_combine_kernel` launch)
+
+
 def attention_splits(key_len: int) -> int:
-    """How many key ranges a decode step splits into (flash-decoding): one per 256 keys, at most
-    16, a power of two. It depends on the key length only, so a row's result does not depend on
-    how many other rows share its step."""
-    return 1 << (min(16, max(1, key_len // 256)).bit_length() - 1)
+    """How many key ranges a decode step splits into (flash-decoding): one per SPLIT_KEYS keys, at
+    most 16, a power of two. It depends on the key length only, so a row's result does not depend
+    on how many other rows share its step."""
+    return 1 << (min(16, max(1, key_len // SPLIT_KEYS)).bit_length() - 1)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     key_len: int, scale: float, splits: Optional[int] = None) -> torch.Tensor:
+                     key_len: int, scale: float, splits: Optional[int] = None,
+                     counters: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``q [B, nh, D]`` over keys ``[0, pos[b]]`` of cache rows ``[0, B)`` -> ``[B, nh * D]``.
     ``key_len`` bounds every pos[b] + 1 (it sizes the splits, not the work: each row reads only
-    the keys it has)."""
+    the keys it has). ``counters``: >= B * nkv zeroed int32, owned by the caller and left zeroed
+    (one buffer serves every layer and every graph replay); with them the splits are merged
+    inside the attention kernel, without them by a second kernel."""
     B, nh, D = q.shape
     nkv = k_cache.shape[1]
     group = nh // nkv
@@ -452,17 +491,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split_len = triton.cdiv(triton.cdiv(key_len, splits), block_n) * block_n
     out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
+    here = splits > 1 and COMBINE_IN_KERNEL and counters is not None
     if splits == 1:
         part = ml = out
     else:
         part = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(B, nh, splits, 2, dtype=torch.float32, device=q.device)
-    _decode_attn_kernel[(B, nkv, splits)](q, k_cache, v_cache, pos, out, part, ml, scale, split_len, nh,
+    if here and counters.numel() < B * nkv:
+        raise ValueError(f"decode_attention: {counters.numel()} split counters for {B} rows x {nkv} kv heads")
+    _decode_attn_kernel[(B, nkv, splits)](q, k_cache, v_cache, pos, out, part, ml, counters if here else out, scale, split_len, nh, nkv,
                                           q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                           GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D,
-                                          BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=ieee, INTERPRET=_INTERPRET,
+                                          BLOCK_N=block_n, NUM_SPLITS=splits, COMBINE_HERE=here, IEEE=ieee,
+                                          INTERPRET=_INTERPRET,
                                           INTERPRET_BLOCKS=split_len // block_n if _INTERPRET else 0)
-    if splits > 1:
+    if splits > 1 and not here:
         _combine_kernel[(B * nh,)](part, ml, out, NUM_SPLITS=splits, D=D)
     return out.view(B, nh * D)
 
