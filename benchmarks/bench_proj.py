@@ -45,8 +45,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="0: the shape's")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--configs", default="16/4,32/4,64/4,32/2,16/2,32/8/128,64/8/128",
-                    help="block_n/num_warps[/block_m] of the projections (q/k/v: min(block_n, D/2); block_m: "
-                         "rows per program, default up to 64)")
+                    help="block_n/num_warps[/block_m[/block_k]] of the projections (q/k/v: min(block_n, D/2); "
+                         "block_m: rows per program, 0 or absent = up to 64; block_k: K columns per step, 128)")
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     a = ap.parse_args()
     cuda = use_cuda(a.device)
@@ -87,8 +87,9 @@ def main() -> None:
                 y = F.linear(kernels.silu_mul(F.linear(h, ly["gu"])), ly["down"])
             return kernels.add_rms_norm(x, y, layers[-1]["n1"], 1e-6)
 
-        def triton_proj(bn, warps, prologue, bm=None):
+        def triton_proj(bn, warps, prologue, bm=None, bk=128):
             def step():
+                proj.BLOCK_K_MAX = bk   # read at launch (the graph's capture)
                 x, parts = x0, None
                 for ly in layers:
                     inp = proj.NormedInput(x, parts, None, ly["n1"], 1e-6)
@@ -105,6 +106,9 @@ def main() -> None:
         variants = {"cublas": cublas}
         for c in a.configs.split(","):
             bn, warps, *bm = (int(v) for v in c.split("/"))
+            if len(bm) == 2:   # bm 0 = default rows per program; bk: K columns per step of the K walk
+                variants[f"proj_bn{bn}_w{warps}_bm{bm[0]}_bk{bm[1]}"] = triton_proj(bn, warps, False, bm[0] or None, bm[1])
+                continue
             if bm:   # a rows-per-program override: only where it changes the blocks
                 if bm[0] < M and M > 16 or bm[0] > 64 and M > 64:
                     variants[f"proj_bn{bn}_w{warps}_bm{bm[0]}"] = triton_proj(bn, warps, False, bm[0])

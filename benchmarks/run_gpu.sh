@@ -93,6 +93,10 @@ decode_tests) # the Triton decode step's and sampler's tests compiled on the GPU
         python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py tests/test_proj_kernels.py ${DECODE_TESTS_K:+-k "$DECODE_TESTS_K"} 2>&1 | tail -15 | tee -a $OUT/log ;;
 proj) # the projections alone over 24 layers: cuBLAS + elementwise kernels vs the Triton projections, tile configs
       run 300 python3 benchmarks/bench_proj.py --shape qwen2.5-0.5b --rows 1,8,32,128 ;;
+proj_bk) # issue 29: the Triton projections' K walk in longer steps (block_k 256 / 512 / 1024: fewer dependent
+         # rounds of loads per program) vs 128 and vs cuBLAS, same run
+      run 300 python3 benchmarks/bench_proj.py --shape qwen2.5-0.5b --rows 1,8,32 \
+        --configs 16/4,16/4/0/256,16/4/0/512,32/4/0/256,32/4/0/512,16/8/0/512,32/8/0/1024,64/8/0/512 ;;
 decode_proj) # the decode step with its projections in Triton too (proj_kernels.py) vs cuBLAS, same run
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
           --new 128 --kernels triton,triton-proj --no-hf --profile $OUT/prof_decode_proj.txt $DECODE_ARGS ;;

@@ -272,8 +272,11 @@ def _block_m(M: int) -> int:
     return min(64, max(16, triton.next_power_of_2(M)))
 
 
+BLOCK_K_MAX = 128     # columns of K per step of a projection's K walk
+
+
 def _block_k(K: int) -> int:
-    return min(128, max(16, triton.next_power_of_2(K)))
+    return min(BLOCK_K_MAX, max(16, triton.next_power_of_2(K)))
 
 
 def splits_for(K: int, N: int, block_n: int = 32) -> int:
