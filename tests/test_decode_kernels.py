@@ -108,11 +108,12 @@ def test_engine_with_the_fused_step_generates_what_hf_generates(tmp_path, kernel
 
 
 @pytest.mark.parametrize("group,splits,merge_here", [(1, 1, False), (3, 2, False), (4, 8, False), (3, 2, True),
-                                                      (4, 8, True)])
+                                                      (4, 8, True), (2, 16, True)])
 def test_attention_reads_each_rows_keys_only(kernels, group, splits, merge_here):
     """Against SDPA over each row's own prefix; the cache beyond pos[b] holds garbage that must
     not leak in, rows sit at position 0 and past several blocks. ``merge_here``: the last program
-    of a row's splits merges them (split counters), and leaves its counter at 0 again."""
+    of a row's splits merges them (split counters), and leaves its counter at 0 again; 16 splits
+    of 300 keys read blocks of 32 keys, and the last splits of every row hold none."""
     g = torch.Generator().manual_seed(group)
     nkv, D, L = 2, 32, 300
     pos = torch.tensor([0, 5, 63, 64, 200, 299])

@@ -487,7 +487,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     nkv = k_cache.shape[1]
     group = nh // nkv
     splits = splits or attention_splits(key_len)
-    block_n = 64 if D <= 128 else 32
+    # keys per block: up to 64 (32 past 128 dims), down to what one split holds (short splits: no
+    # half-masked blocks, so a split of 32 keys reads 32, not 64)
+    block_n = min(64 if D <= 128 else 32, max(16, triton.next_power_of_2(triton.cdiv(key_len, splits))))
     split_len = triton.cdiv(triton.cdiv(key_len, splits), block_n) * block_n
     out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
