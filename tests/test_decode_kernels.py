@@ -45,13 +45,19 @@ def _model(path, mode):
 
 # "triton-proj": the projections in Triton too (proj_kernels.py; half a head >= 16 columns), with
 # their input norms made in their prologues (up to 16 rows here) or by the separate norm kernel (0)
-FUSED_MODES = [("triton", {}, 16), ("triton-proj", {"head_dim": 32}, 16), ("triton-proj", {"head_dim": 32}, 0)]
+# "triton+rope": RoPE and the cache write inside the attention kernel (kernels.ROPE_IN_ATTENTION)
+FUSED_MODES = [("triton", {}, 16), ("triton+rope", {}, 16), ("triton-proj", {"head_dim": 32}, 16),
+               ("triton-proj", {"head_dim": 32}, 0)]
 
 
 def _prologue_rows(monkeypatch, mode, rows):
+    """Set the mode's module switches; the model's decode_kernels value."""
+    import megarl.engine.kernels as kern
+    monkeypatch.setattr(kern, "ROPE_IN_ATTENTION", mode == "triton+rope")
     if mode == "triton-proj":
         import megarl.engine.proj_kernels as proj
         monkeypatch.setattr(proj, "NORM_PROLOGUE_ROWS", rows)
+    return mode.split("+")[0]
 
 
 @pytest.mark.parametrize("mode,shape,rows", FUSED_MODES)
@@ -62,8 +68,7 @@ def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, famil
     d = str(tmp_path / family)
     make_tiny_hf_model(d, family, std=0.3, **shape)
     monkeypatch.setattr(kernels, "attention_splits", lambda key_len: splits)
-    _prologue_rows(monkeypatch, mode, rows)
-    ref, fused = _model(d, "torch"), _model(d, mode)
+    ref, fused = _model(d, "torch"), _model(d, _prologue_rows(monkeypatch, mode, rows))
     g = torch.Generator().manual_seed(1)
     lens = [3, 70, 130, 1, 66]
     seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
@@ -82,10 +87,9 @@ def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, famil
 @pytest.mark.parametrize("mode,shape,rows", FUSED_MODES)
 def test_engine_with_the_fused_step_generates_what_hf_generates(tmp_path, kernels, monkeypatch, mode, shape, rows):
     from megarl.engine.engine import Engine, Request, Sampling
-    _prologue_rows(monkeypatch, mode, rows)
     d = str(tmp_path / "qwen2")
     hf = make_tiny_hf_model(d, "qwen2", std=0.3, **shape)
-    model = _model(d, mode)
+    model = _model(d, _prologue_rows(monkeypatch, mode, rows))
     eng = Engine(model, max_running=4, max_len=64)
     eng.start()
     prompts = [[1, 2, 3, 4], [9, 8, 7], [5] * 11]

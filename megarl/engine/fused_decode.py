@@ -145,14 +145,20 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
             w_in, w_post = P[f"model.layers.{i}.input_layernorm.weight"], P[f"model.layers.{i}.post_attention_layernorm.weight"]
             rope = (pos, model.rope_cos, model.rope_sin, model.k_cache[i], model.v_cache[i], nh, nkv,
                     P.get(a + "q_norm.weight"), P.get(a + "k_norm.weight"), eps)
+            in_attention = None   # RoPE + the cache write done by the attention kernel
             if proj is not None:
                 inp = y.normed(proj, x, w_in, eps)
                 q = proj.qkv_rope(proj.projection_input(inp), v.qkv_weight, v.qkv_bias, *rope)
                 x = inp.x_out
             else:
                 h, x = y.norm(kernels, proj, x, w_in, eps)
-                q = kernels.rope_and_store(F.linear(h, v.qkv_weight, v.qkv_bias), *rope)
-            o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits, counters)
+                q = F.linear(h, v.qkv_weight, v.qkv_bias)
+                if kernels.ROPE_IN_ATTENTION:
+                    in_attention = (nh, model.rope_cos, model.rope_sin) + rope[7:]
+                else:
+                    q = kernels.rope_and_store(q, *rope)
+            o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits, counters,
+                                         in_attention)
             y = _row_parallel(model, proj, o, P[a + "o_proj.weight"], P.get(a + "o_proj.bias"))
             if v.gate_up_weight is None:   # MoE layer: the torch path (routing needs the host)
                 h, x = y.norm(kernels, proj, x, w_post, eps)

@@ -144,16 +144,60 @@ def _attend_block(q, kc_ptr, vc_ptr, base, n0, end, stride_kp, scale, m_i, l_i, 
 
 
 @triton.jit
-def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, scale, SPLIT_LEN, NH,
-                        NKV, stride_qb, stride_kr, stride_kh, stride_kp,
+def _rotated_query(q_ptr, cos_ptr, sin_ptr, qn_ptr, p, heads, gm, stride_cs, eps,
+                   BLOCK_G: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, dt: tl.constexpr):
+    """The query heads ``heads`` of one row straight from the q/k/v projection (``q_ptr`` at the
+    row), q-normed (qwen3) and rotated at position ``p`` as `_rope_store_kernel` rotates them ->
+    ``[BLOCK_G, 2 HALF]`` in ``dt``."""
+    j = tl.arange(0, HALF)
+    src = q_ptr + heads[:, None] * (2 * HALF) + j[None, :]
+    x1 = tl.load(src, mask=gm[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=gm[:, None], other=0.0).to(tl.float32)
+    if QK_NORM:
+        x1, x2 = head_rms_norm(x1, x2, tl.load(qn_ptr + j).to(tl.float32)[None, :],
+                               tl.load(qn_ptr + HALF + j).to(tl.float32)[None, :], eps, HALF, 1, dt)
+    c = tl.load(cos_ptr + p * stride_cs + j).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + p * stride_cs + j).to(tl.float32)[None, :]
+    o1, o2 = rope_rotate(x1, x2, c, s, dt)
+    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_G, 2 * HALF))
+
+
+@triton.jit
+def _store_new_key(qkv_ptr, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr, off, p, kh, NH, NKV, stride_cs, eps,
+                   HALF: tl.constexpr, QK_NORM: tl.constexpr, dt: tl.constexpr):
+    """Key head ``kh`` of one row's q/k/v (``qkv_ptr`` at the row), k-normed and rotated at
+    position ``p``, and its value head, into the caches at ``off`` -- as `_rope_store_kernel` does."""
+    j = tl.arange(0, HALF)
+    src = qkv_ptr + (NH + kh) * (2 * HALF)
+    x1 = tl.load(src + j).to(tl.float32)
+    x2 = tl.load(src + HALF + j).to(tl.float32)
+    if QK_NORM:
+        x1, x2 = head_rms_norm(x1, x2, tl.load(kn_ptr + j).to(tl.float32), tl.load(kn_ptr + HALF + j).to(tl.float32),
+                               eps, HALF, 0, dt)
+    o1, o2 = rope_rotate(x1, x2, tl.load(cos_ptr + p * stride_cs + j).to(tl.float32),
+                         tl.load(sin_ptr + p * stride_cs + j).to(tl.float32), dt)
+    tl.store(kc_ptr + off + j, o1)
+    tl.store(kc_ptr + off + HALF + j, o2)
+    vsrc = qkv_ptr + (NH + NKV + kh) * (2 * HALF)
+    tl.store(vc_ptr + off + j, tl.load(vsrc + j))
+    tl.store(vc_ptr + off + HALF + j, tl.load(vsrc + HALF + j))
+
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr,
+                        cos_ptr, sin_ptr, qn_ptr, kn_ptr, scale, SPLIT_LEN, NH, NKV, eps,
+                        stride_qb, stride_ob, stride_kr, stride_kh, stride_kp, stride_cs,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, COMBINE_HERE: tl.constexpr, IEEE: tl.constexpr,
-                        INTERPRET: tl.constexpr, INTERPRET_BLOCKS: tl.constexpr):
+                        NUM_SPLITS: tl.constexpr, COMBINE_HERE: tl.constexpr, ROPE: tl.constexpr,
+                        QK_NORM: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                        INTERPRET_BLOCKS: tl.constexpr):
     """Program (b, kv head, split): the GROUP query heads of one kv head over keys
     ``[split * SPLIT_LEN, ...)`` up to pos[b] (inclusive), online softmax. One split: the output;
     several: unnormalised partial sums + (max, sum), merged by the last of the (b, kv head)'s
     programs to finish (COMBINE_HERE: a counter per (b, kv head), back to 0 after) or by
-    `_combine_kernel`."""
+    `_combine_kernel`. ROPE: ``q_ptr`` is the q/k/v projection's output, not rotated yet: each
+    program rotates its queries, and the program whose split holds pos[b] rotates the new key and
+    stores it and its value into the caches before it reads them (no `_rope_store_kernel`)."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -164,11 +208,20 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
     d = tl.arange(0, D)
     gm = g < GROUP
     heads = kh * GROUP + g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+    base = b * stride_kr + kh * stride_kh
+    if ROPE:
+        dt = out_ptr.dtype.element_ty
+        q = _rotated_query(q_ptr + b * stride_qb, cos_ptr, sin_ptr, qn_ptr, n_ctx - 1, heads, gm, stride_cs, eps,
+                           BLOCK_G, D // 2, QK_NORM, dt)
+        if (n_ctx - 1 >= start) & (n_ctx - 1 < start + SPLIT_LEN):
+            _store_new_key(q_ptr + b * stride_qb, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr,
+                           base + (n_ctx - 1) * stride_kp, n_ctx - 1, kh, NH, NKV, stride_cs, eps, D // 2, QK_NORM, dt)
+            tl.debug_barrier()   # the new key and value stored before this program reads them back
+    else:
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    base = b * stride_kr + kh * stride_kh
     if INTERPRET:   # Triton's interpreter needs host loop bounds: every block, masked past `end`
         for j in range(0, INTERPRET_BLOCKS):
             m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start + j * BLOCK_N, end, stride_kp, scale,
@@ -177,10 +230,9 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
         for j in range(0, tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)):
             m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start + j * BLOCK_N, end, stride_kp, scale,
                                           m_i, l_i, acc, D, BLOCK_N, IEEE)
+    out_ptrs = out_ptr + b * stride_ob + heads[:, None] * D + d[None, :]
     if NUM_SPLITS == 1:
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + b * stride_qb + heads[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=gm[:, None])
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
     else:
         # partials [B, NH, NUM_SPLITS, D] and [B, NH, NUM_SPLITS, 2] (fp32)
         row = (b * NH + heads) * NUM_SPLITS + sp
@@ -192,9 +244,7 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
             done = tl.atomic_add(cnt_ptr + b * NKV + kh, 1, sem="acq_rel", scope="gpu")
             if done == NUM_SPLITS - 1:
                 tl.store(cnt_ptr + b * NKV + kh, 0)   # ready for the next step (graph replays)
-                first = (b * NH + heads) * NUM_SPLITS
-                _merge_splits(part_ptr, ml_ptr, out_ptr + b * stride_qb + heads[:, None] * D + d[None, :],
-                              first, gm, NUM_SPLITS, BLOCK_G, D)
+                _merge_splits(part_ptr, ml_ptr, out_ptrs, (b * NH + heads) * NUM_SPLITS, gm, NUM_SPLITS, BLOCK_G, D)
 
 
 @triton.jit
@@ -466,6 +516,7 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
 
 SPLIT_KEYS = 256       # keys per split of a decode step's attention (see `attention_splits`)
 COMBINE_IN_KERNEL = True   # the last program of a row's splits merges them (no `_combine_kernel` launch)
+ROPE_IN_ATTENTION = False  # the fused step rotates q/k inside the attention kernel (no `_rope_store_kernel`)
 
 
 def attention_splits(key_len: int) -> int:
@@ -477,14 +528,20 @@ def attention_splits(key_len: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      key_len: int, scale: float, splits: Optional[int] = None,
-                     counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     counters: Optional[torch.Tensor] = None, rope: Optional[tuple] = None) -> torch.Tensor:
     """``q [B, nh, D]`` over keys ``[0, pos[b]]`` of cache rows ``[0, B)`` -> ``[B, nh * D]``.
     ``key_len`` bounds every pos[b] + 1 (it sizes the splits, not the work: each row reads only
     the keys it has). ``counters``: >= B * nkv zeroed int32, owned by the caller and left zeroed
     (one buffer serves every layer and every graph replay); with them the splits are merged
-    inside the attention kernel, without them by a second kernel."""
-    B, nh, D = q.shape
-    nkv = k_cache.shape[1]
+    inside the attention kernel, without them by a second kernel. ``rope``: ``q`` is the q/k/v
+    projection's output ``[B, (nh + 2 nkv) * D]`` and rope is ``(nh, cos, sin, q_norm, k_norm,
+    eps)``: the kernel does what `rope_and_store` would have done first."""
+    nkv, D = k_cache.shape[1], k_cache.shape[-1]
+    B = q.shape[0]
+    if rope is not None:
+        nh, cos, sin, q_norm, k_norm, eps = rope
+    else:
+        nh, cos, sin, q_norm, k_norm, eps = q.shape[1], q, q, None, None, 0.0
     group = nh // nkv
     splits = splits or attention_splits(key_len)
     # keys per block: up to 64 (32 past 128 dims), down to what one split holds (short splits: no
@@ -501,11 +558,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ml = torch.empty(B, nh, splits, 2, dtype=torch.float32, device=q.device)
     if here and counters.numel() < B * nkv:
         raise ValueError(f"decode_attention: {counters.numel()} split counters for {B} rows x {nkv} kv heads")
-    _decode_attn_kernel[(B, nkv, splits)](q, k_cache, v_cache, pos, out, part, ml, counters if here else out, scale, split_len, nh, nkv,
-                                          q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    norm = q_norm is not None
+    _decode_attn_kernel[(B, nkv, splits)](q, k_cache, v_cache, pos, out, part, ml, counters if here else out,
+                                          cos, sin, q_norm if norm else q, k_norm if norm else q, scale, split_len,
+                                          nh, nkv, eps, q.stride(0), out.stride(0), k_cache.stride(0),
+                                          k_cache.stride(1), k_cache.stride(2), cos.stride(0) if rope else 0,
                                           GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D,
-                                          BLOCK_N=block_n, NUM_SPLITS=splits, COMBINE_HERE=here, IEEE=ieee,
-                                          INTERPRET=_INTERPRET,
+                                          BLOCK_N=block_n, NUM_SPLITS=splits, COMBINE_HERE=here,
+                                          ROPE=rope is not None, QK_NORM=norm, IEEE=ieee, INTERPRET=_INTERPRET,
                                           INTERPRET_BLOCKS=split_len // block_n if _INTERPRET else 0)
     if splits > 1 and not here:
         _combine_kernel[(B * nh,)](part, ml, out, NUM_SPLITS=splits, D=D)
