@@ -43,8 +43,8 @@ def main():
                          "triton-proj (fused, projections in Triton too) | "
                          "torch (the reference body); a +sync suffix turns off launching step t+1 before step t is "
                          "read; +fallback decodes, then samples (the served engine before session 12, and at TP > 1); "
-                         "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +sepmerge: the splits "
-                         "merged by a second kernel, not by the attention kernel's last program; +rope: RoPE and the "
+                         "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +merge: the splits "
+                         "merged by the attention kernel's last program, not by a second kernel; +rope: RoPE and the "
                          "cache write inside the attention kernel; "
                          "the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -153,9 +153,9 @@ def copy_bandwidth(dev, nbytes=2 << 30) -> float:
 
 
 def _attention_split(kernels, suffixes, default_keys: int) -> None:
-    """Apply a mode's attention suffixes (+splitN, +sepmerge, +rope) to the Triton step; defaults otherwise."""
+    """Apply a mode's attention suffixes (+splitN, +merge, +rope) to the Triton step; defaults otherwise."""
     kernels.SPLIT_KEYS = next((int(x[5:]) for x in suffixes if x.startswith("split")), default_keys)
-    kernels.COMBINE_IN_KERNEL = "sepmerge" not in suffixes
+    kernels.COMBINE_IN_KERNEL = "merge" in suffixes
     kernels.ROPE_IN_ATTENTION = "rope" in suffixes
 
 

@@ -105,10 +105,10 @@ decode_prof) # issue 29: where a decode step's time goes now -- the default Trit
         run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,128 --prompt 32 \
           --new 128 --no-hf --kernels triton --profile $OUT/prof_decode_triton.txt $DECODE_ARGS ;;
 attn_split) # issue 29: attention keys per split (256: one split up to 511 keys, the step before; 64 / 16: more
-            # programs at small batches), the splits merged by the attention kernel's last program or by a
-            # second kernel (+sepmerge); RoPE + the cache write inside attention (+rope); greedy, same run
+            # programs at small batches), the splits merged by a second kernel or by the attention kernel's
+            # last program (+merge); RoPE + the cache write inside attention (+rope); greedy, same run
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
-          --new 128 --no-hf --kernels triton+split256,triton+split64+sepmerge,triton+split16,triton+split64,triton+split64+rope $DECODE_ARGS ;;
+          --new 128 --no-hf --kernels triton+split256,triton+split64,triton+split16+merge,triton+split64+merge,triton+split64+merge+rope $DECODE_ARGS ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
          run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;

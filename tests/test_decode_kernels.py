@@ -51,9 +51,11 @@ FUSED_MODES = [("triton", {}, 16), ("triton+rope", {}, 16), ("triton-proj", {"he
 
 
 def _prologue_rows(monkeypatch, mode, rows):
-    """Set the mode's module switches; the model's decode_kernels value."""
+    """Set the mode's module switches; the model's decode_kernels value. "triton+rope" merges
+    attention's splits in the attention kernel too."""
     import megarl.engine.kernels as kern
     monkeypatch.setattr(kern, "ROPE_IN_ATTENTION", mode == "triton+rope")
+    monkeypatch.setattr(kern, "COMBINE_IN_KERNEL", mode == "triton+rope")
     if mode == "triton-proj":
         import megarl.engine.proj_kernels as proj
         monkeypatch.setattr(proj, "NORM_PROLOGUE_ROWS", rows)
@@ -113,7 +115,7 @@ def test_engine_with_the_fused_step_generates_what_hf_generates(tmp_path, kernel
 
 @pytest.mark.parametrize("group,splits,merge_here", [(1, 1, False), (3, 2, False), (4, 8, False), (3, 2, True),
                                                       (4, 8, True), (2, 16, True)])
-def test_attention_reads_each_rows_keys_only(kernels, group, splits, merge_here):
+def test_attention_reads_each_rows_keys_only(kernels, monkeypatch, group, splits, merge_here):
     """Against SDPA over each row's own prefix; the cache beyond pos[b] holds garbage that must
     not leak in, rows sit at position 0 and past several blocks. ``merge_here``: the last program
     of a row's splits merges them (split counters), and leaves its counter at 0 again; 16 splits
@@ -126,6 +128,8 @@ def test_attention_reads_each_rows_keys_only(kernels, group, splits, merge_here)
     vc = torch.randn(B + 1, nkv, L, D, generator=g)
     q = torch.randn(B, nkv * group, D, generator=g)
     counters = torch.zeros(B * nkv + 3, dtype=torch.int32, device=DEV) if merge_here else None
+    if merge_here:
+        monkeypatch.setattr(kernels, "COMBINE_IN_KERNEL", True)
     for _ in range(2 if merge_here else 1):   # a second call: the counters were left at 0
         out = kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), pos.to(DEV), L, 1 / math.sqrt(D), splits,
                                        counters)

@@ -514,8 +514,11 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
     return q
 
 
-SPLIT_KEYS = 256       # keys per split of a decode step's attention (see `attention_splits`)
-COMBINE_IN_KERNEL = True   # the last program of a row's splits merges them (no `_combine_kernel` launch)
+# Attention variants of the fused step, each tested on CPU under the interpreter against SDPA and
+# the torch body; the two switches stay off until a GPU run has compiled and measured them
+# (`bench_rollout.py --kernels triton+split64,triton+split64+merge+rope`; run_gpu.sh attn_split).
+SPLIT_KEYS = 256           # keys per split of a decode step's attention (see `attention_splits`)
+COMBINE_IN_KERNEL = False  # the last program of a row's splits merges them (no `_combine_kernel` launch)
 ROPE_IN_ATTENTION = False  # the fused step rotates q/k inside the attention kernel (no `_rope_store_kernel`)
 
 
