@@ -87,34 +87,24 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.load(pos_ptr + b)
-    d = tl.arange(0, HALF)
-    src = qkv_ptr + b * stride_qkv + h * (2 * HALF)
     dt = q_ptr.dtype.element_ty
-    x1 = tl.load(src + d).to(tl.float32)
-    x2 = tl.load(src + HALF + d).to(tl.float32)
-    if QK_NORM:   # qwen3: RMSNorm over each head before RoPE (q_norm / k_norm weights)
-        if h < NH:
-            w1 = tl.load(qn_ptr + d).to(tl.float32)
-            w2 = tl.load(qn_ptr + HALF + d).to(tl.float32)
-        else:
-            w1 = tl.load(kn_ptr + d).to(tl.float32)
-            w2 = tl.load(kn_ptr + HALF + d).to(tl.float32)
-        x1, x2 = head_rms_norm(x1, x2, w1, w2, eps, HALF, 0, dt)
-    c = tl.load(cos_ptr + p * stride_cs + d).to(tl.float32)
-    s = tl.load(sin_ptr + p * stride_cs + d).to(tl.float32)
-    o1, o2 = rope_rotate(x1, x2, c, s, dt)
     if h < NH:
+        d = tl.arange(0, HALF)
+        src = qkv_ptr + b * stride_qkv + h * (2 * HALF)
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + HALF + d).to(tl.float32)
+        if QK_NORM:   # qwen3: RMSNorm over each head before RoPE (q_norm weights)
+            x1, x2 = head_rms_norm(x1, x2, tl.load(qn_ptr + d).to(tl.float32), tl.load(qn_ptr + HALF + d).to(tl.float32),
+                                   eps, HALF, 0, dt)
+        o1, o2 = rope_rotate(x1, x2, tl.load(cos_ptr + p * stride_cs + d).to(tl.float32),
+                             tl.load(sin_ptr + p * stride_cs + d).to(tl.float32), dt)
         dst = q_ptr + b * stride_qb + h * (2 * HALF)
         tl.store(dst + d, o1)
         tl.store(dst + HALF + d, o2)
     else:
         kh = h - NH
-        off = b * stride_kr + kh * stride_kh + p * stride_kp
-        tl.store(kc_ptr + off + d, o1)
-        tl.store(kc_ptr + off + HALF + d, o2)
-        vsrc = qkv_ptr + b * stride_qkv + (NH + NKV + kh) * (2 * HALF)
-        tl.store(vc_ptr + off + d, tl.load(vsrc + d))
-        tl.store(vc_ptr + off + HALF + d, tl.load(vsrc + HALF + d))
+        _store_new_key(qkv_ptr + b * stride_qkv, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr,
+                       b * stride_kr + kh * stride_kh + p * stride_kp, p, kh, NH, NKV, stride_cs, eps, HALF, QK_NORM, dt)
 
 
 @triton.jit
