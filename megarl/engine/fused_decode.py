@@ -109,14 +109,16 @@ def _row_parallel(model: "DecoderModel", proj, x: torch.Tensor, w: torch.Tensor,
     return _Pending(parts=parts, bias=bias)
 
 
-def split_counters(model: "DecoderModel", rows: int) -> torch.Tensor:
+def split_counters(model: "DecoderModel") -> torch.Tensor:
     """The model's zeroed attention split counters (`kernels.decode_attention`), one per (row, kv
-    head) of its cache. Made once, by the first (eager) step: a graph's capture runs its body
-    eagerly first, so the buffer never comes from a graph's pool, and its address never changes."""
-    need = max(rows, model.k_cache[0].shape[0]) * model.nkv
-    buf = getattr(model, "_split_counters", None)
-    if buf is None or buf.numel() < need or buf.device != model.k_cache[0].device:
-        buf = model._split_counters = torch.zeros(need, dtype=torch.int32, device=model.k_cache[0].device)
+    head) of its cache (a step decodes at most the cache's rows). Made by the first (eager) step
+    after a cache of more rows: a graph's capture runs its body eagerly first, so the buffer never
+    comes from a graph's pool, and its address never changes."""
+    cache = model.k_cache[0]
+    need = cache.shape[0] * model.nkv
+    buf = model._split_counters
+    if buf is None or buf.numel() < need or buf.device != cache.device:
+        buf = model._split_counters = torch.zeros(need, dtype=torch.int32, device=cache.device)
     return buf
 
 
@@ -135,7 +137,7 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
     nh, nkv, D, eps = model.nh, model.nkv, s.head_dim, s.rms_norm_eps
     scale = 1.0 / math.sqrt(D)
     splits = kernels.attention_splits(Lk)
-    counters = split_counters(model, B)
+    counters = split_counters(model)
     x = F.embedding(ids, P["model.embed_tokens.weight"])       # [B, H]: the residual stream
     y = _Pending()                                              # the branch output still to add
     model._route_ctx = route_ctx
@@ -143,8 +145,8 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
         for i, v in enumerate(views):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             w_in, w_post = P[f"model.layers.{i}.input_layernorm.weight"], P[f"model.layers.{i}.post_attention_layernorm.weight"]
-            rope = (pos, model.rope_cos, model.rope_sin, model.k_cache[i], model.v_cache[i], nh, nkv,
-                    P.get(a + "q_norm.weight"), P.get(a + "k_norm.weight"), eps)
+            qk_norm = (P.get(a + "q_norm.weight"), P.get(a + "k_norm.weight"), eps)
+            rope = (pos, model.rope_cos, model.rope_sin, model.k_cache[i], model.v_cache[i], nh, nkv) + qk_norm
             in_attention = None   # RoPE + the cache write done by the attention kernel
             if proj is not None:
                 inp = y.normed(proj, x, w_in, eps)
@@ -154,7 +156,7 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
                 h, x = y.norm(kernels, proj, x, w_in, eps)
                 q = F.linear(h, v.qkv_weight, v.qkv_bias)
                 if kernels.ROPE_IN_ATTENTION:
-                    in_attention = (nh, model.rope_cos, model.rope_sin) + rope[7:]
+                    in_attention = (nh, model.rope_cos, model.rope_sin) + qk_norm
                 else:
                     q = kernels.rope_and_store(q, *rope)
             o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits, counters,

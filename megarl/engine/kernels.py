@@ -90,14 +90,8 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr
     dt = q_ptr.dtype.element_ty
     if h < NH:
         d = tl.arange(0, HALF)
-        src = qkv_ptr + b * stride_qkv + h * (2 * HALF)
-        x1 = tl.load(src + d).to(tl.float32)
-        x2 = tl.load(src + HALF + d).to(tl.float32)
-        if QK_NORM:   # qwen3: RMSNorm over each head before RoPE (q_norm weights)
-            x1, x2 = head_rms_norm(x1, x2, tl.load(qn_ptr + d).to(tl.float32), tl.load(qn_ptr + HALF + d).to(tl.float32),
-                                   eps, HALF, 0, dt)
-        o1, o2 = rope_rotate(x1, x2, tl.load(cos_ptr + p * stride_cs + d).to(tl.float32),
-                             tl.load(sin_ptr + p * stride_cs + d).to(tl.float32), dt)
+        o1, o2 = _rotated_head(qkv_ptr + b * stride_qkv + h * (2 * HALF), qn_ptr, cos_ptr, sin_ptr, p, stride_cs, eps,
+                               HALF, QK_NORM, dt)
         dst = q_ptr + b * stride_qb + h * (2 * HALF)
         tl.store(dst + d, o1)
         tl.store(dst + HALF + d, o2)
@@ -153,19 +147,28 @@ def _rotated_query(q_ptr, cos_ptr, sin_ptr, qn_ptr, p, heads, gm, stride_cs, eps
 
 
 @triton.jit
+def _rotated_head(src, nw_ptr, cos_ptr, sin_ptr, p, stride_cs, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+                  dt: tl.constexpr):
+    """One q or k head at ``src`` as its two halves in ``dt``: RMS-normed with ``nw_ptr``'s weights
+    (QK_NORM: qwen3) and rotated at position ``p``."""
+    j = tl.arange(0, HALF)
+    x1 = tl.load(src + j).to(tl.float32)
+    x2 = tl.load(src + HALF + j).to(tl.float32)
+    if QK_NORM:
+        x1, x2 = head_rms_norm(x1, x2, tl.load(nw_ptr + j).to(tl.float32), tl.load(nw_ptr + HALF + j).to(tl.float32),
+                               eps, HALF, 0, dt)
+    return rope_rotate(x1, x2, tl.load(cos_ptr + p * stride_cs + j).to(tl.float32),
+                       tl.load(sin_ptr + p * stride_cs + j).to(tl.float32), dt)
+
+
+@triton.jit
 def _store_new_key(qkv_ptr, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr, off, p, kh, NH, NKV, stride_cs, eps,
                    HALF: tl.constexpr, QK_NORM: tl.constexpr, dt: tl.constexpr):
     """Key head ``kh`` of one row's q/k/v (``qkv_ptr`` at the row), k-normed and rotated at
     position ``p``, and its value head, into the caches at ``off`` -- as `_rope_store_kernel` does."""
     j = tl.arange(0, HALF)
-    src = qkv_ptr + (NH + kh) * (2 * HALF)
-    x1 = tl.load(src + j).to(tl.float32)
-    x2 = tl.load(src + HALF + j).to(tl.float32)
-    if QK_NORM:
-        x1, x2 = head_rms_norm(x1, x2, tl.load(kn_ptr + j).to(tl.float32), tl.load(kn_ptr + HALF + j).to(tl.float32),
-                               eps, HALF, 0, dt)
-    o1, o2 = rope_rotate(x1, x2, tl.load(cos_ptr + p * stride_cs + j).to(tl.float32),
-                         tl.load(sin_ptr + p * stride_cs + j).to(tl.float32), dt)
+    o1, o2 = _rotated_head(qkv_ptr + (NH + kh) * (2 * HALF), kn_ptr, cos_ptr, sin_ptr, p, stride_cs, eps, HALF,
+                           QK_NORM, dt)
     tl.store(kc_ptr + off + j, o1)
     tl.store(kc_ptr + off + HALF + j, o2)
     vsrc = qkv_ptr + (NH + NKV + kh) * (2 * HALF)
