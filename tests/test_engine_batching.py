@@ -210,17 +210,43 @@ class _EmulatedGraphs(DecodeGraphs):
     """`DecodeGraphs` on CPU: a "graph" replays the captured body on the static buffers (what a
     CUDA graph replay does), so bucketing, padding, reuse and invalidation run as on the GPU."""
 
-    def _capture(self, body, Bb, Lk):
-        if self.sig is None:
-            self.sig, self.quick = self.signature(), self.signature(params=False)
-        ids, pos = self.io[0, :Bb], self.io[1, :Bb]
+    def _warm_up(self, body, ids, pos, Bb, Lk):
+        body(ids, pos, Bb, Lk)
+
+    def _record(self, body, ids, pos, Bb, Lk):
         out = body(ids, pos, Bb, Lk).clone()
-        self.captures += 1
 
         class Replay:
             def replay(_):
                 out.copy_(body(ids, pos, Bb, Lk))
         return Replay(), out
+
+
+def test_a_buffer_the_body_makes_on_its_first_run_is_in_the_graphs_signature(tiny):
+    """The fused step makes its attention split counters on its first (warm-up) run, and its graph
+    reads them. Read before the warm-up, the signature lacked them: the first check after a release
+    (every tensor back at its address) saw a "moved" tensor and captured every graph again -- what
+    the GPU test of stable memory caught (2 captures where 1 was right)."""
+    from megarl.engine.fused_decode import split_counters
+
+    d, _ = tiny
+    m = _model(d)
+    m.alloc_cache(4, 128)
+    assert m._split_counters is None
+
+    def body(ids, pos, rows, Lk):
+        split_counters(m)                     # made on first use, as `fused_decode.decode_body` does
+        return m._decode_body(ids, pos, rows, Lk)
+
+    graphs = _EmulatedGraphs(body, m.tensor_addresses, m.device, 4, 128)
+    m.prefill([[5, 17, 42], [7, 250]], 0)
+    tokens, positions = np.array([9, 11]), np.array([3, 2])
+    first = graphs.run(tokens, positions).clone()
+    assert graphs.captures == 1 and m._split_counters is not None
+    m.tensor_addresses()                      # a full walk: it lists the counters from now on
+    graphs.mark_dirty()                       # a release and resume; nothing moved
+    assert torch.equal(graphs.run(tokens, positions), first)
+    assert graphs.captures == 1               # replayed, not captured again
 
 
 def test_graph_path_gives_the_eager_outputs_and_is_invalidated_by_moved_tensors(tiny):

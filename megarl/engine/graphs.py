@@ -153,19 +153,32 @@ class DecodeGraphs:
 
     def _capture(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor], Bb: int,
                  Lk: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        if self.sig is None:
-            self.sig, self.quick = self.signature(), self.signature(params=False)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         ids, pos = self.io[0, :Bb], self.io[1, :Bb]
+        self._warm_up(body, ids, pos, Bb, Lk)
+        # the signature is read after the warm-up: a body may make buffers on its first run (the
+        # attention's split counters), and the graph reads them too. Read before, it lacked them,
+        # and the first check after a release found "moved" tensors and captured everything again.
+        # Tensors that moved since the last capture were caught by `_prepare`'s check already.
+        self.sig, self.quick = self.signature(), self.signature(params=False)
+        graph, out = self._record(body, ids, pos, Bb, Lk)
+        self.captures += 1
+        return graph, out
+
+    def _warm_up(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor], ids: torch.Tensor,
+                 pos: torch.Tensor, Bb: int, Lk: int) -> None:
+        """Run the body eagerly first (Triton compiles here; same inputs, so KV writes are idempotent)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up (Triton compiles here): same inputs, KV writes idempotent
+            for _ in range(2):
                 body(ids, pos, Bb, Lk)
         torch.cuda.current_stream().wait_stream(side)
+
+    def _record(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor], ids: torch.Tensor,
+                pos: torch.Tensor, Bb: int, Lk: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = body(ids, pos, Bb, Lk)
-        self.captures += 1
         return graph, out
