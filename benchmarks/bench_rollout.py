@@ -43,9 +43,9 @@ def main():
                          "triton-proj (fused, projections in Triton too) | "
                          "torch (the reference body); a +sync suffix turns off launching step t+1 before step t is "
                          "read; +fallback decodes, then samples (the served engine before session 12, and at TP > 1); "
-                         "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +merge: the splits "
-                         "merged by the attention kernel's last program, not by a second kernel; +rope: RoPE and the "
-                         "cache write inside the attention kernel; "
+                         "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +merge / +nomerge: the splits "
+                         "merged by the attention kernel's last program / by a second kernel; +rope / +norope: RoPE and "
+                         "the cache write inside the attention kernel / in their own kernel (unnamed: the defaults); "
                          "the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
@@ -152,11 +152,14 @@ def copy_bandwidth(dev, nbytes=2 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t)
 
 
-def _attention_split(kernels, suffixes, default_keys: int) -> None:
-    """Apply a mode's attention suffixes (+splitN, +merge, +rope) to the Triton step; defaults otherwise."""
-    kernels.SPLIT_KEYS = next((int(x[5:]) for x in suffixes if x.startswith("split")), default_keys)
-    kernels.COMBINE_IN_KERNEL = "merge" in suffixes
-    kernels.ROPE_IN_ATTENTION = "rope" in suffixes
+def _attention_split(kernels, suffixes, defaults: tuple) -> None:
+    """Apply a mode's attention suffixes to the Triton step: +splitN, +merge / +nomerge, +rope /
+    +norope; a switch a mode does not name keeps the module's default (``defaults``: SPLIT_KEYS,
+    COMBINE_IN_KERNEL, ROPE_IN_ATTENTION as imported), so a plain "triton" times what runs."""
+    keys, merge, rope = defaults
+    kernels.SPLIT_KEYS = next((int(x[5:]) for x in suffixes if x.startswith("split")), keys)
+    kernels.COMBINE_IN_KERNEL = "merge" in suffixes or merge and "nomerge" not in suffixes
+    kernels.ROPE_IN_ATTENTION = "rope" in suffixes or rope and "norope" not in suffixes
 
 
 class _WithoutLaunch:
@@ -220,12 +223,12 @@ def main_gpu(a):
 
         per_mode, outputs = {}, {}
         from megarl.engine import kernels as triton_kernels
-        default_split = triton_kernels.SPLIT_KEYS
+        defaults = (triton_kernels.SPLIT_KEYS, triton_kernels.COMBINE_IN_KERNEL, triton_kernels.ROPE_IN_ATTENTION)
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
             kern_mode, *suffixes = mode.split("+")   # "triton+sync": no step launched ahead
             model.decode_kernels, model._fused_views, model.graphs = kern_mode, None, None
             model.decode_overlap = "sync" not in suffixes
-            _attention_split(triton_kernels, suffixes, default_split)
+            _attention_split(triton_kernels, suffixes, defaults)
             eng.model = _WithoutLaunch(handle) if "fallback" in suffixes else handle   # (the engine is idle here)
             run_engine()
             te, ne = min(run_engine() for _ in range(2))

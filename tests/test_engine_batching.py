@@ -11,8 +11,9 @@ import torch
 from transformers import AutoConfig
 
 from megarl.engine.engine import Engine, Request, Sampling
-from megarl.engine.graphs import DecodeGraphs, batch_buckets, len_bucket
+from megarl.engine.graphs import batch_buckets, len_bucket
 from megarl.engine.model import DecoderModel
+from tests.helpers.graphs import EmulatedGraphs
 from tests.helpers.servers import make_tiny_hf_model
 
 torch.set_num_threads(1)
@@ -206,22 +207,6 @@ def test_samples_of_one_seeded_request_differ_and_sample_zero_keeps_the_seed():
     assert Sampling().for_sample(3).sampling_seed is None
 
 
-class _EmulatedGraphs(DecodeGraphs):
-    """`DecodeGraphs` on CPU: a "graph" replays the captured body on the static buffers (what a
-    CUDA graph replay does), so bucketing, padding, reuse and invalidation run as on the GPU."""
-
-    def _warm_up(self, body, ids, pos, Bb, Lk):
-        body(ids, pos, Bb, Lk)
-
-    def _record(self, body, ids, pos, Bb, Lk):
-        out = body(ids, pos, Bb, Lk).clone()
-
-        class Replay:
-            def replay(_):
-                out.copy_(body(ids, pos, Bb, Lk))
-        return Replay(), out
-
-
 def test_a_buffer_the_body_makes_on_its_first_run_is_in_the_graphs_signature(tiny):
     """The fused step makes its attention split counters on its first (warm-up) run, and its graph
     reads them. Read before the warm-up, the signature lacked them: the first check after a release
@@ -238,7 +223,7 @@ def test_a_buffer_the_body_makes_on_its_first_run_is_in_the_graphs_signature(tin
         split_counters(m)                     # made on first use, as `fused_decode.decode_body` does
         return m._decode_body(ids, pos, rows, Lk)
 
-    graphs = _EmulatedGraphs(body, m.tensor_addresses, m.device, 4, 128)
+    graphs = EmulatedGraphs(body, m.tensor_addresses, m.device, 4, 128)
     m.prefill([[5, 17, 42], [7, 250]], 0)
     tokens, positions = np.array([9, 11]), np.array([3, 2])
     first = graphs.run(tokens, positions).clone()
@@ -257,7 +242,7 @@ def test_graph_path_gives_the_eager_outputs_and_is_invalidated_by_moved_tensors(
     m = _model(d)
     eng = Engine(m, max_running=6, max_len=128)
     m.use_cuda_graphs = True
-    m.graphs = _EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 6, 128)
+    m.graphs = EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 6, 128)
     eng.start()
     try:
         graphed = [f.result(timeout=120) for f in eng.submit_many(reqs())]
@@ -291,7 +276,7 @@ def test_filtered_rows_keep_the_graph_path_and_sample_as_they_do_alone(tiny):
     m = _model(d)
     eng = Engine(m, max_running=6, max_len=128)
     m.use_cuda_graphs = True
-    m.graphs = _EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 6, 128)
+    m.graphs = EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 6, 128)
     eager_calls = []
     decode = m.decode
     m.decode = lambda *a, **k: (eager_calls.append(1), decode(*a, **k))[1]
@@ -356,7 +341,7 @@ def test_the_served_handle_takes_the_one_launch_decode_path_at_tp1(tiny):
     handle = one_rank_handle(m)
     eng = Engine(handle, max_running=4, max_len=128)
     m.use_cuda_graphs = True
-    m.graphs = _EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 4, 128)
+    m.graphs = EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 4, 128)
     assert handle.decode_launch is not None and handle.can_chain()
     eng.start()
     try:
@@ -379,7 +364,7 @@ def test_a_control_queued_while_a_step_is_in_flight_runs_after_that_step_is_read
     m = _model(d)
     eng = Engine(m, max_running=4, max_len=128)
     m.use_cuda_graphs = True
-    m.graphs = _EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 4, 128)
+    m.graphs = EmulatedGraphs(m._decode_body, m.tensor_addresses, m.device, 4, 128)
     futs = eng.submit_many(reqs)
     eng._admit()
     eng._decode()                                   # step t read, step t+1 left in flight

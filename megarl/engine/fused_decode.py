@@ -109,6 +109,12 @@ def _row_parallel(model: "DecoderModel", proj, x: torch.Tensor, w: torch.Tensor,
     return _Pending(parts=parts, bias=bias)
 
 
+def graph_key_length(key_len: int, max_len: int) -> int:
+    """The key length a fused decode step is captured for (`kernels.attention_len_class`)."""
+    from . import kernels   # triton: imported only where the fused step runs
+    return kernels.attention_len_class(key_len, max_len)
+
+
 def split_counters(model: "DecoderModel") -> torch.Tensor:
     """The model's zeroed attention split counters (`kernels.decode_attention`), one per (row, kv
     head) of its cache (a step decodes at most the cache's rows). Made by the first (eager) step

@@ -66,8 +66,11 @@ class DecodeGraphs:
     every tensor the body reads."""
 
     def __init__(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor],
-                 signature: Callable[..., Tuple[int, ...]], device: torch.device, max_rows: int, max_len: int):
+                 signature: Callable[..., Tuple[int, ...]], device: torch.device, max_rows: int, max_len: int,
+                 key_length: Optional[Callable[[int, int], int]] = None):
         self.body, self.signature, self.device = body, signature, device
+        # bucketed key length -> the one a graph is captured for (the body's own coarser classes)
+        self.key_length = key_length
         self.max_rows, self.max_len = max_rows, max_len
         self.buckets = batch_buckets(max_rows)
         self.io = torch.zeros(2, max_rows, dtype=torch.long, device=device)   # static inputs: tokens, positions
@@ -132,6 +135,8 @@ class DecodeGraphs:
         """Inputs in place and the graph for this step (captured on first use)."""
         Bb = next(b for b in self.buckets if b >= B)
         Lk = len_bucket(int(positions.max()) + 1, self.max_len)
+        if self.key_length is not None:
+            Lk = self.key_length(Lk, self.max_len)
         if self.sig is not None:
             if self.dirty and self.signature() != self.sig:
                 self.clear()

@@ -508,11 +508,14 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
 
 
 # Attention variants of the fused step, each tested on CPU under the interpreter against SDPA and
-# the torch body; the two switches stay off until a GPU run has compiled and measured them
-# (`bench_rollout.py --kernels triton+split64,triton+split64+merge+rope`; run_gpu.sh attn_split).
+# the torch body, and compiled on the GPU (`run_gpu.sh decode_tests`). Measured on the H100 in one
+# run (`run_gpu.sh attn_rope`, greedy, batch 1 / 32 / 128 / 512): RoPE inside attention 1.03-1.04x
+# the separate kernel at every batch size (the default repeated in the run moved <= 1%), so it is on;
+# 64-key splits merged in the kernel were slower than 256-key splits at every batch, so merging stays
+# off and SPLIT_KEYS stays 256.
 SPLIT_KEYS = 256           # keys per split of a decode step's attention (see `attention_splits`)
 COMBINE_IN_KERNEL = False  # the last program of a row's splits merges them (no `_combine_kernel` launch)
-ROPE_IN_ATTENTION = False  # the fused step rotates q/k inside the attention kernel (no `_rope_store_kernel`)
+ROPE_IN_ATTENTION = True   # the fused step rotates q/k inside the attention kernel (no `_rope_store_kernel`)
 
 
 def attention_splits(key_len: int) -> int:
@@ -520,6 +523,15 @@ def attention_splits(key_len: int) -> int:
     most 16, a power of two. It depends on the key length only, so a row's result does not depend
     on how many other rows share its step."""
     return 1 << (min(16, max(1, key_len // SPLIT_KEYS)).bit_length() - 1)
+
+
+def attention_len_class(key_len: int, max_len: int) -> int:
+    """The longest key length (at most ``max_len``) split as ``key_len`` is. The attention kernel
+    reads only the keys each row has, so a step shaped for this length gives what one shaped for
+    ``key_len`` gives: one decode graph serves the whole class (every context under 2 SPLIT_KEYS
+    keys, then each doubling), not one per 64-key bucket."""
+    splits = attention_splits(key_len)
+    return max_len if splits >= 16 else min(max_len, 2 * splits * SPLIT_KEYS - 1)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,

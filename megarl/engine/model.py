@@ -847,8 +847,12 @@ class DecoderModel:
     def _decode_graphs(self) -> DecodeGraphs:
         """The decode steps' CUDA graphs (created on first use)."""
         if self.graphs is None:
+            # the fused step's attention reads each row's own keys: one graph per split class of
+            # key lengths, not per 64-key bucket (the torch body's mask is as long as its bucket)
+            fused = self._fused_decode_views() is not None
             self.graphs = DecodeGraphs(self._decode_body, self.tensor_addresses, self.device,
-                                       self.max_slots, self.max_len)
+                                       self.max_slots, self.max_len,
+                                       key_length=fused_decode.graph_key_length if fused else None)
         return self.graphs
 
     def _graphed(self) -> bool:
