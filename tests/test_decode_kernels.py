@@ -146,8 +146,9 @@ def test_attention_reads_each_rows_keys_only(kernels, monkeypatch, group, splits
 
 def test_attention_shaped_for_its_length_class_reads_what_the_bucket_reads(kernels):
     """`attention_len_class`: every key length of a class keeps its split count, and attention shaped
-    for the class's longest length gives SDPA's output over each row's own keys, as the bucket's own
-    shape does (the kernel reads only the keys a row has) -- so one decode graph serves the class."""
+    for the class's longest length gives SDPA's output over each row's own keys, bit for bit what
+    the bucket's own shape gives (a row's keys are split by its own length) -- so one decode graph
+    serves the class."""
     for max_len in (320, 4096, 40000):
         for L in range(1, max_len + 1, 13):
             c = kernels.attention_len_class(L, max_len)
@@ -160,14 +161,16 @@ def test_attention_shaped_for_its_length_class_reads_what_the_bucket_reads(kerne
         q = torch.randn(len(pos), nkv * group, D, generator=g)
         splits, c = kernels.attention_splits(L), kernels.attention_len_class(L, cache)
         assert c > L
+        outs = []
         for key_len in (L, c):
-            out = kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), torch.tensor(pos).to(DEV), key_len,
-                                           1 / math.sqrt(D), splits).cpu()
+            outs.append(out := kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), torch.tensor(pos).to(DEV),
+                                                        key_len, 1 / math.sqrt(D), splits).cpu())
             for b, p in enumerate(pos):
                 k = kc[b, :, :p + 1].repeat_interleave(group, 0)
                 v = vc[b, :, :p + 1].repeat_interleave(group, 0)
                 want = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=1 / math.sqrt(D))[:, 0]
                 assert (out[b].view(-1, D) - want).abs().max().item() < 1e-5, (L, key_len, b)
+        assert torch.equal(outs[0], outs[1]), L
 
 
 def test_the_fused_step_captures_one_graph_per_split_class(tmp_path, kernels, monkeypatch):

@@ -178,14 +178,16 @@ def _store_new_key(qkv_ptr, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr, off, p, kh
 
 @triton.jit
 def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr,
-                        cos_ptr, sin_ptr, qn_ptr, kn_ptr, scale, SPLIT_LEN, NH, NKV, eps,
+                        cos_ptr, sin_ptr, qn_ptr, kn_ptr, scale, NH, NKV, eps,
                         stride_qb, stride_ob, stride_kr, stride_kh, stride_kp, stride_cs,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, COMBINE_HERE: tl.constexpr, ROPE: tl.constexpr,
                         QK_NORM: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
                         INTERPRET_BLOCKS: tl.constexpr):
-    """Program (b, kv head, split): the GROUP query heads of one kv head over keys
-    ``[split * SPLIT_LEN, ...)`` up to pos[b] (inclusive), online softmax. One split: the output;
+    """Program (b, kv head, split): the GROUP query heads of one kv head over its split of the keys
+    ``[0, pos[b]]``, online softmax. A row's keys are split evenly (in whole blocks) by its own
+    length, so its partition does not depend on the other rows' lengths or on the key length the
+    step was shaped for (a graph serves a whole class of lengths). One split: the output;
     several: unnormalised partial sums + (max, sum), merged by the last of the (b, kv head)'s
     programs to finish (COMBINE_HERE: a counter per (b, kv head), back to 0 after) or by
     `_combine_kernel`. ROPE: ``q_ptr`` is the q/k/v projection's output, not rotated yet: each
@@ -195,8 +197,9 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
     kh = tl.program_id(1)
     sp = tl.program_id(2)
     n_ctx = tl.load(pos_ptr + b) + 1
-    start = sp * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, n_ctx)
+    split_len = tl.cdiv(tl.cdiv(n_ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * split_len
+    end = tl.minimum(start + split_len, n_ctx)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     gm = g < GROUP
@@ -206,7 +209,7 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
         dt = out_ptr.dtype.element_ty
         q = _rotated_query(q_ptr + b * stride_qb, cos_ptr, sin_ptr, qn_ptr, n_ctx - 1, heads, gm, stride_cs, eps,
                            BLOCK_G, D // 2, QK_NORM, dt)
-        if (n_ctx - 1 >= start) & (n_ctx - 1 < start + SPLIT_LEN):
+        if (n_ctx - 1 >= start) & (n_ctx - 1 < end):
             _store_new_key(q_ptr + b * stride_qb, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr,
                            base + (n_ctx - 1) * stride_kp, n_ctx - 1, kh, NH, NKV, stride_cs, eps, D // 2, QK_NORM, dt)
             tl.debug_barrier()   # the new key and value stored before this program reads them back
@@ -527,9 +530,9 @@ def attention_splits(key_len: int) -> int:
 
 def attention_len_class(key_len: int, max_len: int) -> int:
     """The longest key length (at most ``max_len``) split as ``key_len`` is. The attention kernel
-    reads only the keys each row has, so a step shaped for this length gives what one shaped for
-    ``key_len`` gives: one decode graph serves the whole class (every context under 2 SPLIT_KEYS
-    keys, then each doubling), not one per 64-key bucket."""
+    splits and reads only the keys each row has, so a step shaped for this length gives what one
+    shaped for ``key_len`` gives, bit for bit: one decode graph serves the whole class (every
+    context under 2 SPLIT_KEYS keys, then each doubling), not one per 64-key bucket."""
     splits = attention_splits(key_len)
     return max_len if splits >= 16 else min(max_len, 2 * splits * SPLIT_KEYS - 1)
 
@@ -538,8 +541,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      key_len: int, scale: float, splits: Optional[int] = None,
                      counters: Optional[torch.Tensor] = None, rope: Optional[tuple] = None) -> torch.Tensor:
     """``q [B, nh, D]`` over keys ``[0, pos[b]]`` of cache rows ``[0, B)`` -> ``[B, nh * D]``.
-    ``key_len`` bounds every pos[b] + 1 (it sizes the splits, not the work: each row reads only
-    the keys it has). ``counters``: >= B * nkv zeroed int32, owned by the caller and left zeroed
+    ``key_len`` bounds every pos[b] + 1 (it sets the split count and the block size, not the work:
+    each row splits and reads only the keys it has). ``counters``: >= B * nkv zeroed int32, owned by the caller and left zeroed
     (one buffer serves every layer and every graph replay); with them the splits are merged
     inside the attention kernel, without them by a second kernel. ``rope``: ``q`` is the q/k/v
     projection's output ``[B, (nh + 2 nkv) * D]`` and rope is ``(nh, cos, sin, q_norm, k_norm,
@@ -555,7 +558,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # keys per block: up to 64 (32 past 128 dims), down to what one split holds (short splits: no
     # half-masked blocks, so a split of 32 keys reads 32, not 64)
     block_n = min(64 if D <= 128 else 32, max(16, triton.next_power_of_2(triton.cdiv(key_len, splits))))
-    split_len = triton.cdiv(triton.cdiv(key_len, splits), block_n) * block_n
+    split_len = triton.cdiv(triton.cdiv(key_len, splits), block_n) * block_n   # the longest row's (interpreter)
     out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
     here = splits > 1 and COMBINE_IN_KERNEL and counters is not None
@@ -568,7 +571,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention: {counters.numel()} split counters for {B} rows x {nkv} kv heads")
     norm = q_norm is not None
     _decode_attn_kernel[(B, nkv, splits)](q, k_cache, v_cache, pos, out, part, ml, counters if here else out,
-                                          cos, sin, q_norm if norm else q, k_norm if norm else q, scale, split_len,
+                                          cos, sin, q_norm if norm else q, k_norm if norm else q, scale,
                                           nh, nkv, eps, q.stride(0), out.stride(0), k_cache.stride(0),
                                           k_cache.stride(1), k_cache.stride(2), cos.stride(0) if rope else 0,
                                           GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D,
