@@ -45,7 +45,8 @@ def main():
                          "read; +fallback decodes, then samples (the served engine before session 12, and at TP > 1); "
                          "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +merge / +nomerge: the splits "
                          "merged by the attention kernel's last program / by a second kernel; +rope / +norope: RoPE and "
-                         "the cache write inside the attention kernel / in their own kernel (unnamed: the defaults); "
+                         "the cache write inside the attention kernel / in their own kernel; +vearly / +novearly: attention "
+                         "loads a block's values with its keys / after the scores (unnamed: the defaults); "
                          "the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
@@ -152,14 +153,17 @@ def copy_bandwidth(dev, nbytes=2 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t)
 
 
-def _attention_split(kernels, suffixes, defaults: tuple) -> None:
-    """Apply a mode's attention suffixes to the Triton step: +splitN, +merge / +nomerge, +rope /
-    +norope; a switch a mode does not name keeps the module's default (``defaults``: SPLIT_KEYS,
-    COMBINE_IN_KERNEL, ROPE_IN_ATTENTION as imported), so a plain "triton" times what runs."""
-    keys, merge, rope = defaults
-    kernels.SPLIT_KEYS = next((int(x[5:]) for x in suffixes if x.startswith("split")), keys)
-    kernels.COMBINE_IN_KERNEL = "merge" in suffixes or merge and "nomerge" not in suffixes
-    kernels.ROPE_IN_ATTENTION = "rope" in suffixes or rope and "norope" not in suffixes
+ATTENTION_SWITCHES = {"merge": "COMBINE_IN_KERNEL", "rope": "ROPE_IN_ATTENTION", "vearly": "V_LOAD_EARLY"}
+
+
+def _attention_split(kernels, suffixes, defaults: dict) -> None:
+    """Apply a mode's attention suffixes to the Triton step: +splitN, and +NAME / +noNAME for each
+    of ATTENTION_SWITCHES; a switch a mode does not name keeps the module's default (``defaults``:
+    the values as imported), so a plain "triton" times what runs."""
+    kernels.SPLIT_KEYS = next((int(x[5:]) for x in suffixes if x.startswith("split")), defaults["SPLIT_KEYS"])
+    for name, switch in ATTENTION_SWITCHES.items():
+        on = name in suffixes or defaults[switch] and f"no{name}" not in suffixes
+        setattr(kernels, switch, on)
 
 
 class _WithoutLaunch:
@@ -223,7 +227,7 @@ def main_gpu(a):
 
         per_mode, outputs = {}, {}
         from megarl.engine import kernels as triton_kernels
-        defaults = (triton_kernels.SPLIT_KEYS, triton_kernels.COMBINE_IN_KERNEL, triton_kernels.ROPE_IN_ATTENTION)
+        defaults = {k: getattr(triton_kernels, k) for k in ("SPLIT_KEYS", *ATTENTION_SWITCHES.values())}
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
             kern_mode, *suffixes = mode.split("+")   # "triton+sync": no step launched ahead
             model.decode_kernels, model._fused_views, model.graphs = kern_mode, None, None

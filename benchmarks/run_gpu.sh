@@ -115,6 +115,14 @@ attn_rope) # issue 29: RoPE + the cache write inside attention (the default sinc
            # no switch; drift within the run); greedy
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128,512 --prompt 32 \
           --new 128 --no-hf --kernels triton+norope,triton,triton+split64+merge,triton+split64+merge+norope,triton+norope+again $DECODE_ARGS ;;
+attn_next) # issue 29 (session 15, not yet run): values loaded with the keys (+vearly) vs after the scores, at
+           # 160-key contexts and at ~2k keys (8 splits: rows split by their own length, graphs per key-length
+           # class, and the splits merged by a second kernel vs in the attention kernel, +merge); the default
+           # again last ("+again"); greedy, same run. Run decode_tests first (the per-row split is CPU-tested only)
+        run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128,512 --prompt 32 \
+          --new 128 --no-hf --kernels triton,triton+vearly,triton+again $DECODE_ARGS
+        run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 2000 \
+          --new 128 --no-hf --kernels triton,triton+vearly,triton+merge,triton+again $DECODE_ARGS ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
          run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;

@@ -47,8 +47,9 @@ def _model(path, mode):
 # their input norms made in their prologues (up to 16 rows here) or by the separate norm kernel (0)
 # "triton": the default switches (RoPE and the cache write inside the attention kernel,
 # kernels.ROPE_IN_ATTENTION); "+norope": the separate `_rope_store_kernel`; "+merge": the splits
-# merged by the attention kernel's last program (kernels.COMBINE_IN_KERNEL)
-FUSED_MODES = [("triton", {}, 16), ("triton+norope", {}, 16), ("triton+merge", {}, 16),
+# merged by the attention kernel's last program (kernels.COMBINE_IN_KERNEL); "+vearly": values
+# loaded with the keys (kernels.V_LOAD_EARLY)
+FUSED_MODES = [("triton", {}, 16), ("triton+norope", {}, 16), ("triton+merge+vearly", {}, 16),
                ("triton-proj", {"head_dim": 32}, 16), ("triton-proj", {"head_dim": 32}, 0)]
 
 
@@ -57,6 +58,7 @@ def _prologue_rows(monkeypatch, mode, rows):
     import megarl.engine.kernels as kern
     monkeypatch.setattr(kern, "ROPE_IN_ATTENTION", "+norope" not in mode)
     monkeypatch.setattr(kern, "COMBINE_IN_KERNEL", "+merge" in mode)
+    monkeypatch.setattr(kern, "V_LOAD_EARLY", "+vearly" in mode)
     if mode == "triton-proj":
         import megarl.engine.proj_kernels as proj
         monkeypatch.setattr(proj, "NORM_PROLOGUE_ROWS", rows)
@@ -142,6 +144,26 @@ def test_attention_reads_each_rows_keys_only(kernels, monkeypatch, group, splits
         v = vc[b, :, :n].repeat_interleave(group, 0)
         want = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=1 / math.sqrt(D))[:, 0]
         assert (out[b].cpu().view(-1, D) - want).abs().max().item() < 1e-5, b
+
+
+def test_values_loaded_with_the_keys_change_no_bit(kernels, monkeypatch):
+    """`V_LOAD_EARLY` moves a block's value load before its scores: the same arithmetic, so the same
+    bits, with and without RoPE inside (several splits, rows at 0 and past several blocks)."""
+    g = torch.Generator().manual_seed(9)
+    nkv, group, D, L = 2, 2, 32, 300
+    pos = torch.tensor([0, 70, 299])
+    kc, vc = (torch.randn(3, nkv, L, D, generator=g) for _ in range(2))
+    q = torch.randn(3, nkv * group, D, generator=g)
+    outs = []
+    for early in (False, True):
+        monkeypatch.setattr(kernels, "V_LOAD_EARLY", early)
+        outs.append(kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), pos.to(DEV), L, 1 / math.sqrt(D),
+                                             2).cpu())
+    assert torch.equal(outs[0], outs[1])
+    k = kc[2, :, :300].repeat_interleave(group, 0)
+    v = vc[2, :, :300].repeat_interleave(group, 0)
+    want = F.scaled_dot_product_attention(q[2][:, None], k, v, scale=1 / math.sqrt(D))[:, 0]
+    assert (outs[1][2].view(-1, D) - want).abs().max().item() < 1e-5
 
 
 def test_attention_shaped_for_its_length_class_reads_what_the_bucket_reads(kernels):

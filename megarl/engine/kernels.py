@@ -103,12 +103,16 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr
 
 @triton.jit
 def _attend_block(q, kc_ptr, vc_ptr, base, n0, end, stride_kp, scale, m_i, l_i, acc,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """One block of keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``) into the online softmax."""
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, V_EARLY: tl.constexpr):
+    """One block of keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``) into the online softmax.
+    ``V_EARLY``: the values are loaded with the keys, before the scores, so the two loads' latencies
+    overlap instead of following each other (the same arithmetic)."""
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     nm = n < end
     k = tl.load(kc_ptr + base + n[:, None] * stride_kp + d[None, :], mask=nm[:, None], other=0.0)
+    if V_EARLY:
+        v = tl.load(vc_ptr + base + n[:, None] * stride_kp + d[None, :], mask=nm[:, None], other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -119,7 +123,8 @@ def _attend_block(q, kc_ptr, vc_ptr, base, n0, end, stride_kp, scale, m_i, l_i, 
     alpha = tl.exp(m_i - m_ref)
     p = tl.exp(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(vc_ptr + base + n[:, None] * stride_kp + d[None, :], mask=nm[:, None], other=0.0)
+    if not V_EARLY:
+        v = tl.load(vc_ptr + base + n[:, None] * stride_kp + d[None, :], mask=nm[:, None], other=0.0)
     if IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -182,7 +187,7 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
                         stride_qb, stride_ob, stride_kr, stride_kh, stride_kp, stride_cs,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, COMBINE_HERE: tl.constexpr, ROPE: tl.constexpr,
-                        QK_NORM: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                        QK_NORM: tl.constexpr, IEEE: tl.constexpr, V_EARLY: tl.constexpr, INTERPRET: tl.constexpr,
                         INTERPRET_BLOCKS: tl.constexpr):
     """Program (b, kv head, split): the GROUP query heads of one kv head over its split of the keys
     ``[0, pos[b]]``, online softmax. A row's keys are split evenly (in whole blocks) by its own
@@ -221,11 +226,11 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
     if INTERPRET:   # Triton's interpreter needs host loop bounds: every block, masked past `end`
         for j in range(0, INTERPRET_BLOCKS):
             m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start + j * BLOCK_N, end, stride_kp, scale,
-                                          m_i, l_i, acc, D, BLOCK_N, IEEE)
+                                          m_i, l_i, acc, D, BLOCK_N, IEEE, V_EARLY)
     else:           # compiled: only the blocks this row holds keys in
         for j in range(0, tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)):
             m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start + j * BLOCK_N, end, stride_kp, scale,
-                                          m_i, l_i, acc, D, BLOCK_N, IEEE)
+                                          m_i, l_i, acc, D, BLOCK_N, IEEE, V_EARLY)
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * D + d[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
@@ -518,6 +523,7 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
 # off and SPLIT_KEYS stays 256.
 SPLIT_KEYS = 256           # keys per split of a decode step's attention (see `attention_splits`)
 COMBINE_IN_KERNEL = False  # the last program of a row's splits merges them (no `_combine_kernel` launch)
+V_LOAD_EARLY = False       # values loaded with the keys (`_attend_block`); built, not yet measured on a GPU
 ROPE_IN_ATTENTION = True   # the fused step rotates q/k inside the attention kernel (no `_rope_store_kernel`)
 
 
@@ -576,7 +582,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                           k_cache.stride(1), k_cache.stride(2), cos.stride(0) if rope else 0,
                                           GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D,
                                           BLOCK_N=block_n, NUM_SPLITS=splits, COMBINE_HERE=here,
-                                          ROPE=rope is not None, QK_NORM=norm, IEEE=ieee, INTERPRET=_INTERPRET,
+                                          ROPE=rope is not None, QK_NORM=norm, IEEE=ieee, V_EARLY=V_LOAD_EARLY,
+                                          INTERPRET=_INTERPRET,
                                           INTERPRET_BLOCKS=split_len // block_n if _INTERPRET else 0)
     if splits > 1 and not here:
         _combine_kernel[(B * nh,)](part, ml, out, NUM_SPLITS=splits, D=D)
