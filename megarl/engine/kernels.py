@@ -548,10 +548,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      counters: Optional[torch.Tensor] = None, rope: Optional[tuple] = None) -> torch.Tensor:
     """``q [B, nh, D]`` over keys ``[0, pos[b]]`` of cache rows ``[0, B)`` -> ``[B, nh * D]``.
     ``key_len`` bounds every pos[b] + 1 (it sets the split count and the block size, not the work:
-    each row splits and reads only the keys it has). ``counters``: >= B * nkv zeroed int32, owned by the caller and left zeroed
-    (one buffer serves every layer and every graph replay); with them the splits are merged
-    inside the attention kernel, without them by a second kernel. ``rope``: ``q`` is the q/k/v
-    projection's output ``[B, (nh + 2 nkv) * D]`` and rope is ``(nh, cos, sin, q_norm, k_norm,
+    each row splits and reads only the keys it has). ``counters``: >= B * nkv zeroed int32, owned
+    by the caller and left zeroed (one buffer serves every layer and every graph replay); with
+    them the splits are merged inside the attention kernel, without them by a second kernel.
+    ``rope``: ``q`` is the q/k/v projection's output ``[B, (nh + 2 nkv) * D]`` and rope is ``(nh, cos, sin, q_norm, k_norm,
     eps)``: the kernel does what `rope_and_store` would have done first."""
     nkv, D = k_cache.shape[1], k_cache.shape[-1]
     B = q.shape[0]
