@@ -551,8 +551,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     each row splits and reads only the keys it has). ``counters``: >= B * nkv zeroed int32, owned
     by the caller and left zeroed (one buffer serves every layer and every graph replay); with
     them the splits are merged inside the attention kernel, without them by a second kernel.
-    ``rope``: ``q`` is the q/k/v projection's output ``[B, (nh + 2 nkv) * D]`` and rope is ``(nh, cos, sin, q_norm, k_norm,
-    eps)``: the kernel does what `rope_and_store` would have done first."""
+    ``rope``: ``q`` is the q/k/v projection's output ``[B, (nh + 2 nkv) * D]`` and rope is
+    ``(nh, cos, sin, q_norm, k_norm, eps)``: the kernel does what `rope_and_store` would have done
+    first."""
     nkv, D = k_cache.shape[1], k_cache.shape[-1]
     B = q.shape[0]
     if rope is not None:
