@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--fusions", action="store_true",
                     help="CUDA: with the compiled RMSNorm/RoPE/SwiGLU the actor uses; counts the kernels "
                          "torch.profiler sees instead of dispatched ops (compiled regions hide theirs)")
+    ap.add_argument("--by-op", type=int, default=0, metavar="N",
+                    help="also list megarl's N most dispatched ops of a forward + backward pass, per layer")
     a = ap.parse_args()
     os.environ["MEGARL_FUSIONS"] = "1" if a.fusions else "0"
     import bench_train
@@ -136,6 +138,9 @@ def main() -> None:
                         one_pass(backward)
                     count = counter.total
                     res[f"{tag}_host_reads"] = counter.host_reads
+                    if a.by_op and tag == "megarl_fwd_bwd":
+                        res["megarl_fwd_bwd_ops_per_layer_by_name"] = {
+                            k: round(v / layers, 2) for k, v in counter.ops.most_common(a.by_op)}
                 res[f"{tag}_{unit}"] = count
                 res[f"{tag}_{unit}_per_layer"] = round(count / layers, 1)
                 if cuda:   # warmed up above
