@@ -66,13 +66,14 @@ def _prologue_rows(monkeypatch, mode, rows):
 
 
 @pytest.mark.parametrize("mode,shape,rows", FUSED_MODES)
-@pytest.mark.parametrize("family,splits", [("llama", 1), ("qwen2", 4), ("qwen3", 2), ("qwen3_moe", 1)])
-def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, family, splits, mode, shape, rows):
-    """Logits and the keys/values written, step after step, rows at different positions (some
-    past one 64-key block, so several splits hold keys and the last ones none)."""
+@pytest.mark.parametrize("family,split_keys", [("llama", 256), ("qwen2", 32), ("qwen3", 64), ("qwen3_moe", 256)])
+def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, family, split_keys, mode, shape, rows):
+    """Logits and the keys/values written, step after step, rows at different positions. Fewer keys
+    per split (kernels.SPLIT_KEYS 32 / 64) put the rows of one step over 1, 2 and 4 splits of their
+    own (up to 131 keys), the last splits of a short row holding none."""
     d = str(tmp_path / family)
     make_tiny_hf_model(d, family, std=0.3, **shape)
-    monkeypatch.setattr(kernels, "attention_splits", lambda key_len: splits)
+    monkeypatch.setattr(kernels, "SPLIT_KEYS", split_keys)
     ref, fused = _model(d, "torch"), _model(d, _prologue_rows(monkeypatch, mode, rows))
     g = torch.Generator().manual_seed(1)
     lens = [3, 70, 130, 1, 66]
@@ -135,7 +136,7 @@ def test_attention_reads_each_rows_keys_only(kernels, monkeypatch, group, splits
         monkeypatch.setattr(kernels, "COMBINE_IN_KERNEL", True)
     for _ in range(2 if merge_here else 1):   # a second call: the counters were left at 0
         out = kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), pos.to(DEV), L, 1 / math.sqrt(D), splits,
-                                       counters)
+                                       counters, per_row=False)
         if merge_here:
             assert counters.abs().sum().item() == 0
     for b in range(B):
@@ -158,7 +159,7 @@ def test_values_loaded_with_the_keys_change_no_bit(kernels, monkeypatch):
     for early in (False, True):
         monkeypatch.setattr(kernels, "V_LOAD_EARLY", early)
         outs.append(kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), pos.to(DEV), L, 1 / math.sqrt(D),
-                                             2).cpu())
+                                             2, per_row=False).cpu())
     assert torch.equal(outs[0], outs[1])
     k = kc[2, :, :300].repeat_interleave(group, 0)
     v = vc[2, :, :300].repeat_interleave(group, 0)
@@ -215,6 +216,36 @@ def test_the_fused_step_captures_one_graph_per_split_class(tmp_path, kernels, mo
             eager = m.decode(toks, pos).clone()     # the same tokens at the same positions: same cache
             assert (graphs.run(toks, pos) - eager).abs().max().item() < 1e-5, (mode, pos)
         assert graphs.captures == captures, mode
+
+
+@pytest.mark.parametrize("merge_here", [False, True])
+def test_a_rows_attention_is_the_same_alone_and_beside_longer_rows(kernels, monkeypatch, merge_here):
+    """Batch invariance: each row takes as many splits as its own length gives, so a row decoded
+    beside a longer one (more split programs in the step, the class of a longer key length) gets
+    the bits it gets alone -- through the second kernel's merge or the attention kernel's own."""
+    monkeypatch.setattr(kernels, "SPLIT_KEYS", 32)
+    monkeypatch.setattr(kernels, "COMBINE_IN_KERNEL", merge_here)
+    g = torch.Generator().manual_seed(11)
+    nkv, group, D, cache = 2, 2, 32, 400
+    pos = torch.tensor([39, 99, 299, 0])
+    kc, vc = (torch.randn(len(pos), nkv, cache, D, generator=g) for _ in range(2))
+    q = torch.randn(len(pos), nkv * group, D, generator=g)
+    counters = torch.zeros(len(pos) * nkv, dtype=torch.int32, device=DEV)
+
+    def attend(rows, key_len):
+        return kernels.decode_attention(q[rows].to(DEV), kc[rows].to(DEV), vc[rows].to(DEV), pos[rows].to(DEV),
+                                        key_len, 1 / math.sqrt(D), kernels.attention_splits(key_len), counters).cpu()
+
+    together = attend([0, 1, 2, 3], kernels.attention_len_class(300, cache))     # 8 split programs
+    assert kernels.attention_splits(kernels.attention_len_class(300, cache)) == 8
+    for b, p in enumerate(pos.tolist()):
+        alone = attend([b], p + 1)
+        assert torch.equal(alone[0], together[b]), b
+        k = kc[b, :, :p + 1].repeat_interleave(group, 0)
+        v = vc[b, :, :p + 1].repeat_interleave(group, 0)
+        want = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=1 / math.sqrt(D))[:, 0]
+        assert (alone[0].view(-1, D) - want).abs().max().item() < 1e-5, b
+    assert counters.abs().sum().item() == 0
 
 
 def test_norm_and_activation_kernels(kernels):

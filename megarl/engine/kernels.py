@@ -187,12 +187,14 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
                         stride_qb, stride_ob, stride_kr, stride_kh, stride_kp, stride_cs,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, COMBINE_HERE: tl.constexpr, ROPE: tl.constexpr,
-                        QK_NORM: tl.constexpr, IEEE: tl.constexpr, V_EARLY: tl.constexpr, INTERPRET: tl.constexpr,
-                        INTERPRET_BLOCKS: tl.constexpr):
+                        QK_NORM: tl.constexpr, IEEE: tl.constexpr, V_EARLY: tl.constexpr,
+                        ROW_SPLIT_KEYS: tl.constexpr, INTERPRET: tl.constexpr, INTERPRET_BLOCKS: tl.constexpr):
     """Program (b, kv head, split): the GROUP query heads of one kv head over its split of the keys
     ``[0, pos[b]]``, online softmax. A row's keys are split evenly (in whole blocks) by its own
-    length, so its partition does not depend on the other rows' lengths or on the key length the
-    step was shaped for (a graph serves a whole class of lengths). One split: the output;
+    length over ROW_SPLIT_KEYS > 0: as many splits as `attention_splits` gives its own length (at
+    most NUM_SPLITS; the programs past them hold none), 0: all NUM_SPLITS. So with ROW_SPLIT_KEYS a
+    row's partition -- and its output, bit for bit -- does not depend on the other rows of the step
+    or on the key length it was shaped for (a graph serves a whole class of lengths). One split: the output;
     several: unnormalised partial sums + (max, sum), merged by the last of the (b, kv head)'s
     programs to finish (COMBINE_HERE: a counter per (b, kv head), back to 0 after) or by
     `_combine_kernel`. ROPE: ``q_ptr`` is the q/k/v projection's output, not rotated yet: each
@@ -202,7 +204,13 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
     kh = tl.program_id(1)
     sp = tl.program_id(2)
     n_ctx = tl.load(pos_ptr + b) + 1
-    split_len = tl.cdiv(tl.cdiv(n_ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    row_splits = NUM_SPLITS
+    if ROW_SPLIT_KEYS > 0:   # attention_splits(n_ctx), capped at NUM_SPLITS (powers of two)
+        row_splits = 1
+        for k in tl.static_range(1, 5):
+            if (1 << k) <= NUM_SPLITS:
+                row_splits = tl.where(n_ctx >= (1 << k) * ROW_SPLIT_KEYS, 1 << k, row_splits)
+    split_len = tl.cdiv(tl.cdiv(n_ctx, row_splits), BLOCK_N) * BLOCK_N
     start = sp * split_len
     end = tl.minimum(start + split_len, n_ctx)
     g = tl.arange(0, BLOCK_G)
@@ -545,10 +553,14 @@ def attention_len_class(key_len: int, max_len: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      key_len: int, scale: float, splits: Optional[int] = None,
-                     counters: Optional[torch.Tensor] = None, rope: Optional[tuple] = None) -> torch.Tensor:
+                     counters: Optional[torch.Tensor] = None, rope: Optional[tuple] = None,
+                     per_row: bool = True) -> torch.Tensor:
     """``q [B, nh, D]`` over keys ``[0, pos[b]]`` of cache rows ``[0, B)`` -> ``[B, nh * D]``.
-    ``key_len`` bounds every pos[b] + 1 (it sets the split count and the block size, not the work:
-    each row splits and reads only the keys it has). ``counters``: >= B * nkv zeroed int32, owned
+    ``key_len`` bounds every pos[b] + 1 (it sets how many split programs run, not the work: each
+    row splits and reads only the keys it has). ``per_row``: each row takes as many of the
+    ``splits`` as its own length gives (`attention_splits`) and blocks of SPLIT_KEYS' size, so its
+    output does not depend on the other rows (seeded sampling stays batch-invariant); False: every
+    row over all ``splits``, blocks sized by ``key_len`` (tests of a forced partition). ``counters``: >= B * nkv zeroed int32, owned
     by the caller and left zeroed (one buffer serves every layer and every graph replay); with
     them the splits are merged inside the attention kernel, without them by a second kernel.
     ``rope``: ``q`` is the q/k/v projection's output ``[B, (nh + 2 nkv) * D]`` and rope is
@@ -564,8 +576,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     splits = splits or attention_splits(key_len)
     # keys per block: up to 64 (32 past 128 dims), down to what one split holds (short splits: no
     # half-masked blocks, so a split of 32 keys reads 32, not 64)
-    block_n = min(64 if D <= 128 else 32, max(16, triton.next_power_of_2(triton.cdiv(key_len, splits))))
-    split_len = triton.cdiv(triton.cdiv(key_len, splits), block_n) * block_n   # the longest row's (interpreter)
+    held = SPLIT_KEYS if per_row else triton.cdiv(key_len, splits)
+    block_n = min(64 if D <= 128 else 32, max(16, triton.next_power_of_2(held)))
+    # the interpreter's loop bound: every block of the longest row's (longest) split
+    blocks = triton.cdiv(key_len, block_n) if per_row else triton.cdiv(triton.cdiv(key_len, splits), block_n)
     out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
     here = splits > 1 and COMBINE_IN_KERNEL and counters is not None
@@ -584,8 +598,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                           GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D,
                                           BLOCK_N=block_n, NUM_SPLITS=splits, COMBINE_HERE=here,
                                           ROPE=rope is not None, QK_NORM=norm, IEEE=ieee, V_EARLY=V_LOAD_EARLY,
-                                          INTERPRET=_INTERPRET,
-                                          INTERPRET_BLOCKS=split_len // block_n if _INTERPRET else 0)
+                                          ROW_SPLIT_KEYS=SPLIT_KEYS if per_row else 0, INTERPRET=_INTERPRET,
+                                          INTERPRET_BLOCKS=blocks if _INTERPRET else 0)
     if splits > 1 and not here:
         _combine_kernel[(B * nh,)](part, ml, out, NUM_SPLITS=splits, D=D)
     return out.view(B, nh * D)
