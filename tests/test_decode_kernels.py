@@ -117,6 +117,14 @@ def test_engine_with_the_fused_step_generates_what_hf_generates(tmp_path, kernel
         assert (want - got).abs().max().item() < 1e-4
 
 
+def _sdpa_row(q, kc, vc, b, keys, group):
+    """The reference for row ``b`` of a decode step: SDPA of its query heads ``q[b]`` over its own
+    first ``keys`` cached keys and values, each kv head shared by ``group`` query heads -> ``[nh, D]``."""
+    k = kc[b, :, :keys].repeat_interleave(group, 0)
+    v = vc[b, :, :keys].repeat_interleave(group, 0)
+    return F.scaled_dot_product_attention(q[b][:, None], k, v, scale=1 / math.sqrt(q.shape[-1]))[:, 0]
+
+
 @pytest.mark.parametrize("group,splits,merge_here", [(1, 1, False), (3, 2, False), (4, 8, False), (3, 2, True),
                                                       (4, 8, True), (2, 16, True)])
 def test_attention_reads_each_rows_keys_only(kernels, monkeypatch, group, splits, merge_here):
@@ -140,10 +148,7 @@ def test_attention_reads_each_rows_keys_only(kernels, monkeypatch, group, splits
         if merge_here:
             assert counters.abs().sum().item() == 0
     for b in range(B):
-        n = int(pos[b]) + 1
-        k = kc[b, :, :n].repeat_interleave(group, 0)
-        v = vc[b, :, :n].repeat_interleave(group, 0)
-        want = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=1 / math.sqrt(D))[:, 0]
+        want = _sdpa_row(q, kc, vc, b, int(pos[b]) + 1, group)
         assert (out[b].cpu().view(-1, D) - want).abs().max().item() < 1e-5, b
 
 
@@ -161,9 +166,7 @@ def test_values_loaded_with_the_keys_change_no_bit(kernels, monkeypatch):
         outs.append(kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), pos.to(DEV), L, 1 / math.sqrt(D),
                                              2, per_row=False).cpu())
     assert torch.equal(outs[0], outs[1])
-    k = kc[2, :, :300].repeat_interleave(group, 0)
-    v = vc[2, :, :300].repeat_interleave(group, 0)
-    want = F.scaled_dot_product_attention(q[2][:, None], k, v, scale=1 / math.sqrt(D))[:, 0]
+    want = _sdpa_row(q, kc, vc, 2, 300, group)
     assert (outs[1][2].view(-1, D) - want).abs().max().item() < 1e-5
 
 
@@ -189,9 +192,7 @@ def test_attention_shaped_for_its_length_class_reads_what_the_bucket_reads(kerne
             outs.append(out := kernels.decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), torch.tensor(pos).to(DEV),
                                                         key_len, 1 / math.sqrt(D), splits).cpu())
             for b, p in enumerate(pos):
-                k = kc[b, :, :p + 1].repeat_interleave(group, 0)
-                v = vc[b, :, :p + 1].repeat_interleave(group, 0)
-                want = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=1 / math.sqrt(D))[:, 0]
+                want = _sdpa_row(q, kc, vc, b, p + 1, group)
                 assert (out[b].view(-1, D) - want).abs().max().item() < 1e-5, (L, key_len, b)
         assert torch.equal(outs[0], outs[1]), L
 
@@ -241,9 +242,7 @@ def test_a_rows_attention_is_the_same_alone_and_beside_longer_rows(kernels, monk
     for b, p in enumerate(pos.tolist()):
         alone = attend([b], p + 1)
         assert torch.equal(alone[0], together[b]), b
-        k = kc[b, :, :p + 1].repeat_interleave(group, 0)
-        v = vc[b, :, :p + 1].repeat_interleave(group, 0)
-        want = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=1 / math.sqrt(D))[:, 0]
+        want = _sdpa_row(q, kc, vc, b, p + 1, group)
         assert (alone[0].view(-1, D) - want).abs().max().item() < 1e-5, b
     assert counters.abs().sum().item() == 0
 

@@ -560,9 +560,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     row splits and reads only the keys it has). ``per_row``: each row takes as many of the
     ``splits`` as its own length gives (`attention_splits`) and blocks of SPLIT_KEYS' size, so its
     output does not depend on the other rows (seeded sampling stays batch-invariant); False: every
-    row over all ``splits``, blocks sized by ``key_len`` (tests of a forced partition). ``counters``: >= B * nkv zeroed int32, owned
-    by the caller and left zeroed (one buffer serves every layer and every graph replay); with
-    them the splits are merged inside the attention kernel, without them by a second kernel.
+    row over all ``splits``, blocks sized by ``key_len`` (tests of a forced partition).
+    ``counters``: >= B * nkv zeroed int32, owned by the caller and left zeroed (one buffer serves
+    every layer and every graph replay); with them the splits are merged inside the attention
+    kernel, without them by a second kernel.
     ``rope``: ``q`` is the q/k/v projection's output ``[B, (nh + 2 nkv) * D]`` and rope is
     ``(nh, cos, sin, q_norm, k_norm, eps)``: the kernel does what `rope_and_store` would have done
     first."""
