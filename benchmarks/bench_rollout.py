@@ -43,10 +43,8 @@ def main():
                          "triton-proj (fused, projections in Triton too) | "
                          "torch (the reference body); a +sync suffix turns off launching step t+1 before step t is "
                          "read; +fallback decodes, then samples (the served engine before session 12, and at TP > 1); "
-                         "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +merge / +nomerge: the splits "
-                         "merged by the attention kernel's last program / by a second kernel; +rope / +norope: RoPE and "
-                         "the cache write inside the attention kernel / in their own kernel; +vearly / +novearly: attention "
-                         "loads a block's values with its keys / after the scores (unnamed: the defaults); "
+                         "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +rope / +norope: RoPE and "
+                         "the cache write inside the attention kernel / in their own kernel (unnamed: the default); "
                          "the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
@@ -153,7 +151,7 @@ def copy_bandwidth(dev, nbytes=2 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t)
 
 
-ATTENTION_SWITCHES = {"merge": "COMBINE_IN_KERNEL", "rope": "ROPE_IN_ATTENTION", "vearly": "V_LOAD_EARLY"}
+ATTENTION_SWITCHES = {"rope": "ROPE_IN_ATTENTION"}
 
 
 def _attention_split(kernels, suffixes, defaults: dict) -> None:
@@ -208,10 +206,10 @@ def main_gpu(a):
         eng = Engine(handle, max_running=B, max_len=a.prompt + a.new + 1)   # as `megarl serve` runs it
         eng.start()
 
-        def run_engine():
+        def run_engine(new=a.new):
             _sync(dev)
             t = time.perf_counter()
-            futs = eng.submit_many([Request(p.tolist(), Sampling(max_new_tokens=a.new, temperature=a.temperature,
+            futs = eng.submit_many([Request(p.tolist(), Sampling(max_new_tokens=new, temperature=a.temperature,
                                                                  top_p=a.top_p, sampling_seed=i, ignore_eos=True))
                                     for i, p in enumerate(prompts)])
             outs = [f.result() for f in futs]
@@ -225,7 +223,7 @@ def main_gpu(a):
             finally:
                 model.use_cuda_graphs = dev.type == "cuda"
 
-        per_mode, outputs = {}, {}
+        per_mode, outputs, decode_s = {}, {}, {}
         from megarl.engine import kernels as triton_kernels
         defaults = {k: getattr(triton_kernels, k) for k in ("SPLIT_KEYS", *ATTENTION_SWITCHES.values())}
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
@@ -236,9 +234,13 @@ def main_gpu(a):
             eng.model = _WithoutLaunch(handle) if "fallback" in suffixes else handle   # (the engine is idle here)
             run_engine()
             te, ne = min(run_engine() for _ in range(2))
-            per_mode[mode], outputs[mode] = ne / te, run_engine.outputs
+            per_mode[mode], outputs[mode], decode_s[mode] = ne / te, run_engine.outputs, te
+        # the prefill's share (one token per request: no decode step), so long prompts do not hide
+        # the decode steps' own speed; the same for every mode (the prefill does not use them)
+        tp = min(run_engine(new=1)[0] for _ in range(3))
         modes = list(per_mode)
         kern = {f"{m}_kernels_tokens_per_s": v for m, v in per_mode.items()}
+        kern.update({f"{m}_decode_only_tokens_per_s": B * (a.new - 1) / max(t - tp, 1e-9) for m, t in decode_s.items()})
         if len(modes) > 1:
             same = [x == y for x, y in zip(outputs[modes[0]], outputs[modes[-1]])]
             kern.update({f"ratio_{modes[-1]}_over_{modes[0]}": per_mode[modes[-1]] / per_mode[modes[0]],
@@ -297,8 +299,10 @@ def main_gpu(a):
         kv = B * s.num_layers * 2 * s.num_kv_heads * s.head_dim * ctx * torch.finfo(dtype).bits // 8
         step_bytes = wbytes + kv
         bound = B * bw / step_bytes
+        decode_only = kern[f"{modes[-1]}_decode_only_tokens_per_s"]
         res.update(weight_bytes=wbytes, kv_bytes_per_step=int(kv), copy_bw_bytes_per_s=bw,
-                   bw_bound_tokens_per_s=bound, fraction_of_bw_bound=(ne / te) / bound)
+                   bw_bound_tokens_per_s=bound, fraction_of_bw_bound=(ne / te) / bound, prefill_only_s=tp,
+                   decode_only_tokens_per_s=decode_only, decode_only_fraction_of_bw_bound=decode_only / bound)
         print(json.dumps(res), flush=True)
     if a.parity:
         parity(a, d, dev, dtype, model, hf, name)

@@ -104,25 +104,17 @@ decode_prof) # issue 29: where a decode step's time goes now -- the default Trit
              # one torch.profiler table per batch (kernels inside the CUDA graphs, per engine run of 128 steps)
         run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,128 --prompt 32 \
           --new 128 --no-hf --kernels triton --profile $OUT/prof_decode_triton.txt $DECODE_ARGS ;;
-attn_split) # issue 29: attention keys per split (256: one split up to 511 keys, the step before; 64 / 16: more
-            # programs at small batches), the splits merged by a second kernel or by the attention kernel's
-            # last program (+merge); RoPE + the cache write inside attention (the default since session 15; +norope:
-            # in their own kernel); greedy, same run
-        run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
-          --new 128 --no-hf --kernels triton+split256+norope,triton+split64+norope,triton+split16+merge+norope,triton+split64+merge+norope,triton+split64+merge $DECODE_ARGS ;;
-attn_rope) # issue 29: RoPE + the cache write inside attention (the default since session 15) alone and with
-           # 64-key splits merged in the kernel, vs their own kernel (+norope); that baseline again last ("+again":
-           # no switch; drift within the run); greedy
+attn_rope) # issue 29: RoPE + the cache write inside attention (the default since session 15) vs their own
+           # kernel (+norope), that baseline again last ("+again": no switch; drift within the run); greedy
         run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128,512 --prompt 32 \
-          --new 128 --no-hf --kernels triton+norope,triton,triton+split64+merge,triton+split64+merge+norope,triton+norope+again $DECODE_ARGS ;;
-attn_next) # issue 29 (session 15, not yet run): values loaded with the keys (+vearly) vs after the scores, at
-           # 160-key contexts and at ~2k keys (8 splits: rows split by their own length, graphs per key-length
-           # class, and the splits merged by a second kernel vs in the attention kernel, +merge); the default
-           # again last ("+again"); greedy, same run. Run decode_tests first (the per-row split is CPU-tested only)
-        run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128,512 --prompt 32 \
-          --new 128 --no-hf --kernels triton,triton+vearly,triton+again $DECODE_ARGS
-        run 420 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 2000 \
-          --new 128 --no-hf --kernels triton,triton+vearly,triton+merge,triton+again $DECODE_ARGS ;;
+          --new 128 --no-hf --kernels triton+norope,triton,triton+norope+again $DECODE_ARGS ;;
+attn_long) # issue 29: decode at long contexts, where attention's KV reads are most of a step's bytes
+           # (decode_only_*: the prefill's time taken out); 256 keys per split (the default) vs 128 and 512,
+           # the default again last; greedy, same run
+        run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 2000 \
+          --new 64 --no-hf --kernels triton,triton+split128,triton+split512,triton+again $DECODE_ARGS
+        run 280 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32 --prompt 8000 \
+          --new 64 --no-hf --kernels triton,triton+split128,triton+split512,triton+again $DECODE_ARGS ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
          run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;

@@ -208,27 +208,25 @@ def test_samples_of_one_seeded_request_differ_and_sample_zero_keeps_the_seed():
 
 
 def test_a_buffer_the_body_makes_on_its_first_run_is_in_the_graphs_signature(tiny):
-    """The fused step makes its attention split counters on its first (warm-up) run, and its graph
-    reads them. Read before the warm-up, the signature lacked them: the first check after a release
-    (every tensor back at its address) saw a "moved" tensor and captured every graph again -- what
-    the GPU test of stable memory caught (2 captures where 1 was right)."""
-    from megarl.engine.fused_decode import split_counters
-
+    """A body may make a buffer on its first (warm-up) run that its graph then reads (session 14's
+    attention split counters did). Read before the warm-up, the signature lacked it: the first check
+    after a release (every tensor back at its address) saw a "moved" tensor and captured every graph
+    again -- what the GPU test of stable memory caught (2 captures where 1 was right)."""
     d, _ = tiny
     m = _model(d)
     m.alloc_cache(4, 128)
-    assert m._split_counters is None
 
     def body(ids, pos, rows, Lk):
-        split_counters(m)                     # made on first use, as `fused_decode.decode_body` does
-        return m._decode_body(ids, pos, rows, Lk)
+        if getattr(m, "_scratch", None) is None:   # made on first use, read by every step after
+            m._scratch = torch.zeros(4, device=m.device)
+        return m._decode_body(ids, pos, rows, Lk) + m._scratch.sum()
 
     graphs = EmulatedGraphs(body, m.tensor_addresses, m.device, 4, 128)
     m.prefill([[5, 17, 42], [7, 250]], 0)
     tokens, positions = np.array([9, 11]), np.array([3, 2])
     first = graphs.run(tokens, positions).clone()
-    assert graphs.captures == 1 and m._split_counters is not None
-    m.tensor_addresses()                      # a full walk: it lists the counters from now on
+    assert graphs.captures == 1 and m._scratch is not None
+    m.tensor_addresses()                      # a full walk: it lists the buffer from now on
     graphs.mark_dirty()                       # a release and resume; nothing moved
     assert torch.equal(graphs.run(tokens, positions), first)
     assert graphs.captures == 1               # replayed, not captured again

@@ -115,19 +115,6 @@ def graph_key_length(key_len: int, max_len: int) -> int:
     return kernels.attention_len_class(key_len, max_len)
 
 
-def split_counters(model: "DecoderModel") -> torch.Tensor:
-    """The model's zeroed attention split counters (`kernels.decode_attention`), one per (row, kv
-    head) of its cache (a step decodes at most the cache's rows). Made by the first (eager) step
-    after a cache of more rows: a graph's capture runs its body eagerly first, so the buffer never
-    comes from a graph's pool, and its address never changes."""
-    cache = model.k_cache[0]
-    need = cache.shape[0] * model.nkv
-    buf = model._split_counters
-    if buf is None or buf.numel() < need or buf.device != cache.device:
-        buf = model._split_counters = torch.zeros(need, dtype=torch.int32, device=cache.device)
-    return buf
-
-
 def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tensor, pos: torch.Tensor,
                 B: int, Lk: int, route_ctx=None, projections: bool = False) -> Optional[torch.Tensor]:
     """Decode rows ``[0, B)`` (token ``ids[b]`` at ``pos[b]``) attending over at most ``Lk`` keys;
@@ -143,7 +130,6 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
     nh, nkv, D, eps = model.nh, model.nkv, s.head_dim, s.rms_norm_eps
     scale = 1.0 / math.sqrt(D)
     splits = kernels.attention_splits(Lk)
-    counters = split_counters(model)
     x = F.embedding(ids, P["model.embed_tokens.weight"])       # [B, H]: the residual stream
     y = _Pending()                                              # the branch output still to add
     model._route_ctx = route_ctx
@@ -165,8 +151,7 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
                     in_attention = (nh, model.rope_cos, model.rope_sin) + qk_norm
                 else:
                     q = kernels.rope_and_store(q, *rope)
-            o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits, counters,
-                                         in_attention)
+            o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits, in_attention)
             y = _row_parallel(model, proj, o, P[a + "o_proj.weight"], P.get(a + "o_proj.bias"))
             if v.gate_up_weight is None:   # MoE layer: the torch path (routing needs the host)
                 h, x = y.norm(kernels, proj, x, w_post, eps)

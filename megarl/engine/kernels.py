@@ -103,16 +103,13 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr
 
 @triton.jit
 def _attend_block(q, kc_ptr, vc_ptr, base, n0, end, stride_kp, scale, m_i, l_i, acc,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, V_EARLY: tl.constexpr):
-    """One block of keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``) into the online softmax.
-    ``V_EARLY``: the values are loaded with the keys, before the scores, so the two loads' latencies
-    overlap instead of following each other (the same arithmetic)."""
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One block of keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``) into the online softmax. (Loading
+    the values with the keys, before the scores, measured no faster on the H100: RESULTS.md 28.)"""
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     nm = n < end
     k = tl.load(kc_ptr + base + n[:, None] * stride_kp + d[None, :], mask=nm[:, None], other=0.0)
-    if V_EARLY:
-        v = tl.load(vc_ptr + base + n[:, None] * stride_kp + d[None, :], mask=nm[:, None], other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -123,8 +120,7 @@ def _attend_block(q, kc_ptr, vc_ptr, base, n0, end, stride_kp, scale, m_i, l_i, 
     alpha = tl.exp(m_i - m_ref)
     p = tl.exp(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if not V_EARLY:
-        v = tl.load(vc_ptr + base + n[:, None] * stride_kp + d[None, :], mask=nm[:, None], other=0.0)
+    v = tl.load(vc_ptr + base + n[:, None] * stride_kp + d[None, :], mask=nm[:, None], other=0.0)
     if IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -182,12 +178,11 @@ def _store_new_key(qkv_ptr, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr, off, p, kh
 
 
 @triton.jit
-def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr,
+def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr,
                         cos_ptr, sin_ptr, qn_ptr, kn_ptr, scale, NH, NKV, eps,
                         stride_qb, stride_ob, stride_kr, stride_kh, stride_kp, stride_cs,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, COMBINE_HERE: tl.constexpr, ROPE: tl.constexpr,
-                        QK_NORM: tl.constexpr, IEEE: tl.constexpr, V_EARLY: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                         ROW_SPLIT_KEYS: tl.constexpr, INTERPRET: tl.constexpr, INTERPRET_BLOCKS: tl.constexpr):
     """Program (b, kv head, split): the GROUP query heads of one kv head over its split of the keys
     ``[0, pos[b]]``, online softmax. A row's keys are split evenly (in whole blocks) by its own
@@ -195,9 +190,9 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
     most NUM_SPLITS; the programs past them hold none), 0: all NUM_SPLITS. So with ROW_SPLIT_KEYS a
     row's partition -- and its output, bit for bit -- does not depend on the other rows of the step
     or on the key length it was shaped for (a graph serves a whole class of lengths). One split: the output;
-    several: unnormalised partial sums + (max, sum), merged by the last of the (b, kv head)'s
-    programs to finish (COMBINE_HERE: a counter per (b, kv head), back to 0 after) or by
-    `_combine_kernel`. ROPE: ``q_ptr`` is the q/k/v projection's output, not rotated yet: each
+    several: unnormalised partial sums + (max, sum), merged by `_combine_kernel`. (Merging them in
+    the last program to finish, through a counter per (b, kv head), measured no faster on the H100:
+    RESULTS.md 28.) ROPE: ``q_ptr`` is the q/k/v projection's output, not rotated yet: each
     program rotates its queries, and the program whose split holds pos[b] rotates the new key and
     stores it and its value into the caches before it reads them (no `_rope_store_kernel`)."""
     b = tl.program_id(0)
@@ -234,63 +229,50 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
     if INTERPRET:   # Triton's interpreter needs host loop bounds: every block, masked past `end`
         for j in range(0, INTERPRET_BLOCKS):
             m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start + j * BLOCK_N, end, stride_kp, scale,
-                                          m_i, l_i, acc, D, BLOCK_N, IEEE, V_EARLY)
+                                          m_i, l_i, acc, D, BLOCK_N, IEEE)
     else:           # compiled: only the blocks this row holds keys in
         for j in range(0, tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)):
             m_i, l_i, acc = _attend_block(q, kc_ptr, vc_ptr, base, start + j * BLOCK_N, end, stride_kp, scale,
-                                          m_i, l_i, acc, D, BLOCK_N, IEEE, V_EARLY)
-    out_ptrs = out_ptr + b * stride_ob + heads[:, None] * D + d[None, :]
+                                          m_i, l_i, acc, D, BLOCK_N, IEEE)
     if NUM_SPLITS == 1:
-        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * D + d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
     else:
         # partials [B, NH, NUM_SPLITS, D] and [B, NH, NUM_SPLITS, 2] (fp32)
         row = (b * NH + heads) * NUM_SPLITS + sp
         tl.store(part_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=gm)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
-        if COMBINE_HERE:
-            tl.debug_barrier()   # every thread's partials stored before the release below
-            done = tl.atomic_add(cnt_ptr + b * NKV + kh, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
-                tl.store(cnt_ptr + b * NKV + kh, 0)   # ready for the next step (graph replays)
-                _merge_splits(part_ptr, ml_ptr, out_ptrs, (b * NH + heads) * NUM_SPLITS, gm, NUM_SPLITS, BLOCK_G, D)
 
 
 @triton.jit
-def _merge_splits(part_ptr, ml_ptr, out_ptrs, first, gm, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-                  D: tl.constexpr):
-    """Merge the splits' partials of BLOCK_G heads (rows ``first + s``) into their output rows, in
-    split order. Loads bypass L1: other programs wrote these bytes."""
+def _combine_kernel(part_ptr, ml_ptr, out_ptr, NH, stride_ob, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, D: tl.constexpr):
+    """Program (b, kv head): merge the splits' partial softmax sums of its GROUP query heads into
+    their output rows, in split order. A fixed order (not a tree over NUM_SPLITS, which the GPU
+    shapes by NUM_SPLITS) keeps a row's output the same bits whatever split count its step was
+    shaped for: the splits a row does not use hold l = 0 and add exact zeros."""
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
+    gm = g < GROUP
+    heads = kh * GROUP + g
+    first = (b * NH + heads) * NUM_SPLITS
     mx = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
-        mx = tl.maximum(mx, tl.load(ml_ptr + (first + s) * 2, mask=gm, other=float("-inf"), cache_modifier=".cg"))
+        mx = tl.maximum(mx, tl.load(ml_ptr + (first + s) * 2, mask=gm, other=float("-inf")))
     num = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     den = tl.zeros([BLOCK_G], dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
-        m = tl.load(ml_ptr + (first + s) * 2, mask=gm, other=0.0, cache_modifier=".cg")
-        lsum = tl.load(ml_ptr + (first + s) * 2 + 1, mask=gm, other=0.0, cache_modifier=".cg")
+        m = tl.load(ml_ptr + (first + s) * 2, mask=gm, other=0.0)
+        lsum = tl.load(ml_ptr + (first + s) * 2 + 1, mask=gm, other=0.0)
         w = tl.where(lsum > 0, tl.exp(m - mx), 0.0)
-        acc = tl.load(part_ptr + (first + s)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0,
-                      cache_modifier=".cg")
-        num += acc * w[:, None]
+        num += tl.load(part_ptr + (first + s)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0) * w[:, None]
         den += lsum * w
-    tl.store(out_ptrs, (num / den[:, None]).to(out_ptrs.dtype.element_ty), mask=gm[:, None])
-
-
-@triton.jit
-def _combine_kernel(part_ptr, ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D: tl.constexpr):
-    """Program (b * NH + head): merge the splits' partial softmax sums into the output row."""
-    r = tl.program_id(0)
-    s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, D)
-    m = tl.load(ml_ptr + (r * NUM_SPLITS + s) * 2)
-    l = tl.load(ml_ptr + (r * NUM_SPLITS + s) * 2 + 1)
-    mx = tl.max(m, axis=0)
-    w = tl.where(l > 0, tl.exp(m - mx), 0.0)
-    acc = tl.load(part_ptr + (r * NUM_SPLITS + s)[:, None] * D + d[None, :])
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptr + r * D + d, o.to(out_ptr.dtype.element_ty))
+    out = num / tl.where(gm, den, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=gm[:, None])
 
 
 @triton.jit
@@ -527,11 +509,10 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
 # the torch body, and compiled on the GPU (`run_gpu.sh decode_tests`). Measured on the H100 in one
 # run (`run_gpu.sh attn_rope`, greedy, batch 1 / 32 / 128 / 512): RoPE inside attention 1.03-1.04x
 # the separate kernel at every batch size (the default repeated in the run moved <= 1%), so it is on;
-# 64-key splits merged in the kernel were slower than 256-key splits at every batch, so merging stays
-# off and SPLIT_KEYS stays 256.
+# 64- and 16-key splits were slower than 256-key splits from 32 rows up, so SPLIT_KEYS stays 256.
+# Merging the splits in the attention kernel and loading values with the keys gained nothing at
+# 160- or 2k-key contexts (RESULTS.md 27-28) and were taken out.
 SPLIT_KEYS = 256           # keys per split of a decode step's attention (see `attention_splits`)
-COMBINE_IN_KERNEL = False  # the last program of a row's splits merges them (no `_combine_kernel` launch)
-V_LOAD_EARLY = False       # values loaded with the keys (`_attend_block`); built, not yet measured on a GPU
 ROPE_IN_ATTENTION = True   # the fused step rotates q/k inside the attention kernel (no `_rope_store_kernel`)
 
 
@@ -552,8 +533,7 @@ def attention_len_class(key_len: int, max_len: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     key_len: int, scale: float, splits: Optional[int] = None,
-                     counters: Optional[torch.Tensor] = None, rope: Optional[tuple] = None,
+                     key_len: int, scale: float, splits: Optional[int] = None, rope: Optional[tuple] = None,
                      per_row: bool = True) -> torch.Tensor:
     """``q [B, nh, D]`` over keys ``[0, pos[b]]`` of cache rows ``[0, B)`` -> ``[B, nh * D]``.
     ``key_len`` bounds every pos[b] + 1 (it sets how many split programs run, not the work: each
@@ -561,9 +541,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``splits`` as its own length gives (`attention_splits`) and blocks of SPLIT_KEYS' size, so its
     output does not depend on the other rows (seeded sampling stays batch-invariant); False: every
     row over all ``splits``, blocks sized by ``key_len`` (tests of a forced partition).
-    ``counters``: >= B * nkv zeroed int32, owned by the caller and left zeroed (one buffer serves
-    every layer and every graph replay); with them the splits are merged inside the attention
-    kernel, without them by a second kernel.
     ``rope``: ``q`` is the q/k/v projection's output ``[B, (nh + 2 nkv) * D]`` and rope is
     ``(nh, cos, sin, q_norm, k_norm, eps)``: the kernel does what `rope_and_store` would have done
     first."""
@@ -583,26 +560,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     blocks = triton.cdiv(key_len, block_n) if per_row else triton.cdiv(triton.cdiv(key_len, splits), block_n)
     out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
-    here = splits > 1 and COMBINE_IN_KERNEL and counters is not None
     if splits == 1:
         part = ml = out
     else:
         part = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(B, nh, splits, 2, dtype=torch.float32, device=q.device)
-    if here and counters.numel() < B * nkv:
-        raise ValueError(f"decode_attention: {counters.numel()} split counters for {B} rows x {nkv} kv heads")
     norm = q_norm is not None
-    _decode_attn_kernel[(B, nkv, splits)](q, k_cache, v_cache, pos, out, part, ml, counters if here else out,
+    block_g = max(16, triton.next_power_of_2(group))
+    _decode_attn_kernel[(B, nkv, splits)](q, k_cache, v_cache, pos, out, part, ml,
                                           cos, sin, q_norm if norm else q, k_norm if norm else q, scale,
                                           nh, nkv, eps, q.stride(0), out.stride(0), k_cache.stride(0),
                                           k_cache.stride(1), k_cache.stride(2), cos.stride(0) if rope else 0,
-                                          GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D,
-                                          BLOCK_N=block_n, NUM_SPLITS=splits, COMBINE_HERE=here,
-                                          ROPE=rope is not None, QK_NORM=norm, IEEE=ieee, V_EARLY=V_LOAD_EARLY,
+                                          GROUP=group, BLOCK_G=block_g, D=D,
+                                          BLOCK_N=block_n, NUM_SPLITS=splits,
+                                          ROPE=rope is not None, QK_NORM=norm, IEEE=ieee,
                                           ROW_SPLIT_KEYS=SPLIT_KEYS if per_row else 0, INTERPRET=_INTERPRET,
                                           INTERPRET_BLOCKS=blocks if _INTERPRET else 0)
-    if splits > 1 and not here:
-        _combine_kernel[(B * nh,)](part, ml, out, NUM_SPLITS=splits, D=D)
+    if splits > 1:
+        _combine_kernel[(B, nkv)](part, ml, out, nh, out.stride(0), GROUP=group,
+                                  BLOCK_G=block_g, NUM_SPLITS=splits, D=D)
     return out.view(B, nh * D)
 
 

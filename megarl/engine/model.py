@@ -208,7 +208,6 @@ class DecoderModel:
         self._alloc()
         self.k_cache: Optional[torch.Tensor] = None   # [layers, rows, kv_heads, max_len, head_dim]
         self.v_cache: Optional[torch.Tensor] = None
-        self._split_counters: Optional[torch.Tensor] = None   # fused_decode.split_counters
         self.row_ids: Optional[torch.Tensor] = None   # arange(rows) on the device
         # routed experts of every cached position (SGLang's --enable-return-routed-experts): int32
         # [rows, max_len, num_layers, top_k], written by prefill/decode of MoE layers where the
