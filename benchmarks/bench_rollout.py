@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Tuple
 
 import torch
 
@@ -223,7 +224,7 @@ def main_gpu(a):
             finally:
                 model.use_cuda_graphs = dev.type == "cuda"
 
-        per_mode, outputs, decode_s = {}, {}, {}
+        per_mode, outputs, decode_only = {}, {}, {}
         from megarl.engine import kernels as triton_kernels
         defaults = {k: getattr(triton_kernels, k) for k in ("SPLIT_KEYS", *ATTENTION_SWITCHES.values())}
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
@@ -233,14 +234,16 @@ def main_gpu(a):
             _attention_split(triton_kernels, suffixes, defaults)
             eng.model = _WithoutLaunch(handle) if "fallback" in suffixes else handle   # (the engine is idle here)
             run_engine()
+            th_, _ = min(run_engine(new=a.new // 2) for _ in range(2))
             te, ne = min(run_engine() for _ in range(2))
-            per_mode[mode], outputs[mode], decode_s[mode] = ne / te, run_engine.outputs, te
-        # the prefill's share (one token per request: no decode step), so long prompts do not hide
-        # the decode steps' own speed; the same for every mode (the prefill does not use them)
-        tp = min(run_engine(new=1)[0] for _ in range(3))
+            per_mode[mode], outputs[mode] = ne / te, run_engine.outputs
+            # the decode steps alone: the same requests with half the new tokens are admitted (and
+            # prefilled, between decode steps) the same way, so the difference is new/2 steps of the
+            # full batch -- long prompts' prefill does not hide the decode step's own speed
+            decode_only[mode] = B * (a.new - a.new // 2) / max(te - th_, 1e-9)
         modes = list(per_mode)
         kern = {f"{m}_kernels_tokens_per_s": v for m, v in per_mode.items()}
-        kern.update({f"{m}_decode_only_tokens_per_s": B * (a.new - 1) / max(t - tp, 1e-9) for m, t in decode_s.items()})
+        kern.update({f"{m}_decode_only_tokens_per_s": v for m, v in decode_only.items()})
         if len(modes) > 1:
             same = [x == y for x, y in zip(outputs[modes[0]], outputs[modes[-1]])]
             kern.update({f"ratio_{modes[-1]}_over_{modes[0]}": per_mode[modes[-1]] / per_mode[modes[0]],
@@ -294,15 +297,17 @@ def main_gpu(a):
                               for o, h in zip(outs, run_hf.outputs)]
                     res[f"{mode}_greedy_identical_to_hf"] = sum(p == a.new for p in prefix) / len(prefix)
                     res[f"{mode}_greedy_mean_prefix_equal_to_hf"] = sum(prefix) / len(prefix)
-        # bandwidth bound of one decode step: every weight once + the KV of the mean context
-        ctx = a.prompt + a.new / 2
-        kv = B * s.num_layers * 2 * s.num_kv_heads * s.head_dim * ctx * torch.finfo(dtype).bits // 8
-        step_bytes = wbytes + kv
-        bound = B * bw / step_bytes
-        decode_only = kern[f"{modes[-1]}_decode_only_tokens_per_s"]
+        # bandwidth bound of one decode step: every weight once + the KV of the mean context (of all
+        # the new tokens; of the second half for the decode-only rate)
+        def bound_at(ctx: float) -> Tuple[float, float]:
+            kv = B * s.num_layers * 2 * s.num_kv_heads * s.head_dim * ctx * torch.finfo(dtype).bits // 8
+            return kv, B * bw / (wbytes + kv)
+        kv, bound = bound_at(a.prompt + a.new / 2)
+        _, bound_late = bound_at(a.prompt + (a.new // 2 + a.new) / 2)
         res.update(weight_bytes=wbytes, kv_bytes_per_step=int(kv), copy_bw_bytes_per_s=bw,
-                   bw_bound_tokens_per_s=bound, fraction_of_bw_bound=(ne / te) / bound, prefill_only_s=tp,
-                   decode_only_tokens_per_s=decode_only, decode_only_fraction_of_bw_bound=decode_only / bound)
+                   bw_bound_tokens_per_s=bound, fraction_of_bw_bound=(ne / te) / bound,
+                   decode_only_tokens_per_s=decode_only[modes[-1]],
+                   decode_only_fraction_of_bw_bound=decode_only[modes[-1]] / bound_late)
         print(json.dumps(res), flush=True)
     if a.parity:
         parity(a, d, dev, dtype, model, hf, name)

@@ -324,9 +324,11 @@ class Engine:
                     self._wake.clear()
                     continue
                 t = time.perf_counter()
-                self._admit()
+                admitted = self._admit()
                 self.stats["admit_s"] += time.perf_counter() - t
                 if not self.batch.size:
+                    if admitted:   # all finished at their prefill (one new token): admit the next now
+                        continue
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     continue
@@ -356,15 +358,17 @@ class Engine:
             except BaseException as e:
                 fut.set_exception(e)
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Prefill as many backlog requests as free rows and the prefill budget allow; returns how
+        many were admitted (the loop goes on at once after an admission that left no row running)."""
         self._drain_waiting()
         b = self.batch
         free = b.cap - b.size
         if not self._backlog or not free or self.released:
-            return       # (released: requests held by a pause wait for /resume_memory_occupation)
+            return 0     # (released: requests held by a pause wait for /resume_memory_occupation)
         if self.model.weights_stale():   # retracted requests held across a release that dropped the
             self._fail_backlog(RuntimeError(STALE_WEIGHTS))   # weights, resumed without a push
-            return
+            return 0
         held: Optional[Dict[tuple, int]] = None   # prompt -> running row holding its KV (this epoch)
         take: List[Request] = []
         reps: Dict[Any, int] = {}       # prompt key -> index into `firsts`
@@ -391,7 +395,7 @@ class Engine:
                 src.append(row)
             take.append(self._backlog.popleft())
         if not take:
-            return
+            return 0
         for r in take:   # seeds in arrival order, as the per-request sampler drew them
             if not r.sampling.greedy and r.sampling.sampling_seed is None:
                 r.sampling.sampling_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.gen))
@@ -424,6 +428,7 @@ class Engine:
         self.stats["prefill_tokens"] += sum(len(q) for q in seqs)
         self.stats["shared_prefill_tokens"] += sum(starts) + sum(len(r.input_ids) for r in siblings)
         self._sample_and_record(logits, a, a + len(take))
+        return len(take)
 
     def _fail_backlog(self, error: BaseException) -> None:
         while self._backlog:
