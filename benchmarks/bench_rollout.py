@@ -204,7 +204,9 @@ def main_gpu(a):
     for B in batches:
         prompts = torch.randint(0, V, (B, a.prompt), generator=g)
         handle = one_rank_handle(model)
-        eng = Engine(handle, max_running=B, max_len=a.prompt + a.new + 1)   # as `megarl serve` runs it
+        # as `megarl serve` runs it, but every prompt admitted in one prefill: the timed decode steps are
+        # full-batch steps, not interleaved with admission waves (long prompts came in ~4 per wave)
+        eng = Engine(handle, max_running=B, max_len=a.prompt + a.new + 1, max_prefill_tokens=max(8192, B * a.prompt))
         eng.start()
 
         def run_engine(new=a.new):

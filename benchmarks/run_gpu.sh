@@ -115,6 +115,10 @@ attn_long) # issue 29: decode at long contexts, where attention's KV reads are m
           --new 64 --no-hf --kernels triton,triton+split128,triton+split512,triton+again $DECODE_ARGS
         run 280 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32 --prompt 8000 \
           --new 64 --no-hf --kernels triton,triton+split128,triton+split512,triton+again $DECODE_ARGS ;;
+decode_targets) # issue 29's decode targets: the default step at batch 1 / 32 / 128, greedy, with the decode-only
+                # rate (the same requests with half the new tokens subtracted: no prefill in it) beside the whole run's
+        run 200 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
+          --new 128 --no-hf --kernels triton,triton+again $DECODE_ARGS ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
          run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;
