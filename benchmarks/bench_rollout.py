@@ -242,7 +242,8 @@ def main_gpu(a):
             # the decode steps alone: the same requests with half the new tokens are admitted (and
             # prefilled, between decode steps) the same way, so the difference is new/2 steps of the
             # full batch -- long prompts' prefill does not hide the decode step's own speed
-            decode_only[mode] = B * (a.new - a.new // 2) / max(te - th_, 1e-9)
+            # (None where the two runs' noise swallowed the difference)
+            decode_only[mode] = B * (a.new - a.new // 2) / (te - th_) if te > th_ else None
         modes = list(per_mode)
         kern = {f"{m}_kernels_tokens_per_s": v for m, v in per_mode.items()}
         kern.update({f"{m}_decode_only_tokens_per_s": v for m, v in decode_only.items()})
@@ -309,7 +310,8 @@ def main_gpu(a):
         res.update(weight_bytes=wbytes, kv_bytes_per_step=int(kv), copy_bw_bytes_per_s=bw,
                    bw_bound_tokens_per_s=bound, fraction_of_bw_bound=(ne / te) / bound,
                    decode_only_tokens_per_s=decode_only[modes[-1]],
-                   decode_only_fraction_of_bw_bound=decode_only[modes[-1]] / bound_late)
+                   decode_only_fraction_of_bw_bound=(decode_only[modes[-1]] / bound_late
+                                                     if decode_only[modes[-1]] is not None else None))
         print(json.dumps(res), flush=True)
     if a.parity:
         parity(a, d, dev, dtype, model, hf, name)

@@ -192,12 +192,14 @@ def test_the_fused_step_captures_one_graph_per_split_class(tmp_path, kernels, mo
 def test_a_rows_attention_is_the_same_alone_and_beside_longer_rows(kernels, monkeypatch):
     """Batch invariance: each row takes as many splits as its own length gives, and the splits are
     merged in a fixed order, so a row decoded beside a longer one (more split programs in the step,
-    the class of a longer key length) gets the bits it gets alone. (Compiled, a merge that reduced
-    over the step's split count as a tree broke this for a row of 4 splits in a step of 8.)"""
+    the class of a longer key length) gets the bits it gets alone. Rows of 1, 2, 4 and 8 splits in
+    a step of 8. (Compiled on a GPU, a merge that reduced over the step's split count as a tree broke
+    this for the row of 2 splits; Triton's CPU interpreter reduces in order either way, so only the
+    compiled run -- `run_gpu.sh decode_tests` -- can catch that one.)"""
     monkeypatch.setattr(kernels, "SPLIT_KEYS", 32)
     g = torch.Generator().manual_seed(11)
     nkv, group, D, cache = 2, 2, 32, 400
-    pos = torch.tensor([39, 99, 299, 0])
+    pos = torch.tensor([39, 99, 150, 299, 0])
     kc, vc = (torch.randn(len(pos), nkv, cache, D, generator=g) for _ in range(2))
     q = torch.randn(len(pos), nkv * group, D, generator=g)
 
@@ -205,7 +207,8 @@ def test_a_rows_attention_is_the_same_alone_and_beside_longer_rows(kernels, monk
         return kernels.decode_attention(q[rows].to(DEV), kc[rows].to(DEV), vc[rows].to(DEV), pos[rows].to(DEV),
                                         key_len, 1 / math.sqrt(D), kernels.attention_splits(key_len)).cpu()
 
-    together = attend([0, 1, 2, 3], kernels.attention_len_class(300, cache))
+    assert [kernels.attention_splits(p + 1) for p in pos.tolist()] == [1, 2, 4, 8, 1]
+    together = attend(list(range(len(pos))), kernels.attention_len_class(300, cache))
     assert kernels.attention_splits(kernels.attention_len_class(300, cache)) == 8    # 8 split programs
     for b, p in enumerate(pos.tolist()):
         alone = attend([b], p + 1)

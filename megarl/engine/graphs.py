@@ -160,8 +160,8 @@ class DecodeGraphs:
                  Lk: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         ids, pos = self.io[0, :Bb], self.io[1, :Bb]
         self._warm_up(body, ids, pos, Bb, Lk)
-        # the signature is read after the warm-up: a body may make buffers on its first run, and
-        # the graph reads them too. Read before, it lacked them,
+        # the signature is read after the warm-up: a body may make buffers on its first run that
+        # the graph reads too (session 14's split counters were such a buffer). Read before, it lacked them,
         # and the first check after a release found "moved" tensors and captured everything again.
         # Tensors that moved since the last capture were caught by `_prepare`'s check already.
         self.sig, self.quick = self.signature(), self.signature(params=False)

@@ -509,7 +509,8 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
 # the torch body, and compiled on the GPU (`run_gpu.sh decode_tests`). Measured on the H100 in one
 # run (`run_gpu.sh attn_rope`, greedy, batch 1 / 32 / 128 / 512): RoPE inside attention 1.03-1.04x
 # the separate kernel at every batch size (the default repeated in the run moved <= 1%), so it is on;
-# 64- and 16-key splits were slower than 256-key splits from 32 rows up, so SPLIT_KEYS stays 256.
+# 64- and 16-key splits were slower than 256-key splits at 128 rows and up, 128- and 512-key splits
+# no faster at 2k-8k keys, so SPLIT_KEYS stays 256.
 # Merging the splits in the attention kernel and loading values with the keys gained nothing at
 # 160- or 2k-key contexts (RESULTS.md 27-28) and were taken out.
 SPLIT_KEYS = 256           # keys per split of a decode step's attention (see `attention_splits`)
