@@ -105,7 +105,8 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr
 def _attend_block(q, kc_ptr, vc_ptr, base, n0, end, stride_kp, scale, m_i, l_i, acc,
                   D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One block of keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``) into the online softmax. (Loading
-    the values with the keys, before the scores, measured no faster on the H100: RESULTS.md 28.)"""
+    the values with the keys, before the scores, measured no faster on the H100: benchmarks/RESULTS.md
+    section 28.)"""
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     nm = n < end
@@ -192,7 +193,7 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
     or on the key length it was shaped for (a graph serves a whole class of lengths). One split: the output;
     several: unnormalised partial sums + (max, sum), merged by `_combine_kernel`. (Merging them in
     the last program to finish, through a counter per (b, kv head), measured no faster on the H100:
-    RESULTS.md 28.) ROPE: ``q_ptr`` is the q/k/v projection's output, not rotated yet: each
+    benchmarks/RESULTS.md section 28.) ROPE: ``q_ptr`` is the q/k/v projection's output, not rotated yet: each
     program rotates its queries, and the program whose split holds pos[b] rotates the new key and
     stores it and its value into the caches before it reads them (no `_rope_store_kernel`)."""
     b = tl.program_id(0)
@@ -512,7 +513,7 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
 # 64- and 16-key splits were slower than 256-key splits at 128 rows and up, 128- and 512-key splits
 # no faster at 2k-8k keys, so SPLIT_KEYS stays 256.
 # Merging the splits in the attention kernel and loading values with the keys gained nothing at
-# 160- or 2k-key contexts (RESULTS.md 27-28) and were taken out.
+# 160- or 2k-key contexts (benchmarks/RESULTS.md sections 27-28) and were taken out.
 SPLIT_KEYS = 256           # keys per split of a decode step's attention (see `attention_splits`)
 ROPE_IN_ATTENTION = True   # the fused step rotates q/k inside the attention kernel (no `_rope_store_kernel`)
 
