@@ -77,6 +77,23 @@ def answers_health(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+class PortTaken(RuntimeError):
+    """The server could not bind its port: another process took the free port between
+    `free_port` and the server's bind (the kernel hands the same ephemeral ports to any process)."""
+
+
+def port_taken(log_tail: str, port: int) -> bool:
+    """Does the log say the HTTP server could not bind ``port``? uvicorn (SGLang's and megarl's
+    server) logs ``[Errno 98] error while attempting to bind on address ('h', port): address
+    already in use`` -- and SGLang then hangs instead of exiting (its scheduler processes live on),
+    so waiting for /health would wait for nothing until the timeout."""
+    return any("address already in use" in line and str(port) in line for line in log_tail.splitlines())
+
+
+def _url_port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
 class ServerHost:
     """Runs one server process on the node where it lives. Used in-process for local runs, and as
     a Ray actor inside the rollout pool's placement group so servers land on rollout GPUs/nodes.
@@ -132,13 +149,16 @@ class ServerHost:
         return self.proc.poll() if self.proc is not None else None
 
     def wait_healthy(self, url: str, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
-        """Until `url`/health answers 200; raises with the log's tail if the process exits first."""
+        """Until `url`/health answers 200; raises with the log's tail if the process exits first,
+        `PortTaken` as soon as its log says its port was taken (the caller starts it on another)."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.poll() is not None:
                 raise RuntimeError(f"server {url} exited with {self.poll()}:\n{self.log_tail(4000)}")
             if answers_health(url):
                 return
+            if port_taken(self.log_tail(4000), _url_port(url)):
+                raise PortTaken(f"server {url}: its port was taken before it bound it:\n{self.log_tail(2000)}")
             time.sleep(poll_s)
         raise TimeoutError(f"server {url} not healthy after {timeout_s:.0f}s:\n{self.log_tail(4000)}")
 
@@ -448,8 +468,9 @@ class RolloutServers:
 
     def wait_healthy(self, timeout_s: float = 300.0, only: Optional[list[int]] = None) -> None:
         """Wait until every server (or those in ``only``) answers /health; a server whose process
-        exits fails at once with its log's tail (one whose free port was taken meanwhile is
-        started again on another port, at most 3 times)."""
+        exits fails at once with its log's tail. One whose free port was taken meanwhile is started
+        again on another port, at most 3 times: whether it exited (the embedded server) or hangs
+        after uvicorn's bind error (SGLang, whose scheduler processes keep it alive)."""
         started = time.time()
         deadline = started + timeout_s
         restarts = 0
@@ -458,10 +479,14 @@ class RolloutServers:
                 url = self.urls[i]
                 codes = [self._do(i, n, "poll") for n in range(len(self.hosts[i]))] if self.hosts else []
                 failed = next((n for n, c in enumerate(codes) if c is not None), None)
-                if failed is not None:
-                    tail = self._do(i, failed, "log_tail")
-                    if "address already in use" in tail and restarts < 3:
+                taken = (bool(self.hosts) and failed is None and restarts < 3
+                         and port_taken(self._do(i, 0, "log_tail", 4000), _url_port(url)))
+                if taken or failed is not None:
+                    tail = self._do(i, 0 if taken else failed, "log_tail")
+                    if taken or ("address already in use" in tail and restarts < 3):
                         restarts += 1  # the free port was taken before the server bound it
+                        for node in range(len(self.hosts[i])):
+                            self._do(i, node, "stop")
                         self._start(i)
                         continue
                     raise RuntimeError(f"rollout server {i} (node {failed} of its TP group) exited with code "

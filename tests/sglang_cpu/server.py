@@ -40,26 +40,45 @@ class SGLangCPUServer:
 
     def __init__(self, model_dir: Path, cfg, log_dir: Path, index: int = 0, api_key: Optional[str] = None,
                  record_dir: Optional[str] = None):
-        from megarl.wire.addresses import free_port
-        from megarl.rollout.launch import LaunchSpec, ServerHost, sglang_args, sglang_key_file_text
+        from megarl.rollout.launch import ServerHost
 
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        key_file = str(log_dir / f"sglang_{index}.yaml") if api_key else None
-        self.args = sglang_args(cfg, model_dir, LaunchSpec(index, "127.0.0.1", self.port, key_file))
+        self._launch = (model_dir, cfg, log_dir, index, record_dir)
         self.host = ServerHost()
         self.log = log_dir / f"sglang_{index}.log"
-        private = {key_file: sglang_key_file_text(api_key)} if api_key else {}
+        self._start()
+
+    def _start(self) -> None:
+        """At a fresh free port, with megarl's flags for it."""
+        from megarl.rollout.launch import LaunchSpec, sglang_args, sglang_key_file_text
+        from megarl.wire.addresses import free_port
+
+        model_dir, cfg, log_dir, index, record_dir = self._launch
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        key_file = str(log_dir / f"sglang_{index}.yaml") if self.api_key else None
+        self.args = sglang_args(cfg, model_dir, LaunchSpec(index, "127.0.0.1", self.port, key_file))
+        private = {key_file: sglang_key_file_text(self.api_key)} if self.api_key else {}
         self.host.start(server_command() + self.args, harness_env(record_dir), str(self.log), private)
 
     def wait_ready(self, timeout_s: float = 400.0) -> "SGLangCPUServer":
-        try:
-            self.host.wait_healthy(self.url, timeout_s, poll_s=0.5)
-        except TimeoutError:
-            self.stop()
-            raise
+        """Until it answers /health; started again at another port (at most 3 times) when its free
+        port was taken before it bound it, as `RolloutServers` does."""
+        from megarl.rollout.launch import PortTaken
+
+        for attempt in range(4):
+            try:
+                self.host.wait_healthy(self.url, timeout_s, poll_s=0.5)
+                return self
+            except PortTaken:
+                if attempt == 3:
+                    self.stop()
+                    raise
+                self._start()   # (start stops the hung one first)
+            except TimeoutError:
+                self.stop()
+                raise
         return self
 
     def stop(self) -> None:
