@@ -479,14 +479,14 @@ class RolloutServers:
                 url = self.urls[i]
                 codes = [self._do(i, n, "poll") for n in range(len(self.hosts[i]))] if self.hosts else []
                 failed = next((n for n, c in enumerate(codes) if c is not None), None)
-                taken = (bool(self.hosts) and failed is None and restarts < 3
-                         and port_taken(self._do(i, 0, "log_tail", 4000), _url_port(url)))
+                running_tail = (self._do(i, 0, "log_tail", 4000)
+                                if self.hosts and failed is None and restarts < 3 else "")
+                taken = port_taken(running_tail, _url_port(url))
                 if taken or failed is not None:
-                    tail = self._do(i, 0 if taken else failed, "log_tail")
+                    tail = running_tail if taken else self._do(i, failed, "log_tail")
                     if taken or ("address already in use" in tail and restarts < 3):
                         restarts += 1  # the free port was taken before the server bound it
-                        for node in range(len(self.hosts[i])):
-                            self._do(i, node, "stop")
+                        self._stop_server(i)
                         self._start(i)
                         continue
                     raise RuntimeError(f"rollout server {i} (node {failed} of its TP group) exited with code "
@@ -500,6 +500,11 @@ class RolloutServers:
                     raise TimeoutError(f"rollout server {url} not healthy after {timeout_s:.0f}s; log {self.logs[i]}")
                 time.sleep(0.2)
 
+    def _stop_server(self, i: int) -> None:
+        """Stop server ``i`` on every node of its TP group (its whole process group, also when it hangs)."""
+        for node in range(len(self.hosts[i])):
+            self._do(i, node, "stop")
+
     def restart(self, i: int, timeout_s: float = 300.0) -> str:
         """Stop server ``i`` (its whole process group, also when it hangs) and start it again on its
         placement -- the same host actors, so the same bundles and node -- at a fresh port; returns
@@ -507,8 +512,7 @@ class RolloutServers:
         (or dummy ones for SGLang): the caller pushes the current ones."""
         if not self.restartable:
             raise RuntimeError(f"rollout server {self.urls[i]} was given by rollout.server_urls: megarl cannot restart it")
-        for node in range(len(self.hosts[i])):
-            self._do(i, node, "stop")
+        self._stop_server(i)
         self._start(i)
         self.wait_healthy(timeout_s, only=[i])
         return self.urls[i]
