@@ -46,7 +46,8 @@ def main():
                          "read; +fallback decodes, then samples (the served engine before session 12, and at TP > 1); "
                          "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +rope / +norope: RoPE and "
                          "the cache write inside the attention kernel / in their own kernel (unnamed: the default); "
-                         "the first is the baseline of the ratio")
+                         "+torchprefill: admissions prefill with the torch body (MEGARL_PREFILL_KERNELS=torch) instead "
+                         "of the decode step's kernels; the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
     ap.add_argument("--top-p", type=float, default=1.0,
@@ -226,7 +227,7 @@ def main_gpu(a):
             finally:
                 model.use_cuda_graphs = dev.type == "cuda"
 
-        per_mode, outputs, decode_only = {}, {}, {}
+        per_mode, outputs, decode_only, admit_s = {}, {}, {}, {}
         from megarl.engine import kernels as triton_kernels
         defaults = {k: getattr(triton_kernels, k) for k in ("SPLIT_KEYS", *ATTENTION_SWITCHES.values())}
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
@@ -235,7 +236,10 @@ def main_gpu(a):
             model.decode_overlap = "sync" not in suffixes
             _attention_split(triton_kernels, suffixes, defaults)
             eng.model = _WithoutLaunch(handle) if "fallback" in suffixes else handle   # (the engine is idle here)
+            os.environ["MEGARL_PREFILL_KERNELS"] = "torch" if "torchprefill" in suffixes else "auto"
             run_engine()
+            # the admission alone: every request ends at its prefill's token (one prefill of B x prompt)
+            admit_s[mode] = min(run_engine(new=1)[0] for _ in range(3))
             th_, _ = min(run_engine(new=a.new // 2) for _ in range(2))
             te, ne = min(run_engine() for _ in range(2))
             per_mode[mode], outputs[mode] = ne / te, run_engine.outputs
@@ -247,6 +251,7 @@ def main_gpu(a):
         modes = list(per_mode)
         kern = {f"{m}_kernels_tokens_per_s": v for m, v in per_mode.items()}
         kern.update({f"{m}_decode_only_tokens_per_s": v for m, v in decode_only.items()})
+        kern.update({f"{m}_admit_one_token_s": v for m, v in admit_s.items()})
         if len(modes) > 1:
             same = [x == y for x, y in zip(outputs[modes[0]], outputs[modes[-1]])]
             kern.update({f"ratio_{modes[-1]}_over_{modes[0]}": per_mode[modes[-1]] / per_mode[modes[0]],

@@ -119,6 +119,16 @@ decode_targets) # issue 29's decode targets: the default step at batch 1 / 32 / 
                 # rate (the same requests with half the new tokens subtracted: no prefill in it) beside the whole run's
         run 200 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 \
           --new 128 --no-hf --kernels triton,triton+again $DECODE_ARGS ;;
+prefill) # issue 29: admissions prefilled with the decode step's kernels (fused_prefill.py) vs the torch body, same
+         # run, each twice (A B A B: the drift); short prompts (the decode targets' runs) and 512-token prompts
+        for P in "1,32,128 --prompt 32 --new 128" "32,128 --prompt 512 --new 32"; do
+          run 280 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch $P --no-hf \
+            --kernels triton+torchprefill,triton,triton+torchprefill+again,triton+again; done ;;
+e2e_prefill) # issue 29: the GRPO loop (e2e_rand's sizes) with the fused prefill (the default), then the torch body's
+         run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda \
+           --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_ep1
+         MEGARL_PREFILL_KERNELS=torch run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m \
+           --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_ep2 ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
          run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;

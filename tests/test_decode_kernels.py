@@ -82,8 +82,9 @@ def test_fused_step_matches_the_torch_body(tmp_path, kernels, monkeypatch, famil
         assert fused._fused_views, "the fused step did not run"
         assert (a - b).abs().max().item() < 2e-5
         toks, pos = a.argmax(-1).cpu().numpy(), pos + 1
-    for c in ("k_cache", "v_cache"):
-        assert (getattr(ref, c) - getattr(fused, c)).abs().max().item() < 2e-5, c
+    for c in ("k_cache", "v_cache"):   # each row's positions so far (past them the fused prefill wrote its padding)
+        for u, n in enumerate(pos.tolist()):
+            assert (getattr(ref, c)[:, u, :, :n] - getattr(fused, c)[:, u, :, :n]).abs().max().item() < 2e-5, (c, u)
 
 
 @pytest.mark.parametrize("mode,shape,rows", FUSED_MODES)
@@ -111,6 +112,50 @@ def test_engine_with_the_fused_step_generates_what_hf_generates(tmp_path, kernel
         want = lp.gather(1, torch.tensor(o["output_ids"])[:, None])[:, 0]
         got = torch.tensor([lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
         assert (want - got).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_fused_prefill_matches_the_torch_body(tmp_path, kernels, monkeypatch, family):
+    """A prefill through the Triton kernels (fused_prefill.py) against the torch body: the last
+    tokens' logits and every real position's keys and values, rows of different lengths (right
+    padding) into a cache that holds NaN everywhere before -- attention must read nothing this
+    prefill did not write -- then decode steps on from it. A prefill after a copied prefix and an
+    MoE model take the torch body."""
+    import megarl.engine.fused_prefill as fp
+    d = str(tmp_path / family)
+    make_tiny_hf_model(d, family, std=0.3)
+    ref, fused = _model(d, "torch"), _model(d, "triton")
+    calls = []
+    body = fp.prefill_body
+    monkeypatch.setattr(fp, "prefill_body", lambda *a, **k: calls.append(1) or body(*a, **k))
+    want_calls = 0 if family == "qwen3_moe" else 1
+    for m in (ref, fused):
+        m.k_cache.fill_(float("nan"))
+        m.v_cache.fill_(float("nan"))
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 1, 37, 12]
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+    a, b = ref.prefill(seqs, 0), fused.prefill(seqs, 0)
+    assert len(calls) == want_calls
+    assert b.dtype == torch.float32 and (a - b).abs().max().item() < 2e-5
+    for c in ("k_cache", "v_cache"):
+        for u, n in enumerate(lens):
+            want, got = getattr(ref, c)[:, u, :, :n], getattr(fused, c)[:, u, :, :n]
+            assert (want - got).abs().max().item() < 2e-5, (c, u)
+    for m in (ref, fused):   # (the torch decode body's masked SDPA would turn NaN keys into NaN)
+        m.k_cache.nan_to_num_(0.0)
+        m.v_cache.nan_to_num_(0.0)
+    toks, pos = np.array([7, 8, 9, 10]), np.array(lens)
+    for _ in range(3):
+        a, b = ref.decode(toks, pos), fused.decode(toks, pos)
+        assert (a - b).abs().max().item() < 2e-5
+        toks, pos = a.argmax(-1).cpu().numpy(), pos + 1
+    # the 37-token prompt's prefix copied into row 4: only its last token is computed (torch body)
+    for m in (ref, fused):
+        m.copy_rows([2], [4], 36)
+    a, b = ref.prefill([seqs[2][36:]], 4, starts=[36]), fused.prefill([seqs[2][36:]], 4, starts=[36])
+    assert len(calls) == want_calls
+    assert (a - b).abs().max().item() < 2e-5
 
 
 def _sdpa_row(q, kc, vc, b, keys, group):
@@ -236,11 +281,11 @@ def test_the_torch_body_serves_what_the_kernels_do_not(tmp_path, kernels):
     d = str(tmp_path / "odd")
     make_tiny_hf_model(d, "llama", head_dim=24, num_attention_heads=4, num_key_value_heads=2)
     m = _model(d, "triton")
-    m.prefill([[1, 2, 3]], 0)
     with pytest.raises(RuntimeError, match="head_dim 24 is not a power of two"):
-        m.decode(np.array([4]), np.array([3]))
+        m.prefill([[1, 2, 3]], 0)   # (the prefill runs the kernels too: the first forward says it)
     m.decode_kernels = "auto"
     m._fused_views = None
+    m.prefill([[1, 2, 3]], 0)
     assert m.decode(np.array([4]), np.array([3])).shape == (1, 256)
     assert m._fused_decode_views() is None
 
@@ -249,9 +294,8 @@ def test_the_projection_kernels_say_which_head_size_they_need(tmp_path, kernels)
     d = str(tmp_path / "small_heads")
     make_tiny_hf_model(d, "llama", head_dim=16)
     m = _model(d, "triton-proj")
-    m.prefill([[1, 2, 3]], 0)
     with pytest.raises(RuntimeError, match="head_dim 16 < 32"):
-        m.decode(np.array([4]), np.array([3]))
+        m.prefill([[1, 2, 3]], 0)
 
 
 def test_fused_sampling_draws_what_the_torch_sampler_draws(kernels):

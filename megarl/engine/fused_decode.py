@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +115,43 @@ def graph_key_length(key_len: int, max_len: int) -> int:
     return kernels.attention_len_class(key_len, max_len)
 
 
+def run_layers(model: "DecoderModel", views: List[LayerViews], x: torch.Tensor, attention: Callable,
+               proj=None) -> Tuple[torch.Tensor, _Pending]:
+    """Every layer over the residual stream ``x`` ``[N, H]`` (one row per token): ``attention(i,
+    views[i], x, y)`` -> (attention output ``[N, heads * D]``, the residual) makes the input norm of
+    the branch output ``y`` still to add, q/k/v, RoPE, the cache write and attention -- what differs
+    between a decode step and a prefill; o_proj and the MLP block (add + RMSNorm, gate/up as one
+    GEMM, SiLU-and-mul, down_proj; an MoE layer's torch MLP) are the same for both. Returns (the
+    residual, the last branch output, not yet added)."""
+    from . import kernels   # triton: imported only where the fused kernels run
+    P, eps = model.params, model.spec.rms_norm_eps
+    y = _Pending()                                              # the branch output still to add
+    for i, v in enumerate(views):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        w_post = P[f"model.layers.{i}.post_attention_layernorm.weight"]
+        o, x = attention(i, v, x, y)
+        y = _row_parallel(model, proj, o, P[a + "o_proj.weight"], P.get(a + "o_proj.bias"))
+        if v.gate_up_weight is None:   # MoE layer: the torch path (routing needs the host)
+            h, x = y.norm(kernels, proj, x, w_post, eps)
+            y = _Pending(model._mlp(i, h[:, None])[:, 0])
+            continue
+        if proj is not None:
+            inp = y.normed(proj, x, w_post, eps)
+            act = proj.gate_up_silu(proj.projection_input(inp), v.gate_up_weight, v.gate_up_bias)
+            x = inp.x_out
+        else:
+            h, x = y.norm(kernels, proj, x, w_post, eps)
+            act = kernels.silu_mul(F.linear(h, v.gate_up_weight, v.gate_up_bias))
+        y = _row_parallel(model, proj, act, P[m + "down_proj.weight"], P.get(m + "down_proj.bias"))
+    return x, y
+
+
+def qk_norm_weights(model: "DecoderModel", i: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]:
+    """Layer ``i``'s (q_norm, k_norm, eps): qwen3's per-head norms, None for the other families."""
+    a, P = f"model.layers.{i}.self_attn.", model.params
+    return P.get(a + "q_norm.weight"), P.get(a + "k_norm.weight"), model.spec.rms_norm_eps
+
+
 def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tensor, pos: torch.Tensor,
                 B: int, Lk: int, route_ctx=None, projections: bool = False) -> Optional[torch.Tensor]:
     """Decode rows ``[0, B)`` (token ``ids[b]`` at ``pos[b]``) attending over at most ``Lk`` keys;
@@ -126,45 +163,33 @@ def decode_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tenso
     proj = None
     if projections:
         from . import proj_kernels as proj
-    s, P = model.spec, model.params
-    nh, nkv, D, eps = model.nh, model.nkv, s.head_dim, s.rms_norm_eps
-    scale = 1.0 / math.sqrt(D)
+    P = model.params
+    nh, nkv, eps = model.nh, model.nkv, model.spec.rms_norm_eps
+    scale = 1.0 / math.sqrt(model.spec.head_dim)
     splits = kernels.attention_splits(Lk)
+
+    def attention(i: int, v: LayerViews, x: torch.Tensor, y: _Pending):
+        w_in = P[f"model.layers.{i}.input_layernorm.weight"]
+        qk_norm = qk_norm_weights(model, i)
+        rope = (pos, model.rope_cos, model.rope_sin, model.k_cache[i], model.v_cache[i], nh, nkv) + qk_norm
+        in_attention = None   # RoPE + the cache write done by the attention kernel
+        if proj is not None:
+            inp = y.normed(proj, x, w_in, eps)
+            q = proj.qkv_rope(proj.projection_input(inp), v.qkv_weight, v.qkv_bias, *rope)
+            x = inp.x_out
+        else:
+            h, x = y.norm(kernels, proj, x, w_in, eps)
+            q = F.linear(h, v.qkv_weight, v.qkv_bias)
+            if kernels.ROPE_IN_ATTENTION:
+                in_attention = (nh, model.rope_cos, model.rope_sin) + qk_norm
+            else:
+                q = kernels.rope_and_store(q, *rope)
+        return kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits, in_attention), x
+
     x = F.embedding(ids, P["model.embed_tokens.weight"])       # [B, H]: the residual stream
-    y = _Pending()                                              # the branch output still to add
     model._route_ctx = route_ctx
     try:
-        for i, v in enumerate(views):
-            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            w_in, w_post = P[f"model.layers.{i}.input_layernorm.weight"], P[f"model.layers.{i}.post_attention_layernorm.weight"]
-            qk_norm = (P.get(a + "q_norm.weight"), P.get(a + "k_norm.weight"), eps)
-            rope = (pos, model.rope_cos, model.rope_sin, model.k_cache[i], model.v_cache[i], nh, nkv) + qk_norm
-            in_attention = None   # RoPE + the cache write done by the attention kernel
-            if proj is not None:
-                inp = y.normed(proj, x, w_in, eps)
-                q = proj.qkv_rope(proj.projection_input(inp), v.qkv_weight, v.qkv_bias, *rope)
-                x = inp.x_out
-            else:
-                h, x = y.norm(kernels, proj, x, w_in, eps)
-                q = F.linear(h, v.qkv_weight, v.qkv_bias)
-                if kernels.ROPE_IN_ATTENTION:
-                    in_attention = (nh, model.rope_cos, model.rope_sin) + qk_norm
-                else:
-                    q = kernels.rope_and_store(q, *rope)
-            o = kernels.decode_attention(q, model.k_cache[i], model.v_cache[i], pos, Lk, scale, splits, in_attention)
-            y = _row_parallel(model, proj, o, P[a + "o_proj.weight"], P.get(a + "o_proj.bias"))
-            if v.gate_up_weight is None:   # MoE layer: the torch path (routing needs the host)
-                h, x = y.norm(kernels, proj, x, w_post, eps)
-                y = _Pending(model._mlp(i, h[:, None])[:, 0])
-                continue
-            if proj is not None:
-                inp = y.normed(proj, x, w_post, eps)
-                act = proj.gate_up_silu(proj.projection_input(inp), v.gate_up_weight, v.gate_up_bias)
-                x = inp.x_out
-            else:
-                h, x = y.norm(kernels, proj, x, w_post, eps)
-                act = kernels.silu_mul(F.linear(h, v.gate_up_weight, v.gate_up_bias))
-            y = _row_parallel(model, proj, act, P[m + "down_proj.weight"], P.get(m + "down_proj.bias"))
+        x, y = run_layers(model, views, x, attention, proj)
     finally:
         model._route_ctx = None
     if model.tp_rank != 0:

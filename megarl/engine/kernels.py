@@ -79,11 +79,12 @@ def rope_rotate(x1, x2, c, s, dt: tl.constexpr):
 
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr,
+def _rope_store_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr,
                        stride_qkv, stride_qb, stride_kr, stride_kh, stride_kp, stride_cs, NH, NKV, eps,
-                       HALF: tl.constexpr, QK_NORM: tl.constexpr):
+                       HALF: tl.constexpr, QK_NORM: tl.constexpr, HAS_ROWS: tl.constexpr):
     """Program (b, h): query head h < NH -> rotated into ``q[b, h]``; key head h - NH -> rotated
-    into the cache at row b, position pos[b], its value head copied beside it."""
+    into the cache at row b (HAS_ROWS: row ``rows[b]``, a prefill's token b), position pos[b],
+    its value head copied beside it."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.load(pos_ptr + b)
@@ -97,8 +98,11 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr
         tl.store(dst + HALF + d, o2)
     else:
         kh = h - NH
+        r = b
+        if HAS_ROWS:
+            r = tl.load(row_ptr + b)
         _store_new_key(qkv_ptr + b * stride_qkv, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr,
-                       b * stride_kr + kh * stride_kh + p * stride_kp, p, kh, NH, NKV, stride_cs, eps, HALF, QK_NORM, dt)
+                       r * stride_kr + kh * stride_kh + p * stride_kp, p, kh, NH, NKV, stride_cs, eps, HALF, QK_NORM, dt)
 
 
 @triton.jit
@@ -492,17 +496,19 @@ def add_rms_norm(x: torch.Tensor, y: Optional[torch.Tensor], w: torch.Tensor, ep
 def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, nh: int, nkv: int,
                    q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
-                   eps: float = 0.0) -> torch.Tensor:
+                   eps: float = 0.0, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``qkv [B, (nh + 2 nkv) * D]`` -> rotated queries ``[B, nh, D]``; keys (rotated) and values go
-    to row b, position ``pos[b]`` of the layer's caches ``[rows, nkv, max_len, D]``."""
+    to row b (``rows[b]`` when given: a prefill's tokens, many per row), position ``pos[b]`` of the
+    layer's caches ``[rows, nkv, max_len, D]``."""
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     q = torch.empty(B, nh, D, dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
-    _rope_store_kernel[(B, nh + nkv)](qkv, pos, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, q,
+    _rope_store_kernel[(B, nh + nkv)](qkv, pos, rows if rows is not None else pos, cos, sin,
+                                      q_norm if norm else qkv, k_norm if norm else qkv, q,
                                       k_cache, v_cache, qkv.stride(0), q.stride(0), k_cache.stride(0),
                                       k_cache.stride(1), k_cache.stride(2), cos.stride(0), nh, nkv, eps,
-                                      HALF=D // 2, QK_NORM=norm)
+                                      HALF=D // 2, QK_NORM=norm, HAS_ROWS=rows is not None)
     return q
 
 

@@ -41,7 +41,7 @@ from megarl.quant.fp8_block import quantize_block_fp8
 from megarl.quant.served import block_fp8_settings, scale_name, split_scale_name
 
 from .fp8 import FP8_KEY, SCALE_KEY, Fp8Store
-from . import fused_decode
+from . import fused_decode, fused_prefill
 from .graphs import DecodeGraphs
 from .lora import Adapter, lora_delta
 from .shard import local_part, local_shape
@@ -794,10 +794,13 @@ class DecoderModel:
         ids = torch.zeros(U, T, dtype=torch.long)
         for b, q in enumerate(seqs):
             ids[b, : len(q)] = torch.tensor(q, dtype=torch.long)
+        dev = self.device
+        views = self._fused_prefill_views(starts, loras)
+        if views is not None:
+            return fused_prefill.prefill_body(self, views, ids.to(dev), lens.to(dev), row0)
         t_ar = torch.arange(T)
         pos = st[:, None] + t_ar[None, :]
         b_idx, t_idx = torch.nonzero(t_ar[None, :] < lens[:, None], as_tuple=True)
-        dev = self.device
         write = tuple(z.to(dev) for z in (b_idx + row0, pos[b_idx, t_idx], b_idx, t_idx))
         if int(st.max()) == 0:   # from the start: causal over the batch's own keys -- rows are
             a = _Attn("local", None, write=write)   # right-padded, so a token's earlier positions are its own
@@ -926,6 +929,16 @@ class DecoderModel:
                                    f"({why or 'q/k/v or gate/up weights are not adjacent'})")
             self._fused_views = views if views is not None else []
         return self._fused_views or None
+
+    def _fused_prefill_views(self, starts: Optional[List[int]], loras: Optional[Sequence[Optional[str]]]) -> Optional[list]:
+        """The fused projection views when a prefill runs the Triton kernels (`fused_prefill.py`):
+        where the decode step does, from position 0 (no copied prefix), without LoRA, dense
+        layers only (MoE routes are recorded by the torch body); else None (the torch body).
+        ``MEGARL_PREFILL_KERNELS=torch`` keeps the torch body (the same-run baseline of benchmarks)."""
+        if (os.environ.get("MEGARL_PREFILL_KERNELS", "auto") == "torch" or self.spec.moe_layers
+                or (starts is not None and any(starts)) or (loras is not None and any(loras))):
+            return None
+        return self._fused_decode_views()
 
     @torch.inference_mode()
     def forward_full(self, ids: List[int], lora: Optional[str] = None) -> Optional[torch.Tensor]:
