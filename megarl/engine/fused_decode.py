@@ -5,7 +5,8 @@ of forward, but a decode step runs it with one token per row, where each of its 
 layer is tiny and the step is bound by kernel count, not bytes. Here a layer is: residual add +
 RMSNorm (one kernel), the q/k/v projections as ONE GEMM, RoPE + the cache write (one kernel),
 flash-decoding attention over the keys each row holds (one or two), o_proj, add + RMSNorm, the
-gate/up projections as ONE GEMM, SiLU-and-mul (one), down_proj.
+gate/up projections as ONE GEMM, SiLU-and-mul (one), down_proj. The layer loop (`run_layers`) is
+shared with the prefill (`fused_prefill.py`), which differs only in its attention.
 
 The fused projections cost no copy: the model keeps q/k/v (and gate/up) weights back to back in
 its flat parameter buffer (`DecoderModel._alloc`), so their concatenation is a view (`FusedViews`).
