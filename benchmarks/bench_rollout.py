@@ -230,6 +230,7 @@ def main_gpu(a):
         per_mode, outputs, decode_only, admit_s = {}, {}, {}, {}
         from megarl.engine import kernels as triton_kernels
         defaults = {k: getattr(triton_kernels, k) for k in ("SPLIT_KEYS", *ATTENTION_SWITCHES.values())}
+        prefill_env = os.environ.get("MEGARL_PREFILL_KERNELS")
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
             kern_mode, *suffixes = mode.split("+")   # "triton+sync": no step launched ahead
             model.decode_kernels, model._fused_views, model.graphs = kern_mode, None, None
@@ -248,6 +249,10 @@ def main_gpu(a):
             # full batch -- long prompts' prefill does not hide the decode step's own speed
             # (None where the two runs' noise swallowed the difference)
             decode_only[mode] = B * (a.new - a.new // 2) / (te - th_) if te > th_ else None
+        if prefill_env is None:   # (the eager, FP8 and parity runs: the caller's prefill setting)
+            os.environ.pop("MEGARL_PREFILL_KERNELS", None)
+        else:
+            os.environ["MEGARL_PREFILL_KERNELS"] = prefill_env
         modes = list(per_mode)
         kern = {f"{m}_kernels_tokens_per_s": v for m, v in per_mode.items()}
         kern.update({f"{m}_decode_only_tokens_per_s": v for m, v in decode_only.items()})

@@ -137,7 +137,7 @@ def test_fused_prefill_matches_the_torch_body(tmp_path, kernels, monkeypatch, fa
     seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
     a, b = ref.prefill(seqs, 0), fused.prefill(seqs, 0)
     assert len(calls) == want_calls
-    assert b.dtype == torch.float32 and (a - b).abs().max().item() < 2e-5
+    assert (a - b).abs().max().item() < 2e-5
     for c in ("k_cache", "v_cache"):
         for u, n in enumerate(lens):
             want, got = getattr(ref, c)[:, u, :, :n], getattr(fused, c)[:, u, :, :n]

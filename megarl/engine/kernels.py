@@ -30,8 +30,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"   # kernels run on CPU te
 def _add_rms_kernel(x_ptr, y_ptr, w_ptr, h_ptr, H, eps, stride_x, stride_y, stride_h,
                     HAS_Y: tl.constexpr, BLOCK: tl.constexpr):
     """Row ``r``: ``x[r] += y[r]`` (in place, rounded to x's dtype) when HAS_Y, then
-    ``h[r] = w * rmsnorm(x[r])``."""
-    row = tl.program_id(0)
+    ``h[r] = w * rmsnorm(x[r])`` (row offsets in int64, as in `_silu_mul_kernel`)."""
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < H
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
@@ -84,8 +84,8 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_p
                        HALF: tl.constexpr, QK_NORM: tl.constexpr, HAS_ROWS: tl.constexpr):
     """Program (b, h): query head h < NH -> rotated into ``q[b, h]``; key head h - NH -> rotated
     into the cache at row b (HAS_ROWS: row ``rows[b]``, a prefill's token b), position pos[b],
-    its value head copied beside it."""
-    b = tl.program_id(0)
+    its value head copied beside it. (Token offsets in int64, as in `_silu_mul_kernel`.)"""
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.load(pos_ptr + b)
     dt = q_ptr.dtype.element_ty
@@ -282,8 +282,9 @@ def _combine_kernel(part_ptr, ml_ptr, out_ptr, NH, stride_ob, GROUP: tl.constexp
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_o, BLOCK: tl.constexpr):
-    """``out[b] = silu(gate[b]) * up[b]`` where ``gu[b] = [gate | up]`` (the fused gate/up GEMM)."""
-    b = tl.program_id(0)
+    """``out[b] = silu(gate[b]) * up[b]`` where ``gu[b] = [gate | up]`` (the fused gate/up GEMM).
+    Row offsets in int64: a prefill's rows x 2I passes 2^31 (7B: 57k padded tokens)."""
+    b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
     g = tl.load(gu_ptr + b * stride_gu + offs, mask=m, other=0.0).to(tl.float32)

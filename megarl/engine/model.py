@@ -790,7 +790,6 @@ class DecoderModel:
         U = len(seqs)
         lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
         T = int(lens.max())
-        st = torch.tensor(starts if starts is not None else [0] * U, dtype=torch.long)
         ids = torch.zeros(U, T, dtype=torch.long)
         for b, q in enumerate(seqs):
             ids[b, : len(q)] = torch.tensor(q, dtype=torch.long)
@@ -798,6 +797,7 @@ class DecoderModel:
         views = self._fused_prefill_views(starts, loras)
         if views is not None:
             return fused_prefill.prefill_body(self, views, ids.to(dev), lens.to(dev), row0)
+        st = torch.tensor(starts if starts is not None else [0] * U, dtype=torch.long)
         t_ar = torch.arange(T)
         pos = st[:, None] + t_ar[None, :]
         b_idx, t_idx = torch.nonzero(t_ar[None, :] < lens[:, None], as_tuple=True)
