@@ -44,7 +44,8 @@ def main():
                          "triton-proj (fused, projections in Triton too) | "
                          "torch (the reference body); a +sync suffix turns off launching step t+1 before step t is "
                          "read; +fallback decodes, then samples (the served engine before session 12, and at TP > 1); "
-                         "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +rope / +norope: RoPE and "
+                         "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +blkN / +warpsN / +stagesN: "
+                         "the attention kernel's keys per block, warps and pipeline stages; +rope / +norope: RoPE and "
                          "the cache write inside the attention kernel / in their own kernel (unnamed: the default); "
                          "+torchprefill: admissions prefill with the torch body (MEGARL_PREFILL_KERNELS=torch) instead "
                          "of the decode step's kernels; the first is the baseline of the ratio")
@@ -154,13 +155,17 @@ def copy_bandwidth(dev, nbytes=2 << 30) -> float:
 
 
 ATTENTION_SWITCHES = {"rope": "ROPE_IN_ATTENTION"}
+ATTENTION_NUMBERS = {"split": "SPLIT_KEYS", "blk": "ATTN_BLOCK_KEYS", "warps": "ATTN_WARPS", "stages": "ATTN_STAGES"}
 
 
 def _attention_split(kernels, suffixes, defaults: dict) -> None:
-    """Apply a mode's attention suffixes to the Triton step: +splitN, and +NAME / +noNAME for each
+    """Apply a mode's attention suffixes to the Triton step: +splitN, +blkN, +warpsN, +stagesN (each
+    of ATTENTION_NUMBERS), and +NAME / +noNAME for each
     of ATTENTION_SWITCHES; a switch a mode does not name keeps the module's default (``defaults``:
     the values as imported), so a plain "triton" times what runs."""
-    kernels.SPLIT_KEYS = next((int(x[5:]) for x in suffixes if x.startswith("split")), defaults["SPLIT_KEYS"])
+    for prefix, name in ATTENTION_NUMBERS.items():
+        setattr(kernels, name, next((int(x[len(prefix):]) for x in suffixes
+                                     if x.startswith(prefix) and x[len(prefix):].isdigit()), defaults[name]))
     for name, switch in ATTENTION_SWITCHES.items():
         on = name in suffixes or defaults[switch] and f"no{name}" not in suffixes
         setattr(kernels, switch, on)
@@ -229,7 +234,7 @@ def main_gpu(a):
 
         per_mode, outputs, decode_only, admit_s = {}, {}, {}, {}
         from megarl.engine import kernels as triton_kernels
-        defaults = {k: getattr(triton_kernels, k) for k in ("SPLIT_KEYS", *ATTENTION_SWITCHES.values())}
+        defaults = {k: getattr(triton_kernels, k) for k in (*ATTENTION_NUMBERS.values(), *ATTENTION_SWITCHES.values())}
         prefill_env = os.environ.get("MEGARL_PREFILL_KERNELS")
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
             kern_mode, *suffixes = mode.split("+")   # "triton+sync": no step launched ahead
@@ -265,9 +270,13 @@ def main_gpu(a):
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 tp_, np_ = run_engine()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_admit:
+                ta_, na_ = run_engine(new=1)   # the admission alone: its kernels' time vs its wall
             with open(a.profile, "a") as f:
                 f.write(f"== batch {B}, kernels {modes[-1]}: {np_} tokens in {tp_:.3f} s\n")
                 f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25) + "\n")
+                f.write(f"== batch {B}, kernels {modes[-1]}, admission only: {na_} tokens in {ta_:.4f} s\n")
+                f.write(prof_admit.key_averages().table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
         run_eager()
         tx, nx = min(run_eager() for _ in range(2))
         eng.stop()

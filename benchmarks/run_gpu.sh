@@ -129,6 +129,13 @@ e2e_prefill) # issue 29: the GRPO loop (e2e_rand's sizes) with the fused prefill
            --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_ep1
          MEGARL_PREFILL_KERNELS=torch run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m \
            --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_ep2 ;;
+attn_block) # issue 29: the decode attention's keys per block (one dependent round of loads each; 64 = the default),
+            # warps and pipeline stages, then the default again; greedy, same run; short contexts (the decode
+            # targets' runs) and 2000-token prompts (8 splits of 256 keys)
+        run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 \
+          --no-hf --kernels triton,triton+blk128,triton+blk256,triton+blk256+warps8,triton+blk128+stages1,triton+warps2,triton+again
+        run 240 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32 --prompt 2000 --new 64 \
+          --no-hf --kernels triton,triton+blk128,triton+blk256,triton+again ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
          run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;

@@ -522,6 +522,11 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
 # Merging the splits in the attention kernel and loading values with the keys gained nothing at
 # 160- or 2k-key contexts (benchmarks/RESULTS.md sections 27-28) and were taken out.
 SPLIT_KEYS = 256           # keys per split of a decode step's attention (see `attention_splits`)
+# One attention program walks its split in blocks of at most ATTN_BLOCK_KEYS keys (half that past 128
+# dims), one dependent round of loads per block, with ATTN_WARPS warps and ATTN_STAGES pipeline stages.
+ATTN_BLOCK_KEYS = 64
+ATTN_WARPS = 4
+ATTN_STAGES = 3
 ROPE_IN_ATTENTION = True   # the fused step rotates q/k inside the attention kernel (no `_rope_store_kernel`)
 
 
@@ -561,10 +566,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         nh, cos, sin, q_norm, k_norm, eps = q.shape[1], q, q, None, None, 0.0
     group = nh // nkv
     splits = splits or attention_splits(key_len)
-    # keys per block: up to 64 (32 past 128 dims), down to what one split holds (short splits: no
+    # keys per block: up to ATTN_BLOCK_KEYS (half past 128 dims), down to what one split holds (short splits: no
     # half-masked blocks, so a split of 32 keys reads 32, not 64)
     held = SPLIT_KEYS if per_row else triton.cdiv(key_len, splits)
-    block_n = min(64 if D <= 128 else 32, max(16, triton.next_power_of_2(held)))
+    block_n = min(ATTN_BLOCK_KEYS if D <= 128 else ATTN_BLOCK_KEYS // 2, max(16, triton.next_power_of_2(held)))
     # the interpreter's loop bound: every block of the longest row's (longest) split
     blocks = triton.cdiv(key_len, block_n) if per_row else triton.cdiv(triton.cdiv(key_len, splits), block_n)
     out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
@@ -584,7 +589,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                           BLOCK_N=block_n, NUM_SPLITS=splits,
                                           ROPE=rope is not None, QK_NORM=norm, IEEE=ieee,
                                           ROW_SPLIT_KEYS=SPLIT_KEYS if per_row else 0, INTERPRET=_INTERPRET,
-                                          INTERPRET_BLOCKS=blocks if _INTERPRET else 0)
+                                          INTERPRET_BLOCKS=blocks if _INTERPRET else 0,
+                                          num_warps=ATTN_WARPS, num_stages=ATTN_STAGES)
     if splits > 1:
         _combine_kernel[(B, nkv)](part, ml, out, nh, out.stride(0), GROUP=group,
                                   BLOCK_G=block_g, NUM_SPLITS=splits, D=D)
