@@ -48,7 +48,8 @@ def main():
                          "the attention kernel's keys per block, warps and pipeline stages; +rope / +norope: RoPE and "
                          "the cache write inside the attention kernel / in their own kernel (unnamed: the default); "
                          "+torchprefill: admissions prefill with the torch body (MEGARL_PREFILL_KERNELS=torch) instead "
-                         "of the decode step's kernels; the first is the baseline of the ratio")
+                         "of the decode step's kernels; +nopgraph: small prefills eager, not replayed from CUDA "
+                         "graphs (MEGARL_PREFILL_GRAPH_TOKENS=0); the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
     ap.add_argument("--top-p", type=float, default=1.0,
@@ -236,6 +237,7 @@ def main_gpu(a):
         from megarl.engine import kernels as triton_kernels
         defaults = {k: getattr(triton_kernels, k) for k in (*ATTENTION_NUMBERS.values(), *ATTENTION_SWITCHES.values())}
         prefill_env = os.environ.get("MEGARL_PREFILL_KERNELS")
+        graph_env = os.environ.get("MEGARL_PREFILL_GRAPH_TOKENS")
         for mode in a.kernels.split(","):   # each decode step in its own graphs; the last one stays
             kern_mode, *suffixes = mode.split("+")   # "triton+sync": no step launched ahead
             model.decode_kernels, model._fused_views, model.graphs = kern_mode, None, None
@@ -243,6 +245,13 @@ def main_gpu(a):
             _attention_split(triton_kernels, suffixes, defaults)
             eng.model = _WithoutLaunch(handle) if "fallback" in suffixes else handle   # (the engine is idle here)
             os.environ["MEGARL_PREFILL_KERNELS"] = "torch" if "torchprefill" in suffixes else "auto"
+            model.prefill_graphs = None   # (made again with this mode's token limit)
+            if "nopgraph" in suffixes:
+                os.environ["MEGARL_PREFILL_GRAPH_TOKENS"] = "0"
+            elif graph_env is None:
+                os.environ.pop("MEGARL_PREFILL_GRAPH_TOKENS", None)
+            else:
+                os.environ["MEGARL_PREFILL_GRAPH_TOKENS"] = graph_env
             run_engine()
             # the admission alone: every request ends at its prefill's token (one prefill of B x prompt)
             admit_s[mode] = min(run_engine(new=1)[0] for _ in range(3))
@@ -254,6 +263,8 @@ def main_gpu(a):
             # full batch -- long prompts' prefill does not hide the decode step's own speed
             # (None where the two runs' noise swallowed the difference)
             decode_only[mode] = B * (a.new - a.new // 2) / (te - th_) if te > th_ else None
+        if graph_env is not None:
+            os.environ["MEGARL_PREFILL_GRAPH_TOKENS"] = graph_env
         if prefill_env is None:   # (the eager, FP8 and parity runs: the caller's prefill setting)
             os.environ.pop("MEGARL_PREFILL_KERNELS", None)
         else:

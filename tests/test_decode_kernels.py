@@ -158,6 +158,41 @@ def test_fused_prefill_matches_the_torch_body(tmp_path, kernels, monkeypatch, fa
     assert (a - b).abs().max().item() < 2e-5
 
 
+def test_graphed_prefill_gives_the_eager_prefill_and_stores_nothing_for_its_padding(tmp_path, kernels, monkeypatch):
+    """Small prefills replay a captured graph (`PrefillGraphs`, emulated on CPU: the body replayed
+    on the static buffers, as a CUDA graph replays it): rows padded to a power of two with
+    sequences of row -1, lengths to a power of two. Against the eager fused prefill of the same
+    sequences: the same logits and real positions' keys and values; rows outside the admission keep
+    the NaN they held (a padding sequence that stored its keys would overwrite one); a second
+    admission of the same bucket replays without a capture; one past the token limit runs eagerly."""
+    import megarl.engine.model as model_mod
+    from tests.helpers.graphs import EmulatedPrefillGraphs
+    d = str(tmp_path / "qwen2")
+    make_tiny_hf_model(d, "qwen2", std=0.3)
+    eager, graphed = _model(d, "triton"), _model(d, "triton")
+    monkeypatch.setattr(model_mod, "PrefillGraphs", EmulatedPrefillGraphs)
+    monkeypatch.setenv("MEGARL_PREFILL_GRAPH_TOKENS", "64")
+    graphed.use_cuda_graphs = True     # (prefill only here: the decode graphs are CUDA's)
+    g = torch.Generator().manual_seed(5)
+    for lens, row0 in (([5, 9, 3], 1), ([8, 2, 11], 2)):   # 3 rows x 16 positions: bucket (4, 16)
+        for m in (eager, graphed):
+            m.k_cache.fill_(float("nan"))
+            m.v_cache.fill_(float("nan"))
+        seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+        a, b = eager.prefill(seqs, row0), graphed.prefill(seqs, row0)
+        assert b.shape == a.shape and (a - b).abs().max().item() < 2e-5
+        for c in ("k_cache", "v_cache"):
+            for u, n in enumerate(lens):
+                want, got = getattr(eager, c)[:, row0 + u, :, :n], getattr(graphed, c)[:, row0 + u, :, :n]
+                assert (want - got).abs().max().item() < 2e-5, (c, u)
+            others = [r for r in range(graphed.max_slots) if not row0 <= r < row0 + len(lens)]
+            assert torch.isnan(getattr(graphed, c)[:, others]).all(), c
+    assert set(graphed.prefill_graphs.graphs) == {(4, 16)} and graphed.prefill_graphs.captures == 1
+    seqs = [torch.randint(0, 256, (40,), generator=g).tolist() for _ in range(2)]   # 2 x 64 > 64 tokens
+    a, b = eager.prefill(seqs, 0), graphed.prefill(seqs, 0)
+    assert (a - b).abs().max().item() < 2e-5 and graphed.prefill_graphs.captures == 1
+
+
 def _sdpa_row(q, kc, vc, b, keys, group):
     """The reference for row ``b`` of a decode step: SDPA of its query heads ``q[b]`` over its own
     first ``keys`` cached keys and values, each kv head shared by ``group`` query heads -> ``[nh, D]``."""

@@ -33,28 +33,35 @@ if TYPE_CHECKING:
 
 
 def prefill_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tensor, lens: torch.Tensor,
-                 row0: int) -> Optional[torch.Tensor]:
+                 rows: torch.Tensor, row0: Optional[int] = None) -> Optional[torch.Tensor]:
     """Prefill ``ids`` ``[U, T]`` (right-padded on the device; ``lens`` ``[U]`` the real lengths,
-    on the device) into cache rows ``row0 ... row0 + U - 1`` from position 0. fp32 logits ``[U, V]``
-    of each sequence's last token (None on TP ranks > 0)."""
+    on the device) into cache rows ``rows`` ``[U]`` (on the device) from position 0. A row of -1 is
+    a padding sequence of a captured bucket (`PrefillGraphs`): nothing of it is stored, and its
+    logits are to be dropped. ``row0``: the rows are ``row0 ... row0 + U - 1``, so attention reads
+    their slice of the cache (no gather; not graph-safe, the slice bakes in row0). fp32 logits
+    ``[U, V]`` of each sequence's last token (None on TP ranks > 0). No host sync: capturable."""
     from . import kernels   # triton: imported only where the fused kernels run
     P = model.params
     U, T = ids.shape
     nh, nkv, D, eps = model.nh, model.nkv, model.spec.head_dim, model.spec.rms_norm_eps
     scale = 1.0 / math.sqrt(D)
     dev = ids.device
-    pos = torch.arange(T, device=dev).repeat(U)                            # token u*T + t sits at t
-    rows = torch.arange(row0, row0 + U, device=dev).repeat_interleave(T)   # ... of cache row row0 + u
+    pos = torch.arange(T, device=dev).repeat(U)         # token u*T + t sits at t
+    token_rows = rows[:, None].expand(U, T).reshape(-1)  # ... of cache row rows[u]
+    read_rows = None if row0 is not None else rows.clamp(min=0)   # (padding: any row, outputs dropped)
 
     def attention(i: int, v: LayerViews, x: torch.Tensor, y: _Pending):
         h, x = y.norm(kernels, None, x, P[f"model.layers.{i}.input_layernorm.weight"], eps)
         kc, vc = model.k_cache[i], model.v_cache[i]
         q = kernels.rope_and_store(F.linear(h, v.qkv_weight, v.qkv_bias), pos, model.rope_cos, model.rope_sin,
-                                   kc, vc, nh, nkv, *qk_norm_weights(model, i), rows=rows)
+                                   kc, vc, nh, nkv, *qk_norm_weights(model, i), rows=token_rows)
+        if row0 is not None:
+            keys, values = kc[row0:row0 + U, :, :T], vc[row0:row0 + U, :, :T]
+        else:
+            keys, values = kc[:, :, :T].index_select(0, read_rows), vc[:, :, :T].index_select(0, read_rows)
         # causal over the rows' own keys: right-padded, so a real token's earlier positions are its own
-        out = F.scaled_dot_product_attention(q.view(U, T, nh, D).transpose(1, 2), kc[row0:row0 + U, :, :T],
-                                             vc[row0:row0 + U, :, :T], is_causal=True, scale=scale,
-                                             enable_gqa=nkv != nh)
+        out = F.scaled_dot_product_attention(q.view(U, T, nh, D).transpose(1, 2), keys, values, is_causal=True,
+                                             scale=scale, enable_gqa=nkv != nh)
         return out.transpose(1, 2).reshape(U * T, nh * D), x
 
     x = F.embedding(ids.reshape(-1), P["model.embed_tokens.weight"])    # [U*T, H]: the residual stream

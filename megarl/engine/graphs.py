@@ -1,4 +1,4 @@
-"""CUDA graphs of the embedded engine's decode step.
+"""CUDA graphs of the embedded engine's decode step, and of its small prefills (`PrefillGraphs`).
 
 Why: a decode step of a small model is hundreds of tiny kernels; launching them from Python costs
 more than running them (benchmarks/RESULTS.md section 2: graphs gave 3.5-4x over eager). A graph
@@ -28,7 +28,7 @@ recaptured lazily.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -60,25 +60,12 @@ class StepHandle:
     event: Optional["torch.cuda.Event"]
 
 
-class DecodeGraphs:
-    """Captured decode steps of one model. ``body(ids, pos, rows, Lk)`` is the eager decode over
-    rows ``[0, rows)`` returning fp32 logits ``[rows, V]``; ``signature()`` lists the addresses of
-    every tensor the body reads."""
+class _CapturedGraphs:
+    """What the decode and prefill graph sets share: graphs keyed by bucket in one memory pool, the
+    address signature that says when they must be dropped, and warm-up + recording of a body."""
 
-    def __init__(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor],
-                 signature: Callable[..., Tuple[int, ...]], device: torch.device, max_rows: int, max_len: int,
-                 key_length: Optional[Callable[[int, int], int]] = None):
-        self.body, self.signature, self.device = body, signature, device
-        # bucketed key length -> the one a graph is captured for (the body's own coarser classes)
-        self.key_length = key_length
-        self.max_rows, self.max_len = max_rows, max_len
-        self.buckets = batch_buckets(max_rows)
-        self.io = torch.zeros(2, max_rows, dtype=torch.long, device=device)   # static inputs: tokens, positions
-        self.host = torch.zeros(2, max_rows, dtype=torch.long, pin_memory=device.type == "cuda")
-        # sampled steps' outputs on the host, two slots: step t is read while step t+1 runs
-        self.results = [torch.zeros(2, max_rows, dtype=torch.float64, pin_memory=device.type == "cuda")
-                        for _ in range(2)]
-        self.turn = 0
+    def __init__(self, signature: Callable[..., Tuple[int, ...]], device: torch.device):
+        self.signature, self.device = signature, device
         self.graphs: Dict[Tuple, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.sig: Optional[Tuple[int, ...]] = None         # signature(): every address
@@ -92,6 +79,66 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         self.graphs, self.pool, self.sig, self.quick = {}, None, None, None
+
+    def _drop_if_moved(self) -> None:
+        """Drop every graph when a tensor it reads moved: all addresses after `mark_dirty`, else
+        the model's non-parameter tensors (cheap enough for every step)."""
+        if self.sig is not None:
+            if self.dirty and self.signature() != self.sig:
+                self.clear()
+            elif not self.dirty and self.signature(params=False) != self.quick:
+                self.clear()
+        self.dirty = False
+
+    def _capture(self, body: Callable[..., torch.Tensor], *args) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self._warm_up(body, *args)
+        # the signature is read after the warm-up: a body may make buffers on its first run that
+        # the graph reads too (session 14's split counters were such a buffer). Read before, it lacked them,
+        # and the first check after a release found "moved" tensors and captured everything again.
+        # Tensors that moved since the last capture were caught by `_drop_if_moved` already.
+        self.sig, self.quick = self.signature(), self.signature(params=False)
+        graph, out = self._record(body, *args)
+        self.captures += 1
+        return graph, out
+
+    def _warm_up(self, body: Callable[..., torch.Tensor], *args) -> None:
+        """Run the body eagerly first (Triton compiles here; same inputs, so KV writes are idempotent)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                body(*args)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def _record(self, body: Callable[..., torch.Tensor], *args) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = body(*args)
+        return graph, out
+
+
+class DecodeGraphs(_CapturedGraphs):
+    """Captured decode steps of one model. ``body(ids, pos, rows, Lk)`` is the eager decode over
+    rows ``[0, rows)`` returning fp32 logits ``[rows, V]``; ``signature()`` lists the addresses of
+    every tensor the body reads."""
+
+    def __init__(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor],
+                 signature: Callable[..., Tuple[int, ...]], device: torch.device, max_rows: int, max_len: int,
+                 key_length: Optional[Callable[[int, int], int]] = None):
+        super().__init__(signature, device)
+        self.body = body
+        # bucketed key length -> the one a graph is captured for (the body's own coarser classes)
+        self.key_length = key_length
+        self.max_rows, self.max_len = max_rows, max_len
+        self.buckets = batch_buckets(max_rows)
+        self.io = torch.zeros(2, max_rows, dtype=torch.long, device=device)   # static inputs: tokens, positions
+        self.host = torch.zeros(2, max_rows, dtype=torch.long, pin_memory=device.type == "cuda")
+        # sampled steps' outputs on the host, two slots: step t is read while step t+1 runs
+        self.results = [torch.zeros(2, max_rows, dtype=torch.float64, pin_memory=device.type == "cuda")
+                        for _ in range(2)]
+        self.turn = 0
 
     def run(self, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Logits ``[B, V]`` for rows ``[0, B)`` (a view of the graph's static output, valid until
@@ -137,12 +184,7 @@ class DecodeGraphs:
         Lk = len_bucket(int(positions.max()) + 1, self.max_len)
         if self.key_length is not None:
             Lk = self.key_length(Lk, self.max_len)
-        if self.sig is not None:
-            if self.dirty and self.signature() != self.sig:
-                self.clear()
-            elif not self.dirty and self.signature(params=False) != self.quick:
-                self.clear()
-        self.dirty = False
+        self._drop_if_moved()
         if tokens is not None:
             host = self.host
             host[0, :B] = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
@@ -153,37 +195,90 @@ class DecodeGraphs:
         entry = self.graphs.get(key)
         if entry is None:
             body = self.body if sample is None else (lambda i, p, n, k: sample(self.body(i, p, n, k), n))
-            entry = self.graphs[key] = self._capture(body, Bb, Lk)
+            entry = self.graphs[key] = self._capture(body, self.io[0, :Bb], self.io[1, :Bb], Bb, Lk)
         return entry
 
-    def _capture(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor], Bb: int,
-                 Lk: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        ids, pos = self.io[0, :Bb], self.io[1, :Bb]
-        self._warm_up(body, ids, pos, Bb, Lk)
-        # the signature is read after the warm-up: a body may make buffers on its first run that
-        # the graph reads too (session 14's split counters were such a buffer). Read before, it lacked them,
-        # and the first check after a release found "moved" tensors and captured everything again.
-        # Tensors that moved since the last capture were caught by `_prepare`'s check already.
-        self.sig, self.quick = self.signature(), self.signature(params=False)
-        graph, out = self._record(body, ids, pos, Bb, Lk)
-        self.captures += 1
-        return graph, out
 
-    def _warm_up(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor], ids: torch.Tensor,
-                 pos: torch.Tensor, Bb: int, Lk: int) -> None:
-        """Run the body eagerly first (Triton compiles here; same inputs, so KV writes are idempotent)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                body(ids, pos, Bb, Lk)
-        torch.cuda.current_stream().wait_stream(side)
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
-    def _record(self, body: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor], ids: torch.Tensor,
-                pos: torch.Tensor, Bb: int, Lk: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = body(ids, pos, Bb, Lk)
-        return graph, out
+
+class PrefillGraphs(_CapturedGraphs):
+    """Captured prefills from position 0, per (rows bucket, length bucket), up to ``max_tokens``
+    padded tokens. ``body(ids [U, T], lens [U], rows [U])`` is the eager fused prefill returning fp32
+    logits ``[U, V]`` (`fused_prefill.prefill_body`).
+
+    Why: an admission's prefill launches ~11 kernels per layer from Python, and for a few short
+    prompts those launches take several times the GPU's work (benchmarks/RESULTS.md section 30:
+    7.8 ms of wall for 1.1 ms of kernels, one 32-token prompt of Qwen2.5-0.5B). Every agent turn
+    and every admission wave of a rollout pays it. Rows are padded to a power of two with
+    sequences of row -1 (nothing stored, logits dropped), lengths to a power of two >= 16 (the
+    padding's keys land past each row's end, where decode writes before any query reads, as in
+    the eager prefill). Past ``max_tokens`` padded tokens the GPU's work hides the launches and
+    the graph's activations would cost memory: `run` returns None and the caller runs it eagerly."""
+
+    MIN_LEN = 16
+
+    def __init__(self, body: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                 signature: Callable[..., Tuple[int, ...]], device: torch.device, max_rows: int, max_len: int,
+                 max_tokens: int):
+        super().__init__(signature, device)
+        self.body, self.max_len, self.max_tokens = body, max_len, max_tokens
+        self.max_rows = _pow2(max_rows)
+        pin = device.type == "cuda"
+        self.ids = torch.zeros(max(max_tokens, 1), dtype=torch.long, device=device)
+        self.meta = torch.zeros(2, self.max_rows, dtype=torch.long, device=device)   # lens, cache rows
+        self.host_ids = torch.zeros(max(max_tokens, 1), dtype=torch.long, pin_memory=pin)
+        self.host_meta = torch.zeros(2, self.max_rows, dtype=torch.long, pin_memory=pin)
+        self.copied: Optional["torch.cuda.Event"] = None   # the host buffers' last copy has run
+        # every graph writes its logits here (made by the first warm-up, outside the pool): one
+        # buffer for all buckets, where each graph's own output would stay allocated beside the others
+        self.out: Optional[torch.Tensor] = None
+
+    def bucket(self, rows: int, length: int) -> Optional[Tuple[int, int]]:
+        """(rows, length) a prefill of ``rows`` sequences of at most ``length`` tokens replays, or
+        None when it is not served by a graph."""
+        Ub, Tb = _pow2(rows), min(max(self.MIN_LEN, _pow2(length)), self.max_len)
+        if Ub > self.max_rows or Ub * Tb > self.max_tokens or length > Tb:
+            return None
+        return Ub, Tb
+
+    def run(self, seqs: List[List[int]], row0: int) -> Optional[torch.Tensor]:
+        """Prefill ``seqs`` into cache rows ``row0, row0 + 1, ...`` from position 0: fp32 logits
+        ``[U, V]`` (a view of the graph's output, valid until its next replay), or None (too big:
+        run it eagerly)."""
+        U, T = len(seqs), max(len(q) for q in seqs)
+        b = self.bucket(U, T)
+        if b is None:
+            return None
+        Ub, Tb = b
+        self._drop_if_moved()
+        if self.copied is not None:
+            self.copied.synchronize()   # the last admission's copy has read the host buffers
+        ids = self.host_ids[:Ub * Tb].numpy().reshape(Ub, Tb)
+        ids[:] = 0
+        meta = self.host_meta[:, :Ub].numpy()
+        meta[0], meta[1] = 1, -1            # padding sequences: one token, no cache row
+        for u, q in enumerate(seqs):
+            ids[u, :len(q)] = q
+            meta[0, u], meta[1, u] = len(q), row0 + u
+        self.ids[:Ub * Tb].copy_(self.host_ids[:Ub * Tb], non_blocking=True)
+        self.meta[:, :Ub].copy_(self.host_meta[:, :Ub], non_blocking=True)
+        if self.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        entry = self.graphs.get((Ub, Tb))
+        if entry is None:
+            entry = self.graphs[(Ub, Tb)] = self._capture(self._into_output, self.ids[:Ub * Tb].view(Ub, Tb),
+                                                         self.meta[0, :Ub], self.meta[1, :Ub])
+        graph, out = entry
+        graph.replay()
+        return out[:U]
+
+    def _into_output(self, ids: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        logits = self.body(ids, lens, rows)
+        if self.out is None:
+            self.out = torch.empty((self.max_rows,) + tuple(logits.shape[1:]), dtype=logits.dtype, device=logits.device)
+        out = self.out[:logits.shape[0]]
+        out.copy_(logits)
+        return out

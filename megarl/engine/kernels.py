@@ -83,8 +83,8 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_p
                        stride_qkv, stride_qb, stride_kr, stride_kh, stride_kp, stride_cs, NH, NKV, eps,
                        HALF: tl.constexpr, QK_NORM: tl.constexpr, HAS_ROWS: tl.constexpr):
     """Program (b, h): query head h < NH -> rotated into ``q[b, h]``; key head h - NH -> rotated
-    into the cache at row b (HAS_ROWS: row ``rows[b]``, a prefill's token b), position pos[b],
-    its value head copied beside it. (Token offsets in int64, as in `_silu_mul_kernel`.)"""
+    into the cache at row b (HAS_ROWS: row ``rows[b]``, a prefill's token b; -1: not stored), position
+    pos[b], its value head copied beside it. (Token offsets in int64, as in `_silu_mul_kernel`.)"""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.load(pos_ptr + b)
@@ -101,8 +101,10 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_p
         r = b
         if HAS_ROWS:
             r = tl.load(row_ptr + b)
-        _store_new_key(qkv_ptr + b * stride_qkv, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr,
-                       r * stride_kr + kh * stride_kh + p * stride_kp, p, kh, NH, NKV, stride_cs, eps, HALF, QK_NORM, dt)
+        if r >= 0:   # row -1: a padding sequence of a captured prefill bucket, nothing stored
+            _store_new_key(qkv_ptr + b * stride_qkv, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr,
+                           r * stride_kr + kh * stride_kh + p * stride_kp, p, kh, NH, NKV, stride_cs, eps, HALF,
+                           QK_NORM, dt)
 
 
 @triton.jit

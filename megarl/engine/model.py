@@ -42,7 +42,7 @@ from megarl.quant.served import block_fp8_settings, scale_name, split_scale_name
 
 from .fp8 import FP8_KEY, SCALE_KEY, Fp8Store
 from . import fused_decode, fused_prefill
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, PrefillGraphs
 from .lora import Adapter, lora_delta
 from .shard import local_part, local_shape
 from .stable_memory import StableRegion, stable_memory_available
@@ -169,6 +169,15 @@ def _fused_group(name: str) -> Optional[str]:
 _EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+# memory a captured prefill's activations may hold (`DecoderModel._prefill_graph_limits`)
+PREFILL_GRAPH_MIB = 128
+
+
+def _floor_pow2(n: int) -> int:
+    """The largest power of two <= n (0 for n < 1)."""
+    return 1 << (int(n).bit_length() - 1) if n >= 1 else 0
+
+
 class DecoderModel:
     """Weights by HF name + a forward over a slot KV cache (one TP rank's part of them)."""
 
@@ -222,6 +231,9 @@ class DecoderModel:
         self.use_cuda_graphs = (self.device.type == "cuda" and tp_size == 1
                                 and os.environ.get("MEGARL_CUDA_GRAPHS", "1") != "0")
         self.graphs: Optional[DecodeGraphs] = None
+        # small fused prefills as CUDA graphs too (`PrefillGraphs`), up to this many padded tokens
+        # (MEGARL_PREFILL_GRAPH_TOKENS; 0: every prefill eager)
+        self.prefill_graphs: Optional[PrefillGraphs] = None
         # Triton decode step (fused_decode.py): "auto" = on CUDA when Triton can serve the shape;
         # "triton" forces it (on CPU under TRITON_INTERPRET=1: the tests); "triton-proj" = the same
         # with the projections in Triton too (proj_kernels.py); "torch" = the reference
@@ -499,8 +511,12 @@ class DecoderModel:
             flat.copy_(self._flat)
         self._flat = flat
         self._carve(flat)
-        if self.graphs is not None:
-            self.graphs.mark_dirty()
+        self._mark_graphs_dirty()
+
+    def _mark_graphs_dirty(self) -> None:
+        for g in (self.graphs, self.prefill_graphs):
+            if g is not None:
+                g.mark_dirty()
 
     def _empty_device_cache(self) -> None:
         if self.device.type == "cuda":
@@ -565,11 +581,10 @@ class DecoderModel:
             half = s.head_dim // 2
             self.rope_cos = cos[0, 0, :, :half].contiguous()
             self.rope_sin = sin[0, 0, :, :half].contiguous()
-        if self.graphs is not None and (self.max_slots, self.max_len) != (max_slots, max_len):
-            self.graphs = None
+        if (self.max_slots, self.max_len) != (max_slots, max_len):
+            self.graphs = self.prefill_graphs = None   # bucketed for other sizes
         self.max_slots, self.max_len = max_slots, max_len
-        if self.graphs is not None:
-            self.graphs.mark_dirty()
+        self._mark_graphs_dirty()
 
     def _cache_views(self, parts: List[Tuple[Tuple[int, ...], torch.dtype]]) -> List[torch.Tensor]:
         """Zeroed tensors of ``parts`` (shape, dtype) carved from one stable region: the same
@@ -788,15 +803,20 @@ class DecoderModel:
         (None on TP ranks > 0)."""
         self._before_forward()
         U = len(seqs)
+        views = self._fused_prefill_views(starts, loras)
+        if views is not None and self._graphed():
+            logits = self._prefill_graphs().run(seqs, row0)
+            if logits is not None:
+                return logits
         lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
         T = int(lens.max())
         ids = torch.zeros(U, T, dtype=torch.long)
         for b, q in enumerate(seqs):
             ids[b, : len(q)] = torch.tensor(q, dtype=torch.long)
         dev = self.device
-        views = self._fused_prefill_views(starts, loras)
         if views is not None:
-            return fused_prefill.prefill_body(self, views, ids.to(dev), lens.to(dev), row0)
+            return fused_prefill.prefill_body(self, views, ids.to(dev), lens.to(dev),
+                                              torch.arange(row0, row0 + U, device=dev), row0)
         st = torch.tensor(starts if starts is not None else [0] * U, dtype=torch.long)
         t_ar = torch.arange(T)
         pos = st[:, None] + t_ar[None, :]
@@ -856,6 +876,28 @@ class DecoderModel:
                                        self.max_slots, self.max_len,
                                        key_length=fused_decode.graph_key_length if fused else None)
         return self.graphs
+
+    def _prefill_graphs(self) -> PrefillGraphs:
+        """The small fused prefills' CUDA graphs (created on first use)."""
+        if self.prefill_graphs is None:
+            def body(ids: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor) -> Optional[torch.Tensor]:
+                return fused_prefill.prefill_body(self, self._fused_decode_views(), ids, lens, rows)
+            tokens, rows = self._prefill_graph_limits()
+            self.prefill_graphs = PrefillGraphs(body, self.tensor_addresses, self.device, rows, self.max_len, tokens)
+        return self.prefill_graphs
+
+    def _prefill_graph_limits(self) -> Tuple[int, int]:
+        """(padded tokens, rows) a captured prefill may hold. Its graph's memory pool stays through
+        every release (the colocated trainer's step), so its activations are held to
+        PREFILL_GRAPH_MIB (~2k tokens of Qwen2.5-0.5B, 512 of a 7B) and its fp32 logits buffer to
+        half of that; ``MEGARL_PREFILL_GRAPH_TOKENS`` sets the tokens (0: every prefill eager)."""
+        s = self.spec
+        width = 3 * (s.intermediate_size or 0) + 4 * s.hidden_size + (self.nh + 2 * self.nkv) * s.head_dim
+        budget = PREFILL_GRAPH_MIB << 20
+        env = os.environ.get("MEGARL_PREFILL_GRAPH_TOKENS")
+        tokens = int(env) if env is not None else min(2048, _floor_pow2(budget // (width * self.dtype.itemsize)))
+        rows = min(self.max_slots, _floor_pow2(budget // 2 // (s.vocab_size * 4)))
+        return tokens, max(rows, 1)
 
     def _graphed(self) -> bool:
         """Do decode steps run as CUDA graphs (single GPU, dense model)?"""
