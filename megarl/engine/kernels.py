@@ -81,34 +81,30 @@ def rope_rotate(x1, x2, c, s, dt: tl.constexpr):
 @triton.jit
 def _rope_store_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr,
                        stride_qkv, stride_qb, stride_kr, stride_kh, stride_kp, stride_cs, NH, NKV, eps,
-                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, QK_NORM: tl.constexpr,
-                       HAS_ROWS: tl.constexpr):
-    """Program b (one token, every head as one tile): its query heads rotated into ``q[b]``; its key
-    heads rotated into the cache at row b (HAS_ROWS: row ``rows[b]``, a prefill's token b; -1: not
-    stored), position pos[b], its value heads copied beside them. (One program per token and head
-    took 6-7x its bytes at a 4096-token prefill: benchmarks/RESULTS.md section 30. Token offsets in
-    int64, as in `_silu_mul_kernel`.)"""
+                       HALF: tl.constexpr, QK_NORM: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """Program (b, h): query head h < NH -> rotated into ``q[b, h]``; key head h - NH -> rotated
+    into the cache at row b (HAS_ROWS: row ``rows[b]``, a prefill's token b; -1: not stored), position
+    pos[b], its value head copied beside it. (Token offsets in int64, as in `_silu_mul_kernel`.)"""
     b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
     p = tl.load(pos_ptr + b)
     dt = q_ptr.dtype.element_ty
-    src = qkv_ptr + b * stride_qkv
-    dd = tl.arange(0, 2 * HALF)
-    hq = tl.arange(0, BLOCK_H)
-    qm = hq < NH
-    q = _rotated_query(src, cos_ptr, sin_ptr, qn_ptr, p, hq, qm, stride_cs, eps, BLOCK_H, HALF, QK_NORM, dt)
-    tl.store(q_ptr + b * stride_qb + hq[:, None] * (2 * HALF) + dd[None, :], q, mask=qm[:, None])
-    r = b
-    if HAS_ROWS:
-        r = tl.load(row_ptr + b)
-    if r >= 0:   # row -1: a padding sequence of a captured prefill bucket, nothing stored
-        hk = tl.arange(0, BLOCK_KV)
-        km = hk < NKV
-        k = _rotated_query(src + NH * (2 * HALF), cos_ptr, sin_ptr, kn_ptr, p, hk, km, stride_cs, eps, BLOCK_KV,
-                           HALF, QK_NORM, dt)
-        dst = r * stride_kr + hk[:, None] * stride_kh + p * stride_kp + dd[None, :]
-        tl.store(kc_ptr + dst, k, mask=km[:, None])
-        v = tl.load(src + (NH + NKV + hk[:, None]) * (2 * HALF) + dd[None, :], mask=km[:, None], other=0.0)
-        tl.store(vc_ptr + dst, v, mask=km[:, None])
+    if h < NH:
+        d = tl.arange(0, HALF)
+        o1, o2 = _rotated_head(qkv_ptr + b * stride_qkv + h * (2 * HALF), qn_ptr, cos_ptr, sin_ptr, p, stride_cs, eps,
+                               HALF, QK_NORM, dt)
+        dst = q_ptr + b * stride_qb + h * (2 * HALF)
+        tl.store(dst + d, o1)
+        tl.store(dst + HALF + d, o2)
+    else:
+        kh = h - NH
+        r = b
+        if HAS_ROWS:
+            r = tl.load(row_ptr + b)
+        if r >= 0:   # row -1: a padding sequence of a captured prefill bucket, nothing stored
+            _store_new_key(qkv_ptr + b * stride_qkv, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr,
+                           r * stride_kr + kh * stride_kh + p * stride_kp, p, kh, NH, NKV, stride_cs, eps, HALF,
+                           QK_NORM, dt)
 
 
 @triton.jit
@@ -511,12 +507,11 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
     D = k_cache.shape[-1]
     q = torch.empty(B, nh, D, dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
-    _rope_store_kernel[(B,)](qkv, pos, rows if rows is not None else pos, cos, sin,
-                             q_norm if norm else qkv, k_norm if norm else qkv, q,
-                             k_cache, v_cache, qkv.stride(0), q.stride(0), k_cache.stride(0),
-                             k_cache.stride(1), k_cache.stride(2), cos.stride(0), nh, nkv, eps,
-                             HALF=D // 2, BLOCK_H=triton.next_power_of_2(nh), BLOCK_KV=triton.next_power_of_2(nkv),
-                             QK_NORM=norm, HAS_ROWS=rows is not None)
+    _rope_store_kernel[(B, nh + nkv)](qkv, pos, rows if rows is not None else pos, cos, sin,
+                                      q_norm if norm else qkv, k_norm if norm else qkv, q,
+                                      k_cache, v_cache, qkv.stride(0), q.stride(0), k_cache.stride(0),
+                                      k_cache.stride(1), k_cache.stride(2), cos.stride(0), nh, nkv, eps,
+                                      HALF=D // 2, QK_NORM=norm, HAS_ROWS=rows is not None)
     return q
 
 
