@@ -48,8 +48,8 @@ def main():
                          "the attention kernel's keys per block, warps and pipeline stages; +rope / +norope: RoPE and "
                          "the cache write inside the attention kernel / in their own kernel (unnamed: the default); "
                          "+torchprefill: admissions prefill with the torch body (MEGARL_PREFILL_KERNELS=torch) instead "
-                         "of the decode step's kernels; +nopgraph: small prefills eager, not replayed from CUDA "
-                         "graphs (MEGARL_PREFILL_GRAPH_TOKENS=0); the first is the baseline of the ratio")
+                         "of the decode step's kernels; +pgraph: small prefills replayed from CUDA graphs "
+                         "(MEGARL_PREFILL_GRAPH_TOKENS=auto; default: eager); the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
     ap.add_argument("--top-p", type=float, default=1.0,
@@ -246,8 +246,8 @@ def main_gpu(a):
             eng.model = _WithoutLaunch(handle) if "fallback" in suffixes else handle   # (the engine is idle here)
             os.environ["MEGARL_PREFILL_KERNELS"] = "torch" if "torchprefill" in suffixes else "auto"
             model.prefill_graphs = None   # (made again with this mode's token limit)
-            if "nopgraph" in suffixes:
-                os.environ["MEGARL_PREFILL_GRAPH_TOKENS"] = "0"
+            if "pgraph" in suffixes:
+                os.environ["MEGARL_PREFILL_GRAPH_TOKENS"] = "auto"
             elif graph_env is None:
                 os.environ.pop("MEGARL_PREFILL_GRAPH_TOKENS", None)
             else:

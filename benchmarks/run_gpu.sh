@@ -136,17 +136,18 @@ attn_block) # issue 29: the decode attention's keys per block (one dependent rou
           --no-hf --kernels triton,triton+blk128,triton+blk256,triton+blk256+warps8,triton+blk128+stages1,triton+warps2,triton+again
         run 240 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32 --prompt 2000 --new 64 \
           --no-hf --kernels triton,triton+blk128,triton+blk256,triton+again ;;
-prefill_graphs) # issue 29: small admissions' prefill replayed from CUDA graphs (PrefillGraphs, the default) vs
-            # launched eagerly (+nopgraph), A B A B; the decode targets' runs, then agent-like single prompts
+prefill_graphs) # issue 29: small admissions' prefill replayed from CUDA graphs (PrefillGraphs, +pgraph =
+            # MEGARL_PREFILL_GRAPH_TOKENS=auto; opt-in until measured) vs launched eagerly, A B A B; the decode
+            # targets' runs, then agent-like single prompts
         run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 \
-          --no-hf --kernels triton+nopgraph,triton,triton+nopgraph+again,triton+again
+          --no-hf --kernels triton,triton+pgraph,triton+again,triton+pgraph+again
         run 200 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,8 --prompt 500 --new 16 \
-          --no-hf --kernels triton+nopgraph,triton,triton+nopgraph+again,triton+again ;;
-e2e_pgraph) # issue 29: the GRPO loop (e2e_rand's sizes) with small prefills from CUDA graphs (the default), then eager
+          --no-hf --kernels triton,triton+pgraph,triton+again,triton+pgraph+again ;;
+e2e_pgraph) # issue 29: the GRPO loop (e2e_rand's sizes) with small prefills from CUDA graphs, then eager (the default)
+         MEGARL_PREFILL_GRAPH_TOKENS=auto run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m \
+           --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_pg1
          run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda \
-           --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_pg1
-         MEGARL_PREFILL_GRAPH_TOKENS=0 run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m \
-           --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_pg2 ;;
+           --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_pg2 ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
          run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;

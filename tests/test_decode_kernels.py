@@ -153,6 +153,16 @@ def test_fused_prefill_matches_the_torch_body(tmp_path, kernels, monkeypatch, fa
         a, b = ref.decode(toks, pos), fused.decode(toks, pos)
         assert (a - b).abs().max().item() < 2e-5
         toks, pos = a.argmax(-1).cpu().numpy(), pos + 1
+    # one sequence alone into row 5 (an agent's turn; a stride-0 view of its row once made the
+    # kernel read past it): the same logits, keys and values, the other rows as they were
+    one = torch.randint(0, 256, (21,), generator=g).tolist()
+    before = fused.k_cache.clone()
+    a, b = ref.prefill([one], 5), fused.prefill([one], 5)
+    assert (a - b).abs().max().item() < 2e-5
+    for c in ("k_cache", "v_cache"):
+        assert (getattr(ref, c)[:, 5, :, :21] - getattr(fused, c)[:, 5, :, :21]).abs().max().item() < 2e-5, c
+    assert torch.equal(fused.k_cache[:, :5], before[:, :5])
+    want_calls *= 2
     # the 37-token prompt's prefix copied into row 4: only its last token is computed (torch body)
     for m in (ref, fused):
         m.copy_rows([2], [4], 36)
@@ -177,7 +187,7 @@ def test_graphed_prefill_gives_the_eager_prefill_and_stores_nothing_for_its_padd
     monkeypatch.setenv("MEGARL_PREFILL_GRAPH_TOKENS", "64")
     graphed.use_cuda_graphs = True     # (prefill only here: the decode graphs are CUDA's)
     g = torch.Generator().manual_seed(5)
-    for lens, row0 in (([5, 9, 3], 1), ([8, 2, 11], 2)):   # 3 rows x 16 positions: bucket (4, 16)
+    for lens, row0 in (([5, 9, 3], 1), ([8, 2, 11], 2), ([7], 4)):   # buckets (4, 16), (4, 16), (1, 16)
         for m in (eager, graphed):
             m.k_cache.fill_(float("nan"))
             m.v_cache.fill_(float("nan"))
@@ -190,10 +200,18 @@ def test_graphed_prefill_gives_the_eager_prefill_and_stores_nothing_for_its_padd
                 assert (want - got).abs().max().item() < 2e-5, (c, u)
             others = [r for r in range(graphed.max_slots) if not row0 <= r < row0 + len(lens)]
             assert torch.isnan(getattr(graphed, c)[:, others]).all(), c
-    assert set(graphed.prefill_graphs.graphs) == {(4, 16)} and graphed.prefill_graphs.captures == 1
+    assert set(graphed.prefill_graphs.graphs) == {(4, 16), (1, 16)} and graphed.prefill_graphs.captures == 2
     seqs = [torch.randint(0, 256, (40,), generator=g).tolist() for _ in range(2)]   # 2 x 64 > 64 tokens
     a, b = eager.prefill(seqs, 0), graphed.prefill(seqs, 0)
-    assert (a - b).abs().max().item() < 2e-5 and graphed.prefill_graphs.captures == 1
+    assert (a - b).abs().max().item() < 2e-5 and graphed.prefill_graphs.captures == 2
+    monkeypatch.delenv("MEGARL_PREFILL_GRAPH_TOKENS")           # opt-in: unset, every prefill eager
+    assert graphed._prefill_graph_limits()[0] == 0
+    monkeypatch.setenv("MEGARL_PREFILL_GRAPH_TOKENS", "auto")   # a power of two, at most 2048
+    auto = graphed._prefill_graph_limits()[0]
+    assert 16 <= auto <= 2048 and auto & (auto - 1) == 0
+    monkeypatch.setenv("MEGARL_PREFILL_GRAPH_TOKENS", "lots")
+    with pytest.raises(ValueError, match="MEGARL_PREFILL_GRAPH_TOKENS='lots'"):
+        graphed._prefill_graph_limits()
 
 
 def _sdpa_row(q, kc, vc, b, keys, group):

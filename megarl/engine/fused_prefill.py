@@ -47,7 +47,9 @@ def prefill_body(model: "DecoderModel", views: List[LayerViews], ids: torch.Tens
     scale = 1.0 / math.sqrt(D)
     dev = ids.device
     pos = torch.arange(T, device=dev).repeat(U)         # token u*T + t sits at t
-    token_rows = rows[:, None].expand(U, T).reshape(-1)  # ... of cache row rows[u]
+    # ... of cache row rows[u]; materialized: at U = 1 a reshape of the expanded rows is a stride-0
+    # view of ONE element, and the kernel reads U * T of them (it faulted on the GPU)
+    token_rows = rows[:, None].expand(U, T).contiguous().view(-1)
     read_rows = None if row0 is not None else rows.clamp(min=0)   # (padding: any row, outputs dropped)
 
     def attention(i: int, v: LayerViews, x: torch.Tensor, y: _Pending):

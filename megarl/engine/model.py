@@ -173,6 +173,13 @@ _EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_pr
 PREFILL_GRAPH_MIB = 128
 
 
+def _env_int(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a number of tokens or 'auto'") from None
+
+
 def _floor_pow2(n: int) -> int:
     """The largest power of two <= n (0 for n < 1)."""
     return 1 << (int(n).bit_length() - 1) if n >= 1 else 0
@@ -231,8 +238,8 @@ class DecoderModel:
         self.use_cuda_graphs = (self.device.type == "cuda" and tp_size == 1
                                 and os.environ.get("MEGARL_CUDA_GRAPHS", "1") != "0")
         self.graphs: Optional[DecodeGraphs] = None
-        # small fused prefills as CUDA graphs too (`PrefillGraphs`), up to this many padded tokens
-        # (MEGARL_PREFILL_GRAPH_TOKENS; 0: every prefill eager)
+        # small fused prefills as CUDA graphs too (`PrefillGraphs`; opt-in: MEGARL_PREFILL_GRAPH_TOKENS,
+        # see `_prefill_graph_limits`)
         self.prefill_graphs: Optional[PrefillGraphs] = None
         # Triton decode step (fused_decode.py): "auto" = on CUDA when Triton can serve the shape;
         # "triton" forces it (on CPU under TRITON_INTERPRET=1: the tests); "triton-proj" = the same
@@ -887,15 +894,18 @@ class DecoderModel:
         return self.prefill_graphs
 
     def _prefill_graph_limits(self) -> Tuple[int, int]:
-        """(padded tokens, rows) a captured prefill may hold. Its graph's memory pool stays through
-        every release (the colocated trainer's step), so its activations are held to
-        PREFILL_GRAPH_MIB (~2k tokens of Qwen2.5-0.5B, 512 of a 7B) and its fp32 logits buffer to
-        half of that; ``MEGARL_PREFILL_GRAPH_TOKENS`` sets the tokens (0: every prefill eager)."""
+        """(padded tokens, rows) a captured prefill may hold. ``MEGARL_PREFILL_GRAPH_TOKENS``: unset or
+        0, none (every prefill eager: the default until the graphs are measured on a GPU,
+        benchmarks/RESULTS.md section 30); a number, that many; "auto", as many as PREFILL_GRAPH_MIB
+        of activations (~2k tokens of Qwen2.5-0.5B, 512 of a 7B) -- the graphs' memory pool stays
+        through every release (the colocated trainer's step). The fp32 logits buffer is held to
+        half of PREFILL_GRAPH_MIB."""
         s = self.spec
         width = 3 * (s.intermediate_size or 0) + 4 * s.hidden_size + (self.nh + 2 * self.nkv) * s.head_dim
         budget = PREFILL_GRAPH_MIB << 20
-        env = os.environ.get("MEGARL_PREFILL_GRAPH_TOKENS")
-        tokens = int(env) if env is not None else min(2048, _floor_pow2(budget // (width * self.dtype.itemsize)))
+        env = os.environ.get("MEGARL_PREFILL_GRAPH_TOKENS", "0")
+        tokens = (min(2048, _floor_pow2(budget // (width * self.dtype.itemsize))) if env == "auto"
+                  else _env_int("MEGARL_PREFILL_GRAPH_TOKENS", env))
         rows = min(self.max_slots, _floor_pow2(budget // 2 // (s.vocab_size * 4)))
         return tokens, max(rows, 1)
 
