@@ -47,6 +47,7 @@ def main():
                          "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +blkN / +warpsN / +stagesN: "
                          "the attention kernel's keys per block, warps and pipeline stages; +rope / +norope: RoPE and "
                          "the cache write inside the attention kernel / in their own kernel (unnamed: the default); "
+                         "+ropetile: the prefill's RoPE-store kernel one program per token (kernels.ROPE_STORE_PER_TOKEN); "
                          "+torchprefill: admissions prefill with the torch body (MEGARL_PREFILL_KERNELS=torch) instead "
                          "of the decode step's kernels; +pgraph: small prefills replayed from CUDA graphs "
                          "(MEGARL_PREFILL_GRAPH_TOKENS=auto; default: eager); the first is the baseline of the ratio")
@@ -155,7 +156,7 @@ def copy_bandwidth(dev, nbytes=2 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t)
 
 
-ATTENTION_SWITCHES = {"rope": "ROPE_IN_ATTENTION"}
+ATTENTION_SWITCHES = {"rope": "ROPE_IN_ATTENTION", "ropetile": "ROPE_STORE_PER_TOKEN"}
 ATTENTION_NUMBERS = {"split": "SPLIT_KEYS", "blk": "ATTN_BLOCK_KEYS", "warps": "ATTN_WARPS", "stages": "ATTN_STAGES"}
 
 

@@ -148,6 +148,11 @@ e2e_pgraph) # issue 29: the GRPO loop (e2e_rand's sizes) with small prefills fro
            --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_pg1
          run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda \
            --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_pg2 ;;
+rope_tile) # issue 29: the prefill's RoPE + cache write, one program per token with every head as a tile
+           # (+ropetile, kernels.ROPE_STORE_PER_TOKEN) vs one per token and head (the default), A B A B
+        for P in "1,32,128 --prompt 32 --new 128" "32,128 --prompt 512 --new 32"; do
+          run 280 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch $P --no-hf \
+            --kernels triton,triton+ropetile,triton+again,triton+ropetile+again; done ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
          run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;

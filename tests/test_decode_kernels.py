@@ -318,6 +318,35 @@ def test_a_rows_attention_is_the_same_alone_and_beside_longer_rows(kernels, monk
         assert (alone[0].view(-1, D) - want).abs().max().item() < 1e-5, b
 
 
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_store_per_token_tiles_write_what_the_per_head_kernel_writes(kernels, monkeypatch, norm):
+    """`rope_and_store` with one program per token (every head as one tile, ROPE_STORE_PER_TOKEN)
+    against the per-head kernel (itself checked against the torch body above): 14 query heads in a
+    16-head tile and 2 kv heads (Qwen2.5-0.5B's layout, which the tests' tiny models do not have),
+    q/k RMSNorm (qwen3) or none, tokens of several cache rows and of row -1 (nothing stored)."""
+    g = torch.Generator().manual_seed(9)
+    nh, nkv, D, L = 14, 2, 32, 24
+    qkv = torch.randn(19, (nh + 2 * nkv) * D, generator=g).to(DEV)
+    pos = torch.randint(0, L, (19,), generator=g).to(DEV)
+    rows = torch.tensor([0] * 6 + [2] * 6 + [-1] * 3 + [1] * 4, device=DEV)
+    cos, sin = torch.rand(L, D // 2, generator=g).to(DEV), torch.rand(L, D // 2, generator=g).to(DEV)
+    w = (torch.rand(D, generator=g) + 0.5).to(DEV), (torch.rand(D, generator=g) + 0.5).to(DEV)
+    out = []
+    for tiled in (False, True):
+        monkeypatch.setattr(kernels, "ROPE_STORE_PER_TOKEN", tiled)
+        # the caches are rows 1.. of bigger buffers: a store at row -1 would land in row 0 of them
+        kbig = torch.full((4, nkv, L, D), float("nan"), device=DEV)
+        vbig = torch.full((4, nkv, L, D), float("nan"), device=DEV)
+        q = kernels.rope_and_store(qkv, pos, cos, sin, kbig[1:], vbig[1:], nh, nkv, *(w if norm else (None, None)),
+                                   1e-6, rows=rows)
+        out.append((q, kbig, vbig))
+        assert torch.isnan(kbig[0]).all() and torch.isnan(vbig[0]).all()   # row -1: nothing stored
+        written = {(r, p) for r, p in zip(rows.tolist(), pos.tolist()) if r >= 0}
+        assert (~torch.isnan(kbig[1:])).sum().item() == len(written) * nkv * D
+    for want, got in zip(*out):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, equal_nan=True)
+
+
 def test_norm_and_activation_kernels(kernels):
     from megarl.engine.model import _rms
     g = torch.Generator().manual_seed(0)

@@ -108,6 +108,37 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_p
 
 
 @triton.jit
+def _rope_store_rows_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr,
+                       stride_qkv, stride_qb, stride_kr, stride_kh, stride_kp, stride_cs, NH, NKV, eps,
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, QK_NORM: tl.constexpr,
+                       HAS_ROWS: tl.constexpr):
+    """`_rope_store_kernel` with one program per token, every head of it as one tile (ROPE_STORE_PER_TOKEN).
+    Why: one program per token and head took 6-7x its bytes at a 4096-token prefill
+    (benchmarks/RESULTS.md section 30). Opt-in until measured."""
+    b = tl.program_id(0).to(tl.int64)
+    p = tl.load(pos_ptr + b)
+    dt = q_ptr.dtype.element_ty
+    src = qkv_ptr + b * stride_qkv
+    dd = tl.arange(0, 2 * HALF)
+    hq = tl.arange(0, BLOCK_H)
+    qm = hq < NH
+    q = _rotated_query(src, cos_ptr, sin_ptr, qn_ptr, p, hq, qm, stride_cs, eps, BLOCK_H, HALF, QK_NORM, dt)
+    tl.store(q_ptr + b * stride_qb + hq[:, None] * (2 * HALF) + dd[None, :], q, mask=qm[:, None])
+    r = b
+    if HAS_ROWS:
+        r = tl.load(row_ptr + b)
+    if r >= 0:   # row -1: a padding sequence of a captured prefill bucket, nothing stored
+        hk = tl.arange(0, BLOCK_KV)
+        km = hk < NKV
+        k = _rotated_query(src + NH * (2 * HALF), cos_ptr, sin_ptr, kn_ptr, p, hk, km, stride_cs, eps, BLOCK_KV,
+                           HALF, QK_NORM, dt)
+        dst = r * stride_kr + hk[:, None] * stride_kh + p * stride_kp + dd[None, :]
+        tl.store(kc_ptr + dst, k, mask=km[:, None])
+        v = tl.load(src + (NH + NKV + hk[:, None]) * (2 * HALF) + dd[None, :], mask=km[:, None], other=0.0)
+        tl.store(vc_ptr + dst, v, mask=km[:, None])
+
+
+@triton.jit
 def _attend_block(q, kc_ptr, vc_ptr, base, n0, end, stride_kp, scale, m_i, l_i, acc,
                   D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One block of keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``) into the online softmax. (Loading
@@ -507,6 +538,14 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
     D = k_cache.shape[-1]
     q = torch.empty(B, nh, D, dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
+    if ROPE_STORE_PER_TOKEN:
+        _rope_store_rows_kernel[(B,)](qkv, pos, rows if rows is not None else pos, cos, sin,
+                                      q_norm if norm else qkv, k_norm if norm else qkv, q,
+                                      k_cache, v_cache, qkv.stride(0), q.stride(0), k_cache.stride(0),
+                                      k_cache.stride(1), k_cache.stride(2), cos.stride(0), nh, nkv, eps,
+                                      HALF=D // 2, BLOCK_H=triton.next_power_of_2(nh),
+                                      BLOCK_KV=triton.next_power_of_2(nkv), QK_NORM=norm, HAS_ROWS=rows is not None)
+        return q
     _rope_store_kernel[(B, nh + nkv)](qkv, pos, rows if rows is not None else pos, cos, sin,
                                       q_norm if norm else qkv, k_norm if norm else qkv, q,
                                       k_cache, v_cache, qkv.stride(0), q.stride(0), k_cache.stride(0),
@@ -530,6 +569,9 @@ ATTN_BLOCK_KEYS = 64
 ATTN_WARPS = 4
 ATTN_STAGES = 3
 ROPE_IN_ATTENTION = True   # the fused step rotates q/k inside the attention kernel (no `_rope_store_kernel`)
+# `rope_and_store` (the prefill's RoPE + cache write) with one program per token, all heads as one tile,
+# instead of one per token and head; off until measured on a GPU (benchmarks/RESULTS.md section 30)
+ROPE_STORE_PER_TOKEN = False
 
 
 def attention_splits(key_len: int) -> int:
