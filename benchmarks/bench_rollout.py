@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -135,6 +135,14 @@ def _random_hf_dir(shape: str, dtype) -> str:
     return d
 
 
+def _set_env(name: str, value: Optional[str]) -> None:
+    """``os.environ[name] = value``; None: unset."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -247,12 +255,7 @@ def main_gpu(a):
             eng.model = _WithoutLaunch(handle) if "fallback" in suffixes else handle   # (the engine is idle here)
             os.environ["MEGARL_PREFILL_KERNELS"] = "torch" if "torchprefill" in suffixes else "auto"
             model.prefill_graphs = None   # (made again with this mode's token limit)
-            if "pgraph" in suffixes:
-                os.environ["MEGARL_PREFILL_GRAPH_TOKENS"] = "auto"
-            elif graph_env is None:
-                os.environ.pop("MEGARL_PREFILL_GRAPH_TOKENS", None)
-            else:
-                os.environ["MEGARL_PREFILL_GRAPH_TOKENS"] = graph_env
+            _set_env("MEGARL_PREFILL_GRAPH_TOKENS", "auto" if "pgraph" in suffixes else graph_env)
             run_engine()
             # the admission alone: every request ends at its prefill's token (one prefill of B x prompt)
             admit_s[mode] = min(run_engine(new=1)[0] for _ in range(3))
@@ -264,12 +267,9 @@ def main_gpu(a):
             # full batch -- long prompts' prefill does not hide the decode step's own speed
             # (None where the two runs' noise swallowed the difference)
             decode_only[mode] = B * (a.new - a.new // 2) / (te - th_) if te > th_ else None
-        if graph_env is not None:
-            os.environ["MEGARL_PREFILL_GRAPH_TOKENS"] = graph_env
-        if prefill_env is None:   # (the eager, FP8 and parity runs: the caller's prefill setting)
-            os.environ.pop("MEGARL_PREFILL_KERNELS", None)
-        else:
-            os.environ["MEGARL_PREFILL_KERNELS"] = prefill_env
+        # (the eager, FP8 and parity runs: the caller's prefill settings)
+        _set_env("MEGARL_PREFILL_GRAPH_TOKENS", graph_env)
+        _set_env("MEGARL_PREFILL_KERNELS", prefill_env)
         modes = list(per_mode)
         kern = {f"{m}_kernels_tokens_per_s": v for m, v in per_mode.items()}
         kern.update({f"{m}_decode_only_tokens_per_s": v for m, v in decode_only.items()})
