@@ -49,8 +49,8 @@ def main():
                          "the cache write inside the attention kernel / in their own kernel (unnamed: the default); "
                          "+ropetile: the prefill's RoPE-store kernel one program per token (kernels.ROPE_STORE_PER_TOKEN); "
                          "+torchprefill: admissions prefill with the torch body (MEGARL_PREFILL_KERNELS=torch) instead "
-                         "of the decode step's kernels; +pgraph: small prefills replayed from CUDA graphs "
-                         "(MEGARL_PREFILL_GRAPH_TOKENS=auto; default: eager); the first is the baseline of the ratio")
+                         "of the decode step's kernels; +pgraph / +pgraphN: small prefills replayed from CUDA graphs "
+                         "(MEGARL_PREFILL_GRAPH_TOKENS=auto / N; default: eager); the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
     ap.add_argument("--top-p", type=float, default=1.0,
@@ -255,7 +255,9 @@ def main_gpu(a):
             eng.model = _WithoutLaunch(handle) if "fallback" in suffixes else handle   # (the engine is idle here)
             os.environ["MEGARL_PREFILL_KERNELS"] = "torch" if "torchprefill" in suffixes else "auto"
             model.prefill_graphs = None   # (made again with this mode's token limit)
-            _set_env("MEGARL_PREFILL_GRAPH_TOKENS", "auto" if "pgraph" in suffixes else graph_env)
+            # +pgraph: "auto"; +pgraphN: N tokens in up to N rows
+            pgraph = [x[len("pgraph"):] or "auto" for x in suffixes if x.startswith("pgraph")]
+            _set_env("MEGARL_PREFILL_GRAPH_TOKENS", pgraph[0] if pgraph else graph_env)
             run_engine()
             # the admission alone: every request ends at its prefill's token (one prefill of B x prompt)
             admit_s[mode] = min(run_engine(new=1)[0] for _ in range(3))

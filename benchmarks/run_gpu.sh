@@ -136,13 +136,13 @@ attn_block) # issue 29: the decode attention's keys per block (one dependent rou
           --no-hf --kernels triton,triton+blk128,triton+blk256,triton+blk256+warps8,triton+blk128+stages1,triton+warps2,triton+again
         run 240 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32 --prompt 2000 --new 64 \
           --no-hf --kernels triton,triton+blk128,triton+blk256,triton+again ;;
-prefill_graphs) # issue 29: small admissions' prefill replayed from CUDA graphs (PrefillGraphs, +pgraph =
-            # MEGARL_PREFILL_GRAPH_TOKENS=auto; opt-in until measured) vs launched eagerly, A B A B; the decode
-            # targets' runs, then agent-like single prompts
+prefill_graphs) # issue 29: admissions' prefill replayed from CUDA graphs (PrefillGraphs, +pgraph4096 =
+            # MEGARL_PREFILL_GRAPH_TOKENS=4096: every admission here, batch 128 x 32 tokens included; opt-in
+            # until measured) vs launched eagerly, A B A B; the decode targets' runs, then agent-like prompts
         run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 \
-          --no-hf --kernels triton,triton+pgraph,triton+again,triton+pgraph+again
+          --no-hf --kernels triton,triton+pgraph4096,triton+again,triton+pgraph4096+again
         run 200 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,8 --prompt 500 --new 16 \
-          --no-hf --kernels triton,triton+pgraph,triton+again,triton+pgraph+again ;;
+          --no-hf --kernels triton,triton+pgraph4096,triton+again,triton+pgraph4096+again ;;
 e2e_pgraph) # issue 29: the GRPO loop (e2e_rand's sizes) with small prefills from CUDA graphs, then eager (the default)
          MEGARL_PREFILL_GRAPH_TOKENS=auto run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m \
            --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_pg1

@@ -204,6 +204,7 @@ def test_graphed_prefill_gives_the_eager_prefill_and_stores_nothing_for_its_padd
     seqs = [torch.randint(0, 256, (40,), generator=g).tolist() for _ in range(2)]   # 2 x 64 > 64 tokens
     a, b = eager.prefill(seqs, 0), graphed.prefill(seqs, 0)
     assert (a - b).abs().max().item() < 2e-5 and graphed.prefill_graphs.captures == 2
+    assert graphed._prefill_graph_limits() == (64, graphed.max_slots)   # a number: rows up to the slots
     monkeypatch.delenv("MEGARL_PREFILL_GRAPH_TOKENS")           # opt-in: unset, every prefill eager
     assert graphed._prefill_graph_limits()[0] == 0
     monkeypatch.setenv("MEGARL_PREFILL_GRAPH_TOKENS", "auto")   # a power of two, at most 2048

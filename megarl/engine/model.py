@@ -896,18 +896,21 @@ class DecoderModel:
     def _prefill_graph_limits(self) -> Tuple[int, int]:
         """(padded tokens, rows) a captured prefill may hold. ``MEGARL_PREFILL_GRAPH_TOKENS``: unset or
         0, none (every prefill eager: the default until the graphs are measured on a GPU,
-        benchmarks/RESULTS.md section 30); a number, that many; "auto", as many as PREFILL_GRAPH_MIB
-        of activations (~2k tokens of Qwen2.5-0.5B, 512 of a 7B) -- the graphs' memory pool stays
-        through every release (the colocated trainer's step). The fp32 logits buffer is held to
-        half of PREFILL_GRAPH_MIB."""
+        benchmarks/RESULTS.md section 30); a number, that many tokens in up to as many rows (the
+        engine's slots at most: the caller sized it, the fp32 logits buffer included); "auto", as
+        many as PREFILL_GRAPH_MIB of activations (~2k tokens of Qwen2.5-0.5B, 512 of a 7B) in as
+        many rows as half of PREFILL_GRAPH_MIB of fp32 logits holds -- the graphs' memory pool
+        stays through every release (the colocated trainer's step)."""
         s = self.spec
         width = 3 * (s.intermediate_size or 0) + 4 * s.hidden_size + (self.nh + 2 * self.nkv) * s.head_dim
         budget = PREFILL_GRAPH_MIB << 20
         env = os.environ.get("MEGARL_PREFILL_GRAPH_TOKENS", "0")
-        tokens = (min(2048, _floor_pow2(budget // (width * self.dtype.itemsize))) if env == "auto"
-                  else _env_int("MEGARL_PREFILL_GRAPH_TOKENS", env))
-        rows = min(self.max_slots, _floor_pow2(budget // 2 // (s.vocab_size * 4)))
-        return tokens, max(rows, 1)
+        if env == "auto":
+            tokens = min(2048, _floor_pow2(budget // (width * self.dtype.itemsize)))
+            rows = _floor_pow2(budget // 2 // (s.vocab_size * 4))
+        else:
+            tokens = rows = _env_int("MEGARL_PREFILL_GRAPH_TOKENS", env)
+        return tokens, max(min(self.max_slots, rows), 1)
 
     def _graphed(self) -> bool:
         """Do decode steps run as CUDA graphs (single GPU, dense model)?"""
