@@ -154,6 +154,10 @@ rope_tile) # issue 29: the prefill's RoPE + cache write, one program per token w
           run 280 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch $P --no-hf \
             --kernels triton,triton+ropetile,triton+again,triton+ropetile+again; done ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
+gemv_chain) # issue 29: how fast one row can stream a step's projection weights -- cuBLAS per projection vs
+            # this bench's GEMV per launch vs the same GEMV in one persistent kernel that loads the next
+            # projection's first tile before each grid barrier (programs per SM / rows per block / columns)
+         run 240 python3 benchmarks/bench_gemv_chain.py --shape qwen2.5-0.5b --configs 1/8/0,1/8/512,1/8/1024,2/8/512,2/4/1024,1/16/512,4/4/512 ;;
 grid_sync) # a grid barrier inside one persistent kernel vs a kernel boundary in a CUDA graph (per round)
          run 120 python3 benchmarks/bench_grid_sync.py --programs 36,132 --rounds 64 ;;
 rollout_t1) # seeded sampling at temperature 1 (the RL loop's), the Triton step, batch 128 and 512
