@@ -9,7 +9,8 @@ before the previous phase's output exists -- the weights do not depend on it. Me
 ``--layers`` layers of a shape's projections (q/k/v, o, gate/up, SiLU-and-mul, down; no attention,
 no norms: the weights are the bytes), batch 1, each variant in one CUDA graph, replayed (median):
 
-* ``cublas``: F.linear per projection and the Triton SiLU-and-mul (what the ``triton`` step runs);
+* ``cublas``: F.linear per projection and the Triton SiLU-and-mul (what the ``triton`` step runs;
+  its result is not compared: it multiplies where the others take a sigmoid, see `_x_cols`);
 * ``kernels``: this file's GEMV, one launch per projection;
 * ``persistent``: the same GEMV as one cooperative launch, a grid barrier between projections,
   each program loading its first weight tile of the next projection before it waits (``--prefetch``
@@ -42,13 +43,15 @@ from bench_train import SHAPES, graph_timed  # noqa: E402
 
 @triton.jit
 def _x_cols(in_ptr, k, K: tl.constexpr, ACT: tl.constexpr):
-    """Input columns ``k`` of a projection: ``in[k]``, or (down) SiLU(in[k]) * in[K + k]. Loads skip
-    L1 (``.cg``): another SM wrote them."""
+    """Input columns ``k`` of a projection: ``in[k]``, or (down) SiLU(in[k]) * sigmoid(in[K + k]) --
+    SiLU-and-mul's loads and about its arithmetic, but linear in the row's scale, so 24 layers
+    neither overflow nor vanish (SiLU(g) * u squares it each layer). Loads skip L1 (``.cg``):
+    another SM wrote them."""
     km = k < K
     g = tl.load(in_ptr + k, mask=km, other=0.0, cache_modifier=".cg")
     if ACT:
         u = tl.load(in_ptr + K + k, mask=km, other=0.0, cache_modifier=".cg")
-        g = g / (1.0 + tl.exp(-g)) * u
+        g = g / (1.0 + tl.exp(-g)) / (1.0 + tl.exp(-u))
     return g
 
 
@@ -159,7 +162,7 @@ def main() -> None:
     flat = torch.empty(L * lw, dtype=torch.bfloat16, device=dev)
     W = _views(flat, L, H, QN, I)
     for qkv, o, gu, down in W:
-        for t, scale in ((qkv, H ** -0.5), (o, H ** -0.5), (gu, H ** -0.5), (down, 3 * I ** -0.5)):
+        for t, scale in ((qkv, H ** -0.5), (o, H ** -0.5), (gu, H ** -0.5), (down, 3.4 * I ** -0.5)):
             t.copy_(torch.randn(t.shape, device=dev, generator=g) * scale)
     x0 = torch.randn(H, device=dev, generator=g)
     x, q, o_buf, u = (torch.empty(n, device=dev) for n in (H, QN, H, 2 * I))
@@ -170,7 +173,7 @@ def main() -> None:
     ref = x0.double()   # float64 reference of the chain
     for qkv, o, gu, down in W:
         h = gu.double() @ (o.double() @ (qkv.double() @ ref)[:H])
-        ref = down.double() @ (F.silu(h[:I]) * h[I:])
+        ref = down.double() @ (F.silu(h[:I]) * torch.sigmoid(h[I:]))
 
     from megarl.engine import kernels
 
@@ -215,7 +218,8 @@ def main() -> None:
                 continue
             res[f"{name}_us_per_layer"] = round(t / L * 1e6, 3)
             res[f"{name}_of_bw_bound"] = round(flat.numel() * 2 / bw / t, 4)
-            res[f"{name}_rel_err"] = rel(outs[name])
+            if name != "cublas":
+                res[f"{name}_rel_err"] = rel(outs[name])
         if "kernels" in outs and "persistent" in outs:
             res["persistent_equals_kernels"] = bool(torch.equal(outs["kernels"], outs["persistent"]))
             res["persistent_over_cublas"] = round(res["cublas_us_per_layer"] / res["persistent_us_per_layer"], 3)

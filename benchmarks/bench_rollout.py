@@ -47,10 +47,10 @@ def main():
                          "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +blkN / +warpsN / +stagesN: "
                          "the attention kernel's keys per block, warps and pipeline stages; +rope / +norope: RoPE and "
                          "the cache write inside the attention kernel / in their own kernel (unnamed: the default); "
-                         "+ropetile: the prefill's RoPE-store kernel one program per token (kernels.ROPE_STORE_PER_TOKEN); "
                          "+torchprefill: admissions prefill with the torch body (MEGARL_PREFILL_KERNELS=torch) instead "
-                         "of the decode step's kernels; +pgraph / +pgraphN: small prefills replayed from CUDA graphs "
-                         "(MEGARL_PREFILL_GRAPH_TOKENS=auto / N; default: eager); the first is the baseline of the ratio")
+                         "of the decode step's kernels; +pgraph / +pgraphN: prefills replayed from CUDA graphs up to "
+                         "the default's / N tokens (MEGARL_PREFILL_GRAPH_TOKENS=auto / N; +pgraph0: every prefill "
+                         "launched eagerly); the first is the baseline of the ratio")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="GPU mode: 0 = greedy (the bandwidth-bound row); 1 = seeded sampling as in the RL loop")
     ap.add_argument("--top-p", type=float, default=1.0,
@@ -164,7 +164,7 @@ def copy_bandwidth(dev, nbytes=2 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t)
 
 
-ATTENTION_SWITCHES = {"rope": "ROPE_IN_ATTENTION", "ropetile": "ROPE_STORE_PER_TOKEN"}
+ATTENTION_SWITCHES = {"rope": "ROPE_IN_ATTENTION"}
 ATTENTION_NUMBERS = {"split": "SPLIT_KEYS", "blk": "ATTN_BLOCK_KEYS", "warps": "ATTN_WARPS", "stages": "ATTN_STAGES"}
 
 

@@ -136,23 +136,20 @@ attn_block) # issue 29: the decode attention's keys per block (one dependent rou
           --no-hf --kernels triton,triton+blk128,triton+blk256,triton+blk256+warps8,triton+blk128+stages1,triton+warps2,triton+again
         run 240 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32 --prompt 2000 --new 64 \
           --no-hf --kernels triton,triton+blk128,triton+blk256,triton+again ;;
-prefill_graphs) # issue 29: admissions' prefill replayed from CUDA graphs (PrefillGraphs, +pgraph4096 =
-            # MEGARL_PREFILL_GRAPH_TOKENS=4096: every admission here, batch 128 x 32 tokens included; opt-in
-            # until measured) vs launched eagerly, A B A B; the decode targets' runs, then agent-like prompts
+prefill_graphs) # issue 29: admissions' prefill launched eagerly (+pgraph0) vs replayed from CUDA graphs up to
+            # 4096 tokens (+pgraph4096: every admission here, batch 128 x 32 tokens included; the default,
+            # "auto", stops at 2048 tokens / 64 rows for this shape), A B A B; the decode targets' runs,
+            # then agent-like prompts
         run 300 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,32,128 --prompt 32 --new 128 \
-          --no-hf --kernels triton,triton+pgraph4096,triton+again,triton+pgraph4096+again
+          --no-hf --kernels triton+pgraph0,triton+pgraph4096,triton+pgraph0+again,triton+pgraph4096+again
         run 200 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch 1,8 --prompt 500 --new 16 \
-          --no-hf --kernels triton,triton+pgraph4096,triton+again,triton+pgraph4096+again ;;
-e2e_pgraph) # issue 29: the GRPO loop (e2e_rand's sizes) with small prefills from CUDA graphs, then eager (the default)
-         MEGARL_PREFILL_GRAPH_TOKENS=auto run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m \
+          --no-hf --kernels triton+pgraph0,triton+pgraph4096,triton+pgraph0+again,triton+pgraph4096+again ;;
+e2e_pgraph) # issue 29: the GRPO loop (e2e_rand's sizes) with every prefill launched eagerly, then with small
+         # prefills from CUDA graphs (the default)
+         MEGARL_PREFILL_GRAPH_TOKENS=0 run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m \
            --tokenizer .whl/smollm2_tok --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_pg1
          run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda \
            --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_pg2 ;;
-rope_tile) # issue 29: the prefill's RoPE + cache write, one program per token with every head as a tile
-           # (+ropetile, kernels.ROPE_STORE_PER_TOKEN) vs one per token and head (the default), A B A B
-        for P in "1,32,128 --prompt 32 --new 128" "32,128 --prompt 512 --new 32"; do
-          run 280 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-0.5b --batch $P --no-hf \
-            --kernels triton,triton+ropetile,triton+again,triton+ropetile+again; done ;;
 sampler) run 180 python3 benchmarks/bench_sampler.py --batch 1,32,128,512 --top-p 0.9 ;;
 gemv_chain) # issue 29: how fast one row can stream a step's projection weights -- cuBLAS per projection vs
             # this bench's GEMV per launch vs the same GEMV in one persistent kernel that loads the next

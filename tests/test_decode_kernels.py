@@ -205,11 +205,13 @@ def test_graphed_prefill_gives_the_eager_prefill_and_stores_nothing_for_its_padd
     a, b = eager.prefill(seqs, 0), graphed.prefill(seqs, 0)
     assert (a - b).abs().max().item() < 2e-5 and graphed.prefill_graphs.captures == 2
     assert graphed._prefill_graph_limits() == (64, graphed.max_slots)   # a number: rows up to the slots
-    monkeypatch.delenv("MEGARL_PREFILL_GRAPH_TOKENS")           # opt-in: unset, every prefill eager
+    monkeypatch.setenv("MEGARL_PREFILL_GRAPH_TOKENS", "0")      # 0: every prefill eager
     assert graphed._prefill_graph_limits()[0] == 0
     monkeypatch.setenv("MEGARL_PREFILL_GRAPH_TOKENS", "auto")   # a power of two, at most 2048
-    auto = graphed._prefill_graph_limits()[0]
-    assert 16 <= auto <= 2048 and auto & (auto - 1) == 0
+    auto = graphed._prefill_graph_limits()
+    assert 16 <= auto[0] <= 2048 and auto[0] & (auto[0] - 1) == 0
+    monkeypatch.delenv("MEGARL_PREFILL_GRAPH_TOKENS")           # unset: "auto"
+    assert graphed._prefill_graph_limits() == auto
     monkeypatch.setenv("MEGARL_PREFILL_GRAPH_TOKENS", "lots")
     with pytest.raises(ValueError, match="MEGARL_PREFILL_GRAPH_TOKENS='lots'"):
         graphed._prefill_graph_limits()
@@ -320,32 +322,39 @@ def test_a_rows_attention_is_the_same_alone_and_beside_longer_rows(kernels, monk
 
 
 @pytest.mark.parametrize("norm", [False, True])
-def test_rope_store_per_token_tiles_write_what_the_per_head_kernel_writes(kernels, monkeypatch, norm):
-    """`rope_and_store` with one program per token (every head as one tile, ROPE_STORE_PER_TOKEN)
-    against the per-head kernel (itself checked against the torch body above): 14 query heads in a
-    16-head tile and 2 kv heads (Qwen2.5-0.5B's layout, which the tests' tiny models do not have),
-    q/k RMSNorm (qwen3) or none, tokens of several cache rows and of row -1 (nothing stored)."""
+def test_rope_store_writes_the_rotated_heads_of_every_token_into_its_row(kernels, norm):
+    """`rope_and_store` (one program per token, every head as one tile) against torch's RoPE of
+    `DecoderModel._layer` (``x * cos + rotate_half(x) * sin`` after the q/k RMSNorm): 14 query heads
+    in a 16-head tile and 2 kv heads (Qwen2.5-0.5B's layout, which the tests' tiny models do not
+    have), q/k RMSNorm (qwen3) or none, tokens of several cache rows and of row -1 (a captured
+    prefill's padding: nothing stored)."""
+    from megarl.engine.model import _rms, _rotate_half
     g = torch.Generator().manual_seed(9)
     nh, nkv, D, L = 14, 2, 32, 24
-    qkv = torch.randn(19, (nh + 2 * nkv) * D, generator=g).to(DEV)
-    pos = torch.randint(0, L, (19,), generator=g).to(DEV)
-    rows = torch.tensor([0] * 6 + [2] * 6 + [-1] * 3 + [1] * 4, device=DEV)
-    cos, sin = torch.rand(L, D // 2, generator=g).to(DEV), torch.rand(L, D // 2, generator=g).to(DEV)
-    w = (torch.rand(D, generator=g) + 0.5).to(DEV), (torch.rand(D, generator=g) + 0.5).to(DEV)
-    out = []
-    for tiled in (False, True):
-        monkeypatch.setattr(kernels, "ROPE_STORE_PER_TOKEN", tiled)
-        # the caches are rows 1.. of bigger buffers: a store at row -1 would land in row 0 of them
-        kbig = torch.full((4, nkv, L, D), float("nan"), device=DEV)
-        vbig = torch.full((4, nkv, L, D), float("nan"), device=DEV)
-        q = kernels.rope_and_store(qkv, pos, cos, sin, kbig[1:], vbig[1:], nh, nkv, *(w if norm else (None, None)),
-                                   1e-6, rows=rows)
-        out.append((q, kbig, vbig))
-        assert torch.isnan(kbig[0]).all() and torch.isnan(vbig[0]).all()   # row -1: nothing stored
-        written = {(r, p) for r, p in zip(rows.tolist(), pos.tolist()) if r >= 0}
-        assert (~torch.isnan(kbig[1:])).sum().item() == len(written) * nkv * D
-    for want, got in zip(*out):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, equal_nan=True)
+    rows = torch.tensor([0] * 6 + [2] * 6 + [-1] * 3 + [1] * 4)
+    # a prefill's tokens: distinct positions within a row
+    pos = torch.cat([torch.randperm(L, generator=g)[:n] for n in (6, 6, 3, 4)])
+    qkv = torch.randn(len(rows), (nh + 2 * nkv) * D, generator=g)
+    cos, sin = torch.rand(L, D // 2, generator=g), torch.rand(L, D // 2, generator=g)
+    wq, wk = torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5
+    # the caches are rows 1.. of bigger buffers: a store at row -1 would land in row 0 of them
+    kbig = torch.full((4, nkv, L, D), float("nan"), device=DEV)
+    vbig = torch.full((4, nkv, L, D), float("nan"), device=DEV)
+    q = kernels.rope_and_store(qkv.to(DEV), pos.to(DEV), cos.to(DEV), sin.to(DEV), kbig[1:], vbig[1:], nh, nkv,
+                               *((wq.to(DEV), wk.to(DEV)) if norm else (None, None)), 1e-6, rows=rows.to(DEV))
+    c, s_ = torch.cat([cos, cos], -1)[pos][:, None], torch.cat([sin, sin], -1)[pos][:, None]
+    heads = qkv.view(len(rows), nh + 2 * nkv, D)
+    qh, kh, vh = heads[:, :nh], heads[:, nh:nh + nkv], heads[:, nh + nkv:]
+    if norm:
+        qh, kh = _rms(qh, wq, 1e-6), _rms(kh, wk, 1e-6)
+    want_q, want_k = qh * c + _rotate_half(qh) * s_, kh * c + _rotate_half(kh) * s_
+    torch.testing.assert_close(q.cpu(), want_q, atol=1e-5, rtol=1e-5)
+    assert torch.isnan(kbig[0]).all() and torch.isnan(vbig[0]).all()   # row -1: nothing stored
+    for t, (r, p) in enumerate(zip(rows.tolist(), pos.tolist())):
+        if r >= 0:
+            torch.testing.assert_close(kbig[1 + r, :, p].cpu(), want_k[t], atol=1e-5, rtol=1e-5)
+            assert torch.equal(vbig[1 + r, :, p].cpu(), vh[t])
+    assert (~torch.isnan(kbig)).sum().item() == (rows >= 0).sum().item() * nkv * D   # nothing else written
 
 
 def test_norm_and_activation_kernels(kernels):

@@ -83,11 +83,14 @@ def test_kept_weights_and_cache_resume_at_their_addresses_and_the_graphs_replay(
     m = _model()
     before = _greedy(m)
     captures, sig = m.graphs.captures, m.tensor_addresses()
+    prefill_captures = m.prefill_graphs.captures
+    assert prefill_captures == 1                      # the prompts' prefill is a graph too (the default)
     released = _release_and_resume(m, keep=True)
     assert released >= m._flat.numel() + 2 * 8 * 128 * 2 * 64 * 4 * 2     # weights + K/V bytes
     assert m.tensor_addresses() == sig
     assert _greedy(m) == before
     assert m.graphs.captures == captures              # replayed, not captured again
+    assert m.prefill_graphs.captures == prefill_captures
 
 
 def test_dropped_weights_pushed_again_serve_the_same_tokens_without_a_recapture():

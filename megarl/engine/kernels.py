@@ -81,40 +81,15 @@ def rope_rotate(x1, x2, c, s, dt: tl.constexpr):
 @triton.jit
 def _rope_store_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr,
                        stride_qkv, stride_qb, stride_kr, stride_kh, stride_kp, stride_cs, NH, NKV, eps,
-                       HALF: tl.constexpr, QK_NORM: tl.constexpr, HAS_ROWS: tl.constexpr):
-    """Program (b, h): query head h < NH -> rotated into ``q[b, h]``; key head h - NH -> rotated
-    into the cache at row b (HAS_ROWS: row ``rows[b]``, a prefill's token b; -1: not stored), position
-    pos[b], its value head copied beside it. (Token offsets in int64, as in `_silu_mul_kernel`.)"""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    p = tl.load(pos_ptr + b)
-    dt = q_ptr.dtype.element_ty
-    if h < NH:
-        d = tl.arange(0, HALF)
-        o1, o2 = _rotated_head(qkv_ptr + b * stride_qkv + h * (2 * HALF), qn_ptr, cos_ptr, sin_ptr, p, stride_cs, eps,
-                               HALF, QK_NORM, dt)
-        dst = q_ptr + b * stride_qb + h * (2 * HALF)
-        tl.store(dst + d, o1)
-        tl.store(dst + HALF + d, o2)
-    else:
-        kh = h - NH
-        r = b
-        if HAS_ROWS:
-            r = tl.load(row_ptr + b)
-        if r >= 0:   # row -1: a padding sequence of a captured prefill bucket, nothing stored
-            _store_new_key(qkv_ptr + b * stride_qkv, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr,
-                           r * stride_kr + kh * stride_kh + p * stride_kp, p, kh, NH, NKV, stride_cs, eps, HALF,
-                           QK_NORM, dt)
-
-
-@triton.jit
-def _rope_store_rows_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr,
-                       stride_qkv, stride_qb, stride_kr, stride_kh, stride_kp, stride_cs, NH, NKV, eps,
                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, QK_NORM: tl.constexpr,
                        HAS_ROWS: tl.constexpr):
-    """`_rope_store_kernel` with one program per token, every head of it as one tile (ROPE_STORE_PER_TOKEN).
-    Why: one program per token and head took 6-7x its bytes at a 4096-token prefill
-    (benchmarks/RESULTS.md section 30). Opt-in until measured."""
+    """Program b (token b): its query heads, q-normed (qwen3) and rotated at position ``pos[b]``, into
+    ``q[b]``; its key heads, rotated, into the cache at row b (HAS_ROWS: row ``rows[b]``, a prefill's
+    token b; -1: not stored), position pos[b], the value heads copied beside them. Every head of a
+    token is one tile: one program per token and head took 6-7x its bytes at a 4096-token prefill,
+    and this layout took 0.90x the admission time at 32 x 512 tokens, the same at the other sizes
+    measured (H100, benchmarks/RESULTS.md sections 30-31). (Token offsets in int64, as in
+    `_silu_mul_kernel`.)"""
     b = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + b)
     dt = q_ptr.dtype.element_ty
@@ -538,19 +513,12 @@ def rope_and_store(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin:
     D = k_cache.shape[-1]
     q = torch.empty(B, nh, D, dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
-    if ROPE_STORE_PER_TOKEN:
-        _rope_store_rows_kernel[(B,)](qkv, pos, rows if rows is not None else pos, cos, sin,
-                                      q_norm if norm else qkv, k_norm if norm else qkv, q,
-                                      k_cache, v_cache, qkv.stride(0), q.stride(0), k_cache.stride(0),
-                                      k_cache.stride(1), k_cache.stride(2), cos.stride(0), nh, nkv, eps,
-                                      HALF=D // 2, BLOCK_H=triton.next_power_of_2(nh),
-                                      BLOCK_KV=triton.next_power_of_2(nkv), QK_NORM=norm, HAS_ROWS=rows is not None)
-        return q
-    _rope_store_kernel[(B, nh + nkv)](qkv, pos, rows if rows is not None else pos, cos, sin,
-                                      q_norm if norm else qkv, k_norm if norm else qkv, q,
-                                      k_cache, v_cache, qkv.stride(0), q.stride(0), k_cache.stride(0),
-                                      k_cache.stride(1), k_cache.stride(2), cos.stride(0), nh, nkv, eps,
-                                      HALF=D // 2, QK_NORM=norm, HAS_ROWS=rows is not None)
+    _rope_store_kernel[(B,)](qkv, pos, rows if rows is not None else pos, cos, sin,
+                             q_norm if norm else qkv, k_norm if norm else qkv, q,
+                             k_cache, v_cache, qkv.stride(0), q.stride(0), k_cache.stride(0),
+                             k_cache.stride(1), k_cache.stride(2), cos.stride(0), nh, nkv, eps,
+                             HALF=D // 2, BLOCK_H=triton.next_power_of_2(nh),
+                             BLOCK_KV=triton.next_power_of_2(nkv), QK_NORM=norm, HAS_ROWS=rows is not None)
     return q
 
 
@@ -569,9 +537,6 @@ ATTN_BLOCK_KEYS = 64
 ATTN_WARPS = 4
 ATTN_STAGES = 3
 ROPE_IN_ATTENTION = True   # the fused step rotates q/k inside the attention kernel (no `_rope_store_kernel`)
-# `rope_and_store` (the prefill's RoPE + cache write) with one program per token, all heads as one tile,
-# instead of one per token and head; off until measured on a GPU (benchmarks/RESULTS.md section 30)
-ROPE_STORE_PER_TOKEN = False
 
 
 def attention_splits(key_len: int) -> int:

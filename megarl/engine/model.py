@@ -238,8 +238,8 @@ class DecoderModel:
         self.use_cuda_graphs = (self.device.type == "cuda" and tp_size == 1
                                 and os.environ.get("MEGARL_CUDA_GRAPHS", "1") != "0")
         self.graphs: Optional[DecodeGraphs] = None
-        # small fused prefills as CUDA graphs too (`PrefillGraphs`; opt-in: MEGARL_PREFILL_GRAPH_TOKENS,
-        # see `_prefill_graph_limits`)
+        # small fused prefills as CUDA graphs too (`PrefillGraphs`; MEGARL_PREFILL_GRAPH_TOKENS=0 turns
+        # them off, see `_prefill_graph_limits`)
         self.prefill_graphs: Optional[PrefillGraphs] = None
         # Triton decode step (fused_decode.py): "auto" = on CUDA when Triton can serve the shape;
         # "triton" forces it (on CPU under TRITON_INTERPRET=1: the tests); "triton-proj" = the same
@@ -895,16 +895,17 @@ class DecoderModel:
 
     def _prefill_graph_limits(self) -> Tuple[int, int]:
         """(padded tokens, rows) a captured prefill may hold. ``MEGARL_PREFILL_GRAPH_TOKENS``: unset or
-        0, none (every prefill eager: the default until the graphs are measured on a GPU,
-        benchmarks/RESULTS.md section 30); a number, that many tokens in up to as many rows (the
-        engine's slots at most: the caller sized it, the fp32 logits buffer included); "auto", as
-        many as PREFILL_GRAPH_MIB of activations (~2k tokens of Qwen2.5-0.5B, 512 of a 7B) in as
-        many rows as half of PREFILL_GRAPH_MIB of fp32 logits holds -- the graphs' memory pool
-        stays through every release (the colocated trainer's step)."""
+        "auto" (the default), as many as PREFILL_GRAPH_MIB of activations (~2k tokens of
+        Qwen2.5-0.5B, 512 of a 7B) in as many rows as half of PREFILL_GRAPH_MIB of fp32 logits holds
+        -- the graphs' memory pool stays through every release (the colocated trainer's step); a
+        number, that many tokens in up to as many rows (the engine's slots at most: the caller sized
+        it, the fp32 logits buffer included); 0, none (every prefill launched eagerly). Why on: a
+        one-prompt admission took 1.8 ms instead of 7.0, and a 500-token one 2.5 instead of 7-10
+        (H100, Qwen2.5-0.5B shape, benchmarks/RESULTS.md section 31)."""
         s = self.spec
         width = 3 * (s.intermediate_size or 0) + 4 * s.hidden_size + (self.nh + 2 * self.nkv) * s.head_dim
         budget = PREFILL_GRAPH_MIB << 20
-        env = os.environ.get("MEGARL_PREFILL_GRAPH_TOKENS", "0")
+        env = os.environ.get("MEGARL_PREFILL_GRAPH_TOKENS") or "auto"
         if env == "auto":
             tokens = min(2048, _floor_pow2(budget // (width * self.dtype.itemsize)))
             rows = _floor_pow2(budget // 2 // (s.vocab_size * 4))
