@@ -97,7 +97,7 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_p
     dd = tl.arange(0, 2 * HALF)
     hq = tl.arange(0, BLOCK_H)
     qm = hq < NH
-    q = _rotated_query(src, cos_ptr, sin_ptr, qn_ptr, p, hq, qm, stride_cs, eps, BLOCK_H, HALF, QK_NORM, dt)
+    q = _rotated_heads(src, cos_ptr, sin_ptr, qn_ptr, p, hq, qm, stride_cs, eps, BLOCK_H, HALF, QK_NORM, dt)
     tl.store(q_ptr + b * stride_qb + hq[:, None] * (2 * HALF) + dd[None, :], q, mask=qm[:, None])
     r = b
     if HAS_ROWS:
@@ -105,7 +105,7 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_p
     if r >= 0:   # row -1: a padding sequence of a captured prefill bucket, nothing stored
         hk = tl.arange(0, BLOCK_KV)
         km = hk < NKV
-        k = _rotated_query(src + NH * (2 * HALF), cos_ptr, sin_ptr, kn_ptr, p, hk, km, stride_cs, eps, BLOCK_KV,
+        k = _rotated_heads(src + NH * (2 * HALF), cos_ptr, sin_ptr, kn_ptr, p, hk, km, stride_cs, eps, BLOCK_KV,
                            HALF, QK_NORM, dt)
         dst = r * stride_kr + hk[:, None] * stride_kh + p * stride_kp + dd[None, :]
         tl.store(kc_ptr + dst, k, mask=km[:, None])
@@ -142,11 +142,12 @@ def _attend_block(q, kc_ptr, vc_ptr, base, n0, end, stride_kp, scale, m_i, l_i, 
 
 
 @triton.jit
-def _rotated_query(q_ptr, cos_ptr, sin_ptr, qn_ptr, p, heads, gm, stride_cs, eps,
+def _rotated_heads(q_ptr, cos_ptr, sin_ptr, qn_ptr, p, heads, gm, stride_cs, eps,
                    BLOCK_G: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, dt: tl.constexpr):
-    """The query heads ``heads`` of one row straight from the q/k/v projection (``q_ptr`` at the
-    row), q-normed (qwen3) and rotated at position ``p`` as `_rope_store_kernel` rotates them ->
-    ``[BLOCK_G, 2 HALF]`` in ``dt``."""
+    """Heads ``heads`` (masked by ``gm``) of one token's queries or keys, straight from the q/k/v
+    projection (``q_ptr`` at the first of them), RMS-normed with ``qn_ptr``'s weights (QK_NORM:
+    qwen3) and rotated at position ``p`` -> ``[BLOCK_G, 2 HALF]`` in ``dt``. The attention kernel
+    rotates its query group with it, `_rope_store_kernel` a token's query and key heads."""
     j = tl.arange(0, HALF)
     src = q_ptr + heads[:, None] * (2 * HALF) + j[None, :]
     x1 = tl.load(src, mask=gm[:, None], other=0.0).to(tl.float32)
@@ -228,7 +229,7 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
     base = b * stride_kr + kh * stride_kh
     if ROPE:
         dt = out_ptr.dtype.element_ty
-        q = _rotated_query(q_ptr + b * stride_qb, cos_ptr, sin_ptr, qn_ptr, n_ctx - 1, heads, gm, stride_cs, eps,
+        q = _rotated_heads(q_ptr + b * stride_qb, cos_ptr, sin_ptr, qn_ptr, n_ctx - 1, heads, gm, stride_cs, eps,
                            BLOCK_G, D // 2, QK_NORM, dt)
         if (n_ctx - 1 >= start) & (n_ctx - 1 < end):
             _store_new_key(q_ptr + b * stride_qb, cos_ptr, sin_ptr, kn_ptr, kc_ptr, vc_ptr,
