@@ -6,10 +6,13 @@ home whose numpy the tool code imports, and a world-readable data file with answ
 checkpoint outside any home and outside /tmp. The same probe run by that user *outside* the
 sandbox reads every planted file (the control); inside it reads none, while numpy still imports.
 Then the same checks as root (the sandbox drops to an unused uid), and the config rule for extra
-read-only mounts (an environment's fixtures).
+read-only mounts (an environment's fixtures). Last, the limits that depend on who runs it, for the
+user (busy with more processes than the sandbox may have) and for root: a fork bomb, filling
+/dev/shm and /dev, and creating a user namespace.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pwd
@@ -81,6 +84,64 @@ print(json.dumps({"reads": {p: read(p) for p in ARGS["read"]}, "ls": {p: ls(p) f
 '''
 
 
+# Run inside the sandbox (and, as the control, outside it): how many of ``forks`` forks succeed (all
+# alive at once), whether a POSIX semaphore can be made, how much of ``chunk``-byte files each
+# ``fill`` directory takes, and whether a new user namespace can be made (through ctypes:
+# os.unshare is Python 3.12+). The namespace comes last: on success the probe itself is in it.
+LIMITS_PROBE = r'''
+import ctypes, errno, json, os
+ARGS = json.loads(%r)
+def forks(n):
+    ok, errors, kids = 0, set(), []
+    r, w = os.pipe()
+    for _ in range(n):
+        try:
+            pid = os.fork()
+        except OSError as e:
+            errors.add(type(e).__name__ + " " + errno.errorcode[e.errno])
+            continue
+        if pid == 0:                       # each child waits until the parent closes the pipe
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+        ok += 1
+        kids.append(pid)
+    os.close(w)
+    for pid in kids:
+        os.waitpid(pid, 0)
+    return {"ok": ok, "errors": sorted(errors)}
+def fill(d):
+    wrote = 0
+    for i in range(ARGS["files"]):
+        try:
+            with open(os.path.join(d, f"fill{i}"), "wb") as f:
+                f.write(b"x" * ARGS["chunk"])
+        except OSError as e:
+            return {"mb": wrote / 2**20, "error": errno.errorcode[e.errno]}
+        wrote += ARGS["chunk"]
+    return {"mb": wrote / 2**20, "error": None}
+def semaphore():                           # what multiprocessing's locks and pools need of /dev/shm
+    import multiprocessing
+    try:
+        multiprocessing.Lock()
+    except OSError as e:
+        return errno.errorcode[e.errno]
+    return "made"
+out = {"forks": forks(ARGS["forks"]), "semaphore": semaphore(), "fill": {d: fill(d) for d in ARGS["fill"]}}
+libc = ctypes.CDLL(None, use_errno=True)
+out["userns"] = "made" if libc.unshare(0x10000000) == 0 else errno.errorcode[ctypes.get_errno()]   # CLONE_NEWUSER
+print(json.dumps(out))
+'''
+
+
+def limits_code(limits: SandboxLimits, fill: list[str] = (), forks: int = 200) -> str:
+    """The limits probe: ``forks`` forks, and files of half the file-size cap into ``fill`` until
+    twice ``tmp_mb`` is written."""
+    chunk = limits.output_bytes // 2
+    return LIMITS_PROBE % json.dumps({"forks": forks, "fill": list(fill), "chunk": chunk,
+                                      "files": 2 * (limits.tmp_mb << 20) // chunk})
+
+
 def probe_code(read: list[str], ls: list[str] = (), allowed: list[str] = (), walk: bool = False,
                write: list[str] = ()) -> str:
     return PROBE % json.dumps({"read": read, "ls": list(ls), "allowed": list(allowed), "walk": walk,
@@ -148,9 +209,9 @@ def host():
         shutil.rmtree(planted, ignore_errors=True)
 
 
-def as_user(host, code: str, sandboxed: bool, mounts: list[str] = ()) -> dict:
-    """Run ``code`` as the ordinary user with their venv's python: through ``run_python`` (the
-    user's process starts the sandbox, as on a cluster) or directly (the control)."""
+def as_user(host, code: str, sandboxed: bool, mounts: list[str] = (), limits: SandboxLimits = LIMITS) -> dict:
+    """Run ``code`` as the ordinary user with their venv's python: through ``run_python`` under
+    ``limits`` (the user's process starts the sandbox, as on a cluster) or directly (the control)."""
     python = str(host["venv"] / "bin" / "python")
     driver = ("import json, sys\nfrom megarl.envs.sandbox import SandboxLimits, interpreter, run_python\n"
               "a = json.loads(sys.argv[1])\n"
@@ -160,8 +221,7 @@ def as_user(host, code: str, sandboxed: bool, mounts: list[str] = ()) -> dict:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(host["home"]), "PYTHONPATH": str(host["code"]), **SECRET_ENV}
     if sandboxed:
         arg = json.dumps({"code": code, "python": python, "mounts": list(mounts),
-                          "limits": {"cpu_s": LIMITS.cpu_s, "wall_s": LIMITS.wall_s, "memory_mb": LIMITS.memory_mb,
-                                     "output_bytes": LIMITS.output_bytes}})
+                          "limits": dataclasses.asdict(limits)})
         r = subprocess.run([RUNUSER, "-u", host["name"], "--", python, "-c", driver, arg], capture_output=True,
                            text=True, timeout=180, env=env, cwd="/")
         assert r.returncode == 0, r.stderr[-3000:]
@@ -270,3 +330,45 @@ def test_config_names_the_mounts_field(tmp_path):
     cfg = load_config(DEFAULT, base + [f"agent.env_args={json.dumps({'mounts': [str(tmp_path / 'nope')]})}"],
                       validate=False)
     assert f"agent.env_args.mounts: {str(tmp_path / 'nope')!r} does not exist" in collect_problems(cfg, check_paths=True)
+
+
+SMALL = dataclasses.replace(LIMITS, nproc=16, tmp_mb=4)
+
+
+def assert_limits_hold(out: dict, limits: SandboxLimits) -> None:
+    """A fork bomb gets EAGAIN near ``nproc`` (the interpreter and bubblewrap's reaper count too),
+    /dev/shm holds semaphores but at most ``tmp_mb``, the rest of /dev nothing, and no user
+    namespace is made."""
+    forks = out["forks"]
+    assert limits.nproc // 2 <= forks["ok"] < limits.nproc, forks
+    assert forks["errors"] == ["BlockingIOError EAGAIN"], forks
+    assert out["semaphore"] == "made", out["semaphore"]
+    shm, dev = out["fill"]["/dev/shm"], out["fill"]["/dev"]
+    assert shm["error"] in ("ENOSPC", "EROFS") and shm["mb"] <= limits.tmp_mb, shm
+    assert dev["error"] in ("EROFS", "EACCES") and dev["mb"] == 0, dev
+    assert out["userns"] in ("ENOSPC", "EPERM"), out["userns"]
+
+
+def test_ordinary_user_sandbox_limits_processes_dev_shm_and_user_namespaces(host):
+    """As the user: RLIMIT_NPROC counts every process of a uid, and the user here already runs more
+    than the sandbox may have; the sandbox's code still gets about ``nproc`` and no more."""
+    control = as_user(host, limits_code(SMALL), sandboxed=False)
+    assert control["forks"] == {"ok": 200, "errors": []} and control["userns"] == "made", control
+    busy: list[subprocess.Popen] = []
+    try:
+        for _ in range(3 * SMALL.nproc):
+            busy.append(subprocess.Popen(["sleep", "600"], user=host["name"], group=host["name"], extra_groups=[]))
+        out = as_user(host, limits_code(SMALL, fill=["/dev/shm", "/dev"]), sandboxed=True, limits=SMALL)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert_limits_hold(out, SMALL)
+
+
+def test_root_sandbox_limits_processes_dev_shm_and_user_namespaces():
+    """As root (CI): bwrap mounts as root, the code runs as an unused uid in a second bwrap's user
+    namespace. (Run by an ordinary user, this checks that user's path again.)"""
+    r = run_python(limits_code(SMALL, fill=["/dev/shm", "/dev"]), SMALL)
+    assert r.exit_code == 0, r.stderr[-3000:]
+    assert_limits_hold(json.loads(r.stdout), SMALL)

@@ -13,27 +13,40 @@ in a home directory (a venv in ``~/venv``, pyenv in ``/root/.pyenv``) exactly th
 mounted, never the home itself. Extra read-only mounts are only the ones named in config
 (``agent.env_args.mounts``: an environment's fixtures, never its answers). Everything else --
 ``/home``, ``/root``, ``/etc``, the project, data, checkpoints, outputs -- does not exist inside.
-The only writable places are a private size-capped tmpfs at ``/tmp`` (the working directory) and
-the empty home ``/tmp/home`` in it. Model-written code cannot read a credential (``~/.netrc``,
+The only writable places are a private tmpfs at ``/tmp`` (the working directory, holding the empty
+home ``/tmp/home``) and one at ``/dev/shm`` (POSIX semaphores and shared memory, which
+``multiprocessing`` needs), each capped at ``tmp_mb``; the rest of ``/dev`` is read-only (its
+device nodes still work). Model-written code cannot read a credential (``~/.netrc``,
 ``~/.ssh``), a data file with the answers, or a checkpoint, whatever user the trainer runs as.
 
-Limits (``setrlimit`` in the child before ``bwrap`` starts, inherited by everything inside):
-CPU seconds (``RLIMIT_CPU``: SIGXCPU), address space (``RLIMIT_AS``: allocations fail with
-MemoryError), processes (``RLIMIT_NPROC``: a fork bomb gets EAGAIN), file size (``RLIMIT_FSIZE``:
-caps every file the code writes *and* its stdout/stderr, which go to files, so output cannot
-flood the trainer's memory), and a wall-clock limit enforced from outside (the whole process
-group is killed).
+Limits, set in the child before ``bwrap`` starts and inherited by everything inside: CPU seconds
+(``RLIMIT_CPU``: SIGXCPU), address space (``RLIMIT_AS``: allocations fail with MemoryError), file
+size (``RLIMIT_FSIZE``: caps every file the code writes *and* its stdout/stderr, which go to files,
+so output cannot flood the trainer's memory); a wall-clock limit enforced from outside (the whole
+process group is killed). Processes and threads (``RLIMIT_NPROC`` = ``nproc``: a fork bomb gets
+EAGAIN) are limited by ``prlimit`` inside the sandbox's own user namespace, right before the
+interpreter starts: there the kernel counts only that namespace's tasks (bubblewrap's reaper
+may be one), so the cap holds however many processes the trainer's user runs, and one sandbox's
+processes never count against another's. (Set before ``bwrap``, it would count every process of
+the user: ``bwrap`` itself could not start, or the cap would be far above ``nproc``.)
+
+User namespaces: the code cannot create one (``unshare(CLONE_NEWUSER)`` fails with ENOSPC):
+bubblewrap's ``--disable-userns`` (0.8 and later; without it a warning is logged once and the
+rest still holds) sets ``user.max_user_namespaces`` to 1 in the sandbox's namespace and then makes
+that one itself, for the code to run in.
 
 Users: an ordinary user runs ``bwrap`` unprivileged (a user namespace) and the code runs as that
 user, who can see nothing but the mounts above. As root, ``bwrap`` mounts as root (so an
-interpreter under ``/root`` can be mounted) and the code then drops to an unused uid of its own
-per concurrent slot (``setpriv``, no new privileges): the kernel does not apply ``RLIMIT_NPROC``
-to root, and a per-slot uid keeps one sandbox's processes from counting against another's.
+interpreter under ``/root`` can be mounted), then drops to an unused uid of its own per
+concurrent slot (``setpriv``, no new privileges; the kernel applies no ``RLIMIT_NPROC`` to root),
+and a second ``bwrap`` run by that uid inside the first one, seeing the same filesystem, adds the
+user namespace that ``--disable-userns`` and the process count need.
 """
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import pwd
 import resource
@@ -48,6 +61,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 SANDBOX_UID_BASE = 61000
+log = logging.getLogger("megarl.envs.sandbox")
 
 
 @dataclass(frozen=True)
@@ -56,8 +70,8 @@ class SandboxLimits:
     wall_s: float = 10.0           # wall-clock seconds before the whole sandbox is killed
     memory_mb: int = 1024          # address space
     output_bytes: int = 16384      # stdout and stderr each; also the largest file it may write
-    nproc: int = 32                # processes/threads of the sandbox's uid
-    tmp_mb: int = 64               # size of its private /tmp
+    nproc: int = 32                # processes and threads inside the sandbox
+    tmp_mb: int = 64               # size of its private /tmp, and of its /dev/shm
 
 
 @dataclass
@@ -122,6 +136,26 @@ def bwrap_path() -> str:
     if path is None:
         raise FileNotFoundError("the python sandbox needs bubblewrap: apt-get install bubblewrap")
     return path
+
+
+def util_linux(name: str) -> str:
+    """A util-linux tool (``prlimit``, ``setpriv``) from the system dirs, which the sandbox mounts."""
+    path = shutil.which(name, path="/usr/bin:/bin")
+    if path is None:
+        raise FileNotFoundError(f"the python sandbox needs {name} (util-linux)")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def can_disable_userns() -> bool:
+    """Whether this host's bubblewrap has ``--disable-userns`` (0.8 and later). Without it the code
+    could create user namespaces of its own (kernel attack surface), so that is logged once."""
+    r = subprocess.run([bwrap_path(), "--help"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    if "--disable-userns" in r.stdout + r.stderr:
+        return True
+    log.warning("bubblewrap at %s has no --disable-userns (needs 0.8+): sandboxed code can create user "
+                "namespaces", bwrap_path())
+    return False
 
 
 @dataclass(frozen=True)
@@ -207,25 +241,51 @@ def filesystem_args(mounts: Sequence[str], tmp_mb: int) -> list[str]:
                 made.add(parent)
                 args += ["--perms", "0755", "--dir", parent]
         args += ["--ro-bind", m, m]
-    return args + ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--size", str(tmp_mb << 20), "--tmpfs",
+    return args + [*dev_args(tmp_mb), "--proc", "/proc", "--perms", "1777", "--size", str(tmp_mb << 20), "--tmpfs",
                    "/tmp", "--perms", "1777", "--dir", SANDBOX_HOME, "--chdir", "/tmp", "--remount-ro", "/"]
 
 
-def bwrap_command(argv: list[str], tmp_mb: int, mounts: Sequence[str] = (), run_as: Optional[int] = None) -> list[str]:
-    """The full command: namespaces, environment, filesystem, then ``argv`` -- as uid ``run_as``
-    (root only: bwrap mounts as root, then ``setpriv`` drops every privilege before ``argv``)."""
+def dev_args(tmp_mb: int) -> list[str]:
+    """A fresh /dev, read-only but for its device nodes, with a /dev/shm capped at ``tmp_mb``: bwrap's
+    plain ``--dev`` is a writable tmpfs of half the host's RAM, owned by an ordinary user who runs it."""
+    return ["--dev", "/dev", "--perms", "1777", "--size", str(tmp_mb << 20), "--tmpfs", "/dev/shm",
+            "--remount-ro", "/dev"]
+
+
+def nproc_limited(argv: list[str], nproc: int) -> list[str]:
+    """``argv`` run under ``RLIMIT_NPROC`` = ``nproc`` (soft and hard), set by ``prlimit`` where it
+    stands: inside the sandbox's user namespace, where the kernel counts only that namespace's tasks."""
+    return [util_linux("prlimit"), f"--nproc={nproc}:{nproc}", "--", *argv]
+
+
+def bwrap_command(argv: list[str], tmp_mb: int, mounts: Sequence[str] = (), run_as: Optional[int] = None,
+                  nproc: int = SandboxLimits.nproc) -> list[str]:
+    """The full command: namespaces, environment, filesystem, then ``argv`` limited to ``nproc``
+    processes -- as uid ``run_as`` (root only: bwrap mounts as root, then ``setpriv`` drops every
+    privilege and a second bwrap adds the user namespace, seeing the same filesystem)."""
     env = [a for k, v in SANDBOX_ENV.items() for a in ("--setenv", k, v)]
     path = os.pathsep.join(dict.fromkeys([os.path.dirname(argv[0]), "/usr/bin", "/bin"]))
     head = [bwrap_path(), "--die-with-parent", "--new-session", "--clearenv", *env, "--setenv", "PATH", path]
-    fs = filesystem_args(mounts, tmp_mb)
+    no_userns = ["--disable-userns"] if can_disable_userns() else []
+    code = nproc_limited(argv, nproc)
     if run_as is None:
-        return [*head, "--unshare-all", *fs, "--", *argv]
-    setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
-    if setpriv is None:
-        raise FileNotFoundError("the python sandbox run as root needs setpriv (util-linux)")
+        return [*head, "--unshare-all", "--unshare-user", *no_userns, *filesystem_args(mounts, tmp_mb), "--", *code]
+    drop = [util_linux("setpriv"), f"--reuid={run_as}", f"--regid={run_as}", "--clear-groups", "--no-new-privs", "--"]
+    inner = nested_bwrap() if no_userns else []
+    if inner and not _under(inner[0], SYSTEM_DIRS):
+        mounts = [*mounts, inner[0]]
     return [*head, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-            "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", *fs, "--",
-            setpriv, f"--reuid={run_as}", f"--regid={run_as}", "--clear-groups", "--no-new-privs", "--", *argv]
+            "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", *filesystem_args(mounts, tmp_mb), "--",
+            *drop, *inner, *code]
+
+
+def nested_bwrap() -> list[str]:
+    """As root, the second bwrap: run by the dropped uid inside the first, seeing its filesystem as
+    it is (``--dev-bind / /``), it adds the user namespace that ``--disable-userns`` closes and in
+    which the process count is kept. (The first cannot: as root it makes no user namespace, and
+    one made there would map root, not the unused uid the code must run as.)"""
+    return [os.path.realpath(bwrap_path()), "--die-with-parent", "--unshare-user", "--disable-userns",
+            "--dev-bind", "/", "/", "--chdir", "/tmp", "--"]
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits(), python: Optional[str] = None,
@@ -242,7 +302,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), python: Optio
     t0 = time.perf_counter()
     try:
         out_path, err_path = os.path.join(out_dir, "stdout"), os.path.join(out_dir, "stderr")
-        command = bwrap_command([interp.executable, "-I", "-c", code], limits.tmp_mb, interp.mounts + extra, uid)
+        command = bwrap_command([interp.executable, "-I", "-c", code], limits.tmp_mb, interp.mounts + extra, uid,
+                                limits.nproc)
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             def child() -> None:
                 cap = limits.output_bytes
@@ -250,8 +311,6 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), python: Optio
                 resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb << 20,) * 2)
                 resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
                 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-                if uid is not None:
-                    resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, preexec_fn=child,
                                     start_new_session=True, close_fds=True,
                                     env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"})
