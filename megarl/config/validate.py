@@ -106,20 +106,39 @@ def hf_mapping_refusals(hf: dict[str, Any]) -> list[str]:
 
 
 def _check_layer_split(name: str, p: ParallelConfig, num_layers: int, problems: list[str]) -> None:
-    """Layers must split evenly over (pp * vpp) chunks, after any uneven first/last stage."""
+    """The split megatron-core builds (``TransformerConfig.__post_init__`` and
+    ``transformer_block.get_num_layers_to_build``): the first / last pipeline rank hold
+    ``first_stage_layers`` / ``last_stage_layers`` when set, each a multiple of vpp; the rest split
+    evenly over the middle ranks, each rank's share a multiple of vpp."""
+    where = f"{name}.parallel"
     uneven = [(k, getattr(p, k)) for k in ("first_stage_layers", "last_stage_layers") if getattr(p, k)]
+    for key, value in uneven:
+        if value < 0:
+            problems.append(f"{where}.{key}: must be >= 0 (0 = even split), got {value}")
+            return
     if uneven and p.pp < 2:
-        problems.append(f"{name}.parallel.{uneven[0][0]}: uneven pipeline stages need pp >= 2")
+        problems.append(f"{where}.{uneven[0][0]}: uneven pipeline stages need pp >= 2")
         return
+    vpp = p.vpp if p.pp > 1 else 1
+    for key, value in uneven:
+        if value % vpp:
+            problems.append(f"{where}.{key}: {value} layers do not split into vpp = {vpp} virtual chunks")
+            return
     rest = num_layers - sum(v for _, v in uneven)
     stages = p.pp - len(uneven)
-    if rest < 0 or (stages == 0 and rest) or (stages and rest % (stages * p.vpp)):
+    if len(uneven) == 2 and vpp > 1 and not stages:
+        # megatron-core 0.16 computes the interleaved offsets per middle stage and divides by zero
+        problems.append(f"{where}.vpp: uneven first and last stages with virtual chunks need a middle stage "
+                        f"(pp >= 3), got pp = {p.pp}")
+        return
+    if rest < 0 or bool(stages) != bool(rest) or (stages and rest % (stages * vpp)):
         what = f"num_layers = {num_layers}" + "".join(f" - {k} {v}" for k, v in uneven)
-        problems.append(f"{name}.parallel.pp: {what} = {rest} layers do not split evenly over "
-                        f"{stages} stage(s) * vpp {p.vpp}")
+        problems.append(f"{where}.pp: {what} = {rest} layers do not split evenly over "
+                        f"{stages} stage(s) * vpp {vpp}")
 
 
-def _check_parallel(name: str, role: RoleConfig, arch: ModelArch, device: str, problems: list[str]) -> None:
+def _check_parallel(name: str, role: RoleConfig, arch: ModelArch, device: str, trained: bool,
+                    problems: list[str]) -> None:
     p: ParallelConfig = role.parallel
     for key in ("tp", "pp", "vpp", "ep", "etp", "cp"):
         if getattr(p, key) < 1:
@@ -142,6 +161,11 @@ def _check_parallel(name: str, role: RoleConfig, arch: ModelArch, device: str, p
         _check_layer_split(name, p, arch.num_layers, problems)
     if p.vpp > 1 and p.pp < 2:
         problems.append(f"{name}.parallel.vpp: virtual pipeline ({p.vpp}) needs pp >= 2")
+    elif p.vpp > 1 and trained and device == "cpu":
+        # megatron's interleaved schedule sends activations and gradients to one peer over untagged
+        # p2p; gloo pairs them wrongly (wrong gradients, or a hang). Forward-only roles run it right.
+        problems.append(f"{name}.parallel.vpp: virtual pipeline training needs cluster.device=cuda (NCCL); over gloo "
+                        f"megatron's interleaved schedule gives wrong gradients or hangs -- use vpp=1 on CPU")
     if p.ep > 1 or p.etp > 1:
         if not arch.num_experts:
             problems.append(f"{name}.parallel.ep: ep = {p.ep}, etp = {p.etp} but the model has no experts")
@@ -241,6 +265,13 @@ def _check_pools(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"cluster.device: cpu but gpus_per_node = {c.gpus_per_node}; set cluster.device=cuda")
     if c.backend == "local" and c.nodes > 1:
         problems.append("cluster.backend: local runs on one node; use ray for nodes > 1")
+    if c.backend == "local":
+        # backend 'local' runs each Megatron role as one rank in the trainer's process
+        for n in cfg.megatron_roles:
+            if getattr(cfg, n).gpus > 1:
+                problems.append(f"cluster.backend: local runs one rank per role, {n}.gpus = {getattr(cfg, n).gpus}; "
+                                f"use cluster.backend=ray (or {n}.gpus=1)")
+                break
     roles = [n for n in ROLES if getattr(cfg, n).enabled]
     total = c.nodes * c.gpus_per_node
     if cfg.placement.mode == "colocated":
@@ -534,7 +565,7 @@ def collect_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
     for name in ROLES:
         role = getattr(cfg, name)
         if role.enabled:
-            _check_parallel(name, role, cfg.model.arch, cfg.cluster.device, problems)
+            _check_parallel(name, role, cfg.model.arch, cfg.cluster.device, name in cfg.trained_roles, problems)
     _check_batches(cfg, problems)
     _check_cp_budget(cfg, problems)
     _check_pools(cfg, problems)

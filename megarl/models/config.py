@@ -110,7 +110,8 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
                                params_dtype: torch.dtype = torch.float32,
                                sequence_parallel: bool = False, perform_initialization: bool = True,
                                use_cpu_initialization: Optional[bool] = None,
-                               recompute: Optional[str] = None, **overrides):
+                               recompute: Optional[str] = None, first_stage_layers: int = 0,
+                               last_stage_layers: int = 0, **overrides):
     """Build the megatron ``TransformerConfig`` (``MLATransformerConfig`` for DeepSeek-V3).
 
     Dropout is taken from the HF config (0 for all supported families); of the fusions only
@@ -118,6 +119,8 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
     :func:`megarl.models.fusions.fusions_enabled` (CUDA); the others need TE/apex kernels.
     ``use_cpu_initialization`` defaults to "no CUDA". ``overrides`` are set on
     the config dataclass verbatim (e.g. ``moe_token_dispatcher_type="allgather"``).
+    ``first_stage_layers`` / ``last_stage_layers`` (0 = even): an uneven pipeline, as megatron's
+    ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``.
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -160,6 +163,8 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
         attention_softmax_in_fp32=True,
+        num_layers_in_first_pipeline_stage=(first_stage_layers or None) if pp > 1 else None,
+        num_layers_in_last_pipeline_stage=(last_stage_layers or None) if pp > 1 else None,
     )
     if recompute:
         kw.update(recompute_granularity=recompute,

@@ -159,6 +159,7 @@ class RolePlan:
     cp_kv_bytes_per_layer: int = 0      # context parallel: K/V bytes each rank receives per layer (forward)
     cp_kv_seconds_per_layer: float = 0.0   # forward all-gather + backward reduce-scatter, assumed bandwidth
     notes: list[str] = field(default_factory=list)
+    stage_layers: list[int] = field(default_factory=list)   # layers on each pipeline rank (megatron's split)
 
     @property
     def static(self) -> int:
@@ -390,6 +391,10 @@ def plan_role(cfg: RunConfig, name: str) -> RolePlan:
         if best is None or rp.peak > best.peak:
             best = rp
     assert best is not None
+    best.stage_layers = [len(sh.layers) for sh in shards]
+    if p.pp > 1:
+        best.notes.append("layers per pipeline rank " + "/".join(map(str, best.stage_layers))
+                          + (f" ({p.vpp} virtual chunks each)" if p.vpp > 1 else ""))
     if trained and not role.optim.distributed_optimizer and dp > 1:
         best.notes.append("optimizer states replicated on every data-parallel rank (distributed_optimizer: false)")
     if trained:

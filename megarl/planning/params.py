@@ -118,21 +118,35 @@ def model_params(arch: ModelArch, value_head: bool = False) -> ModelParams:
     return mp
 
 
-def stage_layers(num_layers: int, p: ParallelConfig) -> list[range]:
-    """Layer indices of each pipeline stage: ``first_stage_layers`` / ``last_stage_layers`` when set,
-    the rest split evenly (validation guarantees it divides; a remainder goes to the early stages)."""
+def stage_counts(num_layers: int, p: ParallelConfig) -> list[int]:
+    """Layers on each pipeline rank, as megatron-core splits them: ``first_stage_layers`` /
+    ``last_stage_layers`` when set (megatron's ``num_layers_in_first/last_pipeline_stage``), the rest
+    evenly over the middle ranks (validation refuses a split megatron would not build)."""
     if p.pp <= 1:
-        return [range(num_layers)]
+        return [num_layers]
     first, last = p.first_stage_layers, p.last_stage_layers
     middle = p.pp - bool(first) - bool(last)
-    rest = num_layers - first - last
-    per, extra = divmod(rest, middle) if middle else (0, 0)
-    counts = ([first] if first else []) + [per + (1 if i < extra else 0) for i in range(middle)] + ([last] if last else [])
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
+    per = (num_layers - first - last) // middle if middle else 0
+    return [first or per] + [per] * (p.pp - 2) + [last or per]
+
+
+def stage_chunks(num_layers: int, p: ParallelConfig) -> list[list[range]]:
+    """Global layer indices of each pipeline rank's model chunks (one per virtual stage).
+
+    Megatron's interleaved order (``transformer_layer.get_transformer_layer_offset``): virtual
+    stage v of every rank comes before virtual stage v + 1 of any, so chunk v of rank r starts at
+    ``v * (layers of one chunk of every rank) + (chunk sizes of the ranks before r)``.
+    ``tests/test_pipeline_layout.py`` holds this to megatron's own functions for every recipe."""
+    vpp = max(p.vpp, 1) if p.pp > 1 else 1
+    chunk = [c // vpp for c in stage_counts(num_layers, p)]
+    per_round = sum(chunk)
+    return [[range(v * per_round + sum(chunk[:r]), v * per_round + sum(chunk[:r]) + chunk[r]) for v in range(vpp)]
+            for r in range(len(chunk))]
+
+
+def stage_layers(num_layers: int, p: ParallelConfig) -> list[list[int]]:
+    """Global layer indices held by each pipeline rank (all its virtual chunks), in order."""
+    return [[i for c in chunks for i in c] for chunks in stage_chunks(num_layers, p)]
 
 
 @dataclass
@@ -140,7 +154,7 @@ class StageShard:
     """Parameters one GPU holds for pipeline stage ``stage`` under a role's layout."""
 
     stage: int
-    layers: range
+    layers: list[int]           # global layer indices on this pipeline rank (every virtual chunk)
     moe_layers: int
     dense: int               # parameters reduced over the data-parallel group
     expert: int              # routed-expert parameters, reduced over the expert-data-parallel group

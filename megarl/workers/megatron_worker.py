@@ -138,7 +138,8 @@ class MegatronWorker:
         dtype = DTYPES[self.cfg.model.dtype]
         self.hf_dir = path
         self.chunks = build_model(str(path), value_head=self.spec.value_head, params_dtype=dtype,
-                                  vpp=p.vpp if p.vpp > 1 else None, fp32_lm_head=trainer_fp32_lm_head(self.cfg))
+                                  vpp=p.vpp if p.vpp > 1 else None, fp32_lm_head=trainer_fp32_lm_head(self.cfg),
+                                  first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
         if self.cfg.cluster.device == "cuda":
             self.chunks = [c.cuda() for c in self.chunks]
         for chunk in self.chunks:
@@ -160,7 +161,14 @@ class MegatronWorker:
                 chunk.requires_grad_(False)
         self.offloader = StateOffloader(self.chunks, self.optimizer, self._device())
         return {"rank": spec.rank, "role": spec.role, "params": sum(x.numel() for c in self.chunks for x in c.parameters()),
-                "trainable": trainable or sum(x.numel() for c in self.chunks for x in c.parameters() if x.requires_grad)}
+                "trainable": trainable or sum(x.numel() for c in self.chunks for x in c.parameters() if x.requires_grad),
+                "pp_rank": mpu.get_pipeline_model_parallel_rank(), "num_layers": unwrap(self.chunks[0]).config.num_layers,
+                "layers": self.built_layers()}
+
+    def built_layers(self) -> list[list[int]]:
+        """Global layer indices megatron built in each of this rank's model chunks (virtual stages):
+        the runtime's side of the pipeline split that validation and the plan assume."""
+        return [[int(layer.layer_number) - 1 for layer in unwrap(c).decoder.layers] for c in self.chunks]
 
     def _model_path(self) -> Path:
         from megarl.workers.model_source import resolve_hf_path

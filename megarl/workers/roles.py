@@ -44,13 +44,34 @@ def start_roles(cfg: Any, placement: Any) -> dict[str, Any]:
         group = WorkerGroup(role, cfg, backend=cfg.cluster.backend, trainable=trainable, value_head=value_head,
                             placement_group=pg, share=share)
         info = group.call("setup")
+        split = check_pipeline_split(role, getattr(cfg, role).parallel, info)
         note(f"{role}: {role_layout(getattr(cfg, role))}, {info[0]['params'] / 1e6:.1f}M params on rank 0"
-             + (f" ({info[0]['trainable'] / 1e6:.3f}M trainable)" if trainable else ""))
+             + (f" ({info[0]['trainable'] / 1e6:.3f}M trainable)" if trainable else "")
+             + (f", layers per pipeline rank {split}" if getattr(cfg, role).parallel.pp > 1 else ""))
         groups[role] = group
     if cfg.ref.enabled and "ref" not in groups:
         groups["ref"] = BaseReference(groups["actor"])
         note("ref: the actor's base model with its LoRA adapters off (no reference role built)")
     return groups
+
+
+def check_pipeline_split(role: str, parallel: Any, info: list[dict[str, Any]]) -> str:
+    """Every rank built the layers the plan puts on its pipeline rank (``planning.params.stage_chunks``,
+    which validation and ``megarl plan`` use), chunk by chunk; otherwise the run stops here, before any
+    step, naming role, rank and both splits. Returns the split as ``"14/16"``."""
+    from megarl.planning.params import stage_chunks
+
+    planned = stage_chunks(int(info[0]["num_layers"]), parallel)
+    for rank_info in info:
+        want = [list(c) for c in planned[rank_info["pp_rank"]]]
+        if rank_info["layers"] != want:
+            raise RuntimeError(f"{role} rank {rank_info['rank']} (pipeline rank {rank_info['pp_rank']}) built layers "
+                               f"{_spans(rank_info['layers'])}, the plan puts {_spans(want)} there")
+    return "/".join(str(sum(len(c) for c in chunks)) for chunks in planned)
+
+
+def _spans(chunks: list[list[int]]) -> str:
+    return " + ".join(f"{c[0]}-{c[-1]}" if c else "none" for c in chunks)
 
 
 def role_layout(role_cfg: Any) -> str:
