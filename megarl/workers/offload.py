@@ -254,6 +254,26 @@ def _grad_buffers(chunks: list[torch.nn.Module]) -> Iterator[torch.Tensor]:
             yield b.grad_data
 
 
+def own_optimizer_state(optimizer: Any) -> int:
+    """Give torch its own copy of every optimizer-state tensor whose storage it cannot resize, and
+    return how many were copied.
+
+    Why: ``torch.load`` on the CPU returns tensors whose storage is the file's bytes (not
+    resizable), and torch's optimizers keep loaded state as it comes when device and dtype already
+    match (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``). Offload releases storages by resizing them,
+    so a resumed run with ``offload.optimizer`` would stop at its first offload. The state dict
+    entries are plain references (no views into them), so replacing them is safe."""
+    copied = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", opt)
+        for state in getattr(inner, "state", {}).values():
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and not value.untyped_storage().resizable():
+                    state[key] = value.clone()
+                    copied += 1
+    return copied
+
+
 def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
     """Every tensor a megatron optimizer holds: main parameters (fp32 copies or shards) and the
     inner torch optimizer's state, for each optimizer of a chain."""

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megarl.models.builder import unwrap
+from megarl.workers.offload import own_optimizer_state
 from megarl.models.lora import checkpoint_sharded_state, load_checkpoint_state   # LoRA: adapters only
 
 
@@ -90,6 +91,8 @@ def load_train_state(worker: Any, path: str | Path) -> None:
         worker.optimizer.load_state_dict(torch.load(optim_file, weights_only=False))
         # the fp16/bf16 optimizer keeps fp32 master copies; loading them above restores the
         # model params too (copied back on the next step); the model tensors were loaded already
+    if worker.optimizer is not None:
+        own_optimizer_state(worker.optimizer)   # offload must be able to release what was loaded
     extra = torch.load(path / f"extra_rank{worker.spec.rank}.pt", weights_only=False)
     worker.steps = extra["steps"]
     if worker.scheduler is not None and extra["scheduler"] is not None:
