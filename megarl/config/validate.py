@@ -133,8 +133,8 @@ def _check_layer_split(name: str, p: ParallelConfig, num_layers: int, problems: 
         return
     if rest < 0 or bool(stages) != bool(rest) or (stages and rest % (stages * vpp)):
         what = f"num_layers = {num_layers}" + "".join(f" - {k} {v}" for k, v in uneven)
-        problems.append(f"{where}.pp: {what} = {rest} layers do not split evenly over "
-                        f"{stages} stage(s) * vpp {vpp}")
+        what += f" = {rest} layers do" if uneven else " does"
+        problems.append(f"{where}.pp: {what} not split evenly over {stages} stage(s) * vpp {vpp}")
 
 
 def _check_parallel(name: str, role: RoleConfig, arch: ModelArch, device: str, trained: bool,
