@@ -121,7 +121,7 @@ def test_varlen_chunks_attend_each_local_chunk_to_its_key_prefix(monkeypatch):
 def _cfg(hf_dir: str, world: int, layout: dict, role: str = "actor", **extra):
     from megarl.config import load_config
 
-    over = [f"model.hf_path={hf_dir}", "cluster.backend=local", f"{role}.enabled=true", f"{role}.gpus={world}",
+    over = [f"model.hf_path={hf_dir}", "cluster.backend=ray", f"{role}.enabled=true", f"{role}.gpus={world}",
             f"{role}.packing=true", f"{role}.optim.lr=1e-3", f"{role}.optim.clip_grad=0",
             f"{role}.optim.distributed_optimizer=false", "trainer.total_steps=3", "batch.global_batch_size=8",
             "model.arch.tie_word_embeddings=false", f"{role}.max_tokens_per_micro_batch=40",

@@ -17,7 +17,7 @@ RANK, ALPHA = 4, 16.0
 def _cfg(hf_dir: str, world: int, parallel: dict | None = None):
     from megarl.config import load_config
 
-    over = [f"model.hf_path={hf_dir}", "cluster.backend=local", f"actor.gpus={world}",
+    over = [f"model.hf_path={hf_dir}", "cluster.backend=ray", f"actor.gpus={world}",
             "actor.optim.lr=5e-2", "actor.optim.clip_grad=1.0", "trainer.total_steps=2", "batch.global_batch_size=8",
             f"actor.lora.rank={RANK}", f"actor.lora.alpha={ALPHA}", "actor.max_tokens_per_micro_batch=40"]
     over += [f"actor.parallel.{k}={v}" for k, v in ({"pp": 2} if parallel is None else parallel).items()]

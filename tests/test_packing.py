@@ -266,17 +266,20 @@ def _cfg(hf_dir: str, world: int, layout: dict, packing: bool, value_head: bool 
     from megarl.config import load_config
 
     role = "critic" if value_head else "actor"
-    over = [f"model.hf_path={hf_dir}", "cluster.backend=local", f"{role}.enabled=true", f"{role}.gpus={world}",
+    over = [f"model.hf_path={hf_dir}", "cluster.backend=ray", f"{role}.enabled=true", f"{role}.gpus={world}",
             f"{role}.packing={str(packing).lower()}", f"{role}.optim.lr=1e-3", f"{role}.optim.clip_grad=0",
             "trainer.total_steps=1", "batch.global_batch_size=8", "model.arch.tie_word_embeddings=false"]
     if value_head:
         over.append("algorithm.advantage=gae")
-    over += [f"{role}.parallel.{k}={v}" for k, v in layout.items()]
+    # vpp: set after validation, which refuses VPP *training* on CPU; these ranks run it forward-only
+    over += [f"{role}.parallel.{k}={v}" for k, v in layout.items() if k != "vpp"]
     # packed: token budget that cuts the batch into several micro-batches; padded: 4 samples each
     over += [f"{role}.max_tokens_per_micro_batch=40"] if packing else [f"{role}.micro_batch_size=4"]
     over += [f"model.arch.{k}=0" for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                            "num_kv_heads", "vocab_size", "head_dim")]
-    return load_config(ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml", over), role
+    cfg = load_config(ROOT / "recipes" / "smollm2-135m-grpo-cpu.yaml", over)
+    getattr(cfg, role).parallel.vpp = layout.get("vpp", 1)
+    return cfg, role
 
 
 ALGO = LossSettings(policy_loss="ppo", entropy_coef=0.01, value_clip=0.2, kl_loss_coef=0.0, kl_estimator="k3",
