@@ -196,9 +196,12 @@ e2e_host) # issue 29: the GRPO loop at the real_e2e sizes on a random-init SmolL
             --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_eh1
           OMP_NUM_THREADS=4 run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok \
             --device cuda --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_eh2 ;;
+vpp) # two GPUs: virtual pipeline training (pp 2 x vpp 2, megatron's interleaved schedule over NCCL) equals one GPU
+     python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest/*.whl
+     python3 -m pytest -q -p no:cacheprovider tests_gpu/test_vpp_training.py 2>&1 | tail -40 | tee -a $OUT/log ;;
 gpu_tests) # the GPU-only tests (tests_gpu/: CUDA VMM weights and cache keep their addresses across a release)
            python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest/*.whl
-           python3 -m pytest -q -p no:cacheprovider tests_gpu 2>&1 | tail -60 | tee -a $OUT/log ;;
+           python3 -m pytest -q -p no:cacheprovider tests_gpu --ignore=tests_gpu/test_vpp_training.py 2>&1 | tail -60 | tee -a $OUT/log ;;
 e2e_rand) # issue 29: the GRPO loop at the real_e2e sizes on a random-init SmolLM2 (no weights to carry)
           run 300 python3 benchmarks/bench_e2e.py --shape smollm2-135m --tokenizer .whl/smollm2_tok --device cuda \
             --steps 6 --prompts 64 --n 8 --new-tokens 40 --work /tmp/b_er1
