@@ -13,7 +13,6 @@ import torch
 from megarl.trainer import LogprobMismatch, Trainer
 from tests.helpers.runs import tiny_model, tiny_run_config
 
-NUMERIC_SKIP = ("time/", "throughput/", "sync/seconds", "sync/bytes_per_s")
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +26,6 @@ def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(tb_dir))
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def comparable(metrics: dict[str, float]) -> dict[str, float]:
-    return {k: v for k, v in metrics.items() if not k.startswith(NUMERIC_SKIP)}
 
 
 def test_grpo_three_steps_tensorboard_checkpoint_export(model, tmp_path):
