@@ -3,7 +3,7 @@
     megarl convert hf-to-megatron --hf DIR --out DIR [--tp 2 --pp 1 --ep 1 --etp 1 --vpp N --dtype bf16]
     megarl convert megatron-to-hf --ckpt DIR --out DIR [--hf-config DIR --tp 1 --pp 1 --ep 1]
     megarl convert lora-to-peft --ckpt RUN/checkpoints/step_N --out DIR [--merged DIR] [--run-config FILE]
-    megarl convert hf-to-fp8 --hf DIR --out DIR [--scale-fmt fp32|ue8m0]
+    megarl convert hf-to-fp8 --hf DIR --out DIR [--scale-fmt fp32|ue8m0] [--readable-by sglang,transformers]
 """
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     d.add_argument("--scale-fmt", default="fp32", choices=["fp32", "ue8m0"],
                    help="fp32: amax/448 per block (DeepSeek-V3); ue8m0: rounded up to a power of two (DeepGEMM)")
+    d.add_argument("--readable-by", default="", type=lambda v: [x for x in v.split(",") if x],
+                   help="comma-separated loaders (sglang, transformers) that must read the result right: refuse, "
+                        "writing nothing, when a padded 128-block would make one refuse or misread it (without "
+                        "it, a one-line warning names them; megarl serve reads every dim)")
     d.add_argument("--quiet", action="store_true")
     for s in (a, b):
         s.add_argument("--tp", type=int, default=1, help="tensor parallel ranks used to convert")
@@ -58,7 +62,8 @@ def convert_main(argv: Optional[List[str]] = None) -> int:
         if args.direction == "hf-to-fp8":
             from .fp8_convert import convert_hf_to_fp8
 
-            convert_hf_to_fp8(args.hf, args.out, args.scale_fmt, verbose=not args.quiet)
+            convert_hf_to_fp8(args.hf, args.out, args.scale_fmt, verbose=not args.quiet,
+                              readable_by=args.readable_by)
         elif args.direction == "lora-to-peft":
             from .lora_export import convert_lora_to_peft
 

@@ -12,6 +12,19 @@ SGLang's loader expects). Norms, biases, embeddings, the LM head and MoE router 
 are. ``config.json`` gains ``quantization_config = {quant_method: fp8, fmt: e4m3,
 activation_scheme: dynamic, weight_block_size: [128, 128]}`` (plus ``scale_fmt: ue8m0`` for
 power-of-two scales). The output is written to a temporary folder and published whole.
+
+Who reads a padded tail block (a dim that is not a multiple of 128) right -- measured against each
+loader's own code:
+- the embedded engine (``megarl serve``) and megarl's pushes: any dim (the block is the config's);
+- transformers' FP8 loader (5.24, when it dequantizes, as it does on CPU): it infers the block from
+  the scale grid, ``dim // ceil(dim / 128)``, so a dim above 128 that is not a multiple of 128 is
+  refused (320 -> 3 scales) or silently read as smaller blocks (192 -> 2 scales of 96);
+- SGLang 0.5.23: its block-FP8 linears fuse q/k/v and gate/up and refuse, at server start, a fused
+  part whose rows are not a multiple of 128 (``Fp8LinearMethod.validate_block_quant_shapes``; at TP
+  t each rank's part); tails along the hidden dim are read right.
+A conversion that some loader cannot read says so in one line and records it in
+``config.json`` (``megarl_fp8_readers``, beside ``quantization_config``, whose keys stay the format's
+own); ``readable_by`` refuses it instead, writing nothing.
 """
 from __future__ import annotations
 
@@ -19,8 +32,9 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -51,10 +65,76 @@ def fp8_quantization_config(scale_format: str = "fp32") -> dict:
     return cfg
 
 
-def _check(src: Path, out: Path, scale_format: str) -> dict:
+READERS = ("sglang", "transformers")
+# projections SGLang's Llama/Qwen-family models fuse (QKVParallelLinear, MergedColumnParallelLinear,
+# the experts' w13): each part's rows must be whole blocks
+SGLANG_FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def misread_by_transformers(shape: tuple, block: int = BLOCK) -> bool:
+    """Whether transformers' FP8 loader reads this quantized weight wrong (or refuses it): it takes
+    the block of each dim as ``dim // ceil(dim / block)``, which is ``block`` only for multiples of
+    it; a dim up to ``block`` is one block of its own size, which is right."""
+    return any(d > block and d % block for d in shape[-2:])
+
+
+def refused_by_sglang(name: str, shape: tuple, block: int = BLOCK) -> bool:
+    """Whether SGLang (TP 1) refuses to start on this quantized weight: a part of a fused linear
+    whose rows are not whole blocks."""
+    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+    return leaf in SGLANG_FUSED and shape[0] % block != 0
+
+
+def _quantized_shapes(files: list) -> dict:
+    """Name -> shape of every weight ``hf-to-fp8`` quantizes, from the safetensors headers alone."""
+    from safetensors import safe_open
+
+    out: dict = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as fh:
+            for name in fh.keys():
+                shape = tuple(fh.get_slice(name).get_shape())
+                if quantizes(name, shape):
+                    out[name] = shape
+    return out
+
+
+def unreadable(files: list, block: int = BLOCK) -> dict:
+    """Loader -> {name: shape} of the quantized weights it cannot read right (loaders with none are
+    left out; ``megarl serve`` reads every one)."""
+    shapes = _quantized_shapes(files)
+    found = {"transformers": {n: s for n, s in shapes.items() if misread_by_transformers(s, block)},
+             "sglang": {n: s for n, s in shapes.items() if refused_by_sglang(n, s, block)}}
+    return {loader: names for loader, names in found.items() if names}
+
+
+def readers_record(bad: dict, block: int = BLOCK) -> dict:
+    """``config.json``'s ``megarl_fp8_readers``: what each loader does with this checkpoint (a
+    config key SGLang and transformers do not read)."""
+    def example(names: dict) -> str:
+        name, shape = min(names.items())
+        return f"{len(names)} weight(s), e.g. {name} {list(shape)}"
+
+    t, s = bad.get("transformers"), bad.get("sglang")
+    return {"megarl serve": "reads",
+            "sglang": f"refuses at start: fused q/k/v or gate/up rows not a multiple of {block} ({example(s)})"
+                      if s else "reads at TP 1",
+            "transformers": f"misreads or refuses: a dim above {block} not a multiple of {block}, the block is "
+                            f"inferred from the scale grid ({example(t)})" if t else "reads"}
+
+
+def readers_note(record: dict) -> str:
+    """The one line that says which loaders read the converted checkpoint."""
+    return "; ".join(f"{loader}: {verdict}" for loader, verdict in record.items())
+
+
+def _check(src: Path, out: Path, scale_format: str, readable_by: Sequence[str]) -> dict:
     """Everything that can be refused, before any tensor is read or written."""
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"--scale-fmt: {scale_format!r} not in {SCALE_FORMATS}")
+    unknown = [r for r in readable_by if r not in READERS]
+    if unknown:
+        raise ValueError(f"--readable-by: {unknown} not in {READERS}")
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"--hf: no config.json in {src}")
@@ -72,19 +152,32 @@ def _check(src: Path, out: Path, scale_format: str) -> dict:
     return config
 
 
-def convert_hf_to_fp8(hf_dir: str, out_dir: str, scale_format: str = "fp32", verbose: bool = True) -> dict:
-    """Write the block-FP8 copy of ``hf_dir`` to ``out_dir``; returns counts and bytes."""
+def convert_hf_to_fp8(hf_dir: str, out_dir: str, scale_format: str = "fp32", verbose: bool = True,
+                      readable_by: Sequence[str] = ()) -> dict:
+    """Write the block-FP8 copy of ``hf_dir`` to ``out_dir``; returns counts and bytes.
+
+    A result some loader cannot read (see the module docstring) is announced in one line on stderr
+    and in ``config.json``'s ``megarl_fp8_readers``; refused before anything is written when that
+    loader is in ``readable_by``."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     src, out = Path(hf_dir).expanduser(), Path(out_dir).expanduser()
-    config = _check(src, out, scale_format)
+    config = _check(src, out, scale_format, readable_by)
+    files = sorted(src.glob("*.safetensors"))
+    bad = unreadable(files)
+    record = readers_record(bad) if bad else None
+    refused = [r for r in readable_by if r in bad]
+    if record and refused:
+        raise ValueError(f"--readable-by {','.join(refused)}: {readers_note(record)}")
+    if record:
+        print(f"[megarl.convert] warning: not every loader reads this checkpoint right: {readers_note(record)}",
+              file=sys.stderr, flush=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     stats = {"quantized": 0, "kept": 0, "bytes_in": 0, "bytes_out": 0}
     weight_map: dict = {}
-    files = sorted(src.glob("*.safetensors"))
     try:
         for k, path in enumerate(files):
             tensors: dict = {}
@@ -110,6 +203,8 @@ def convert_hf_to_fp8(hf_dir: str, out_dir: str, scale_format: str = "fp32", ver
                     "config.json", "model.safetensors.index.json"):
                 shutil.copy2(extra, tmp / extra.name)
         config["quantization_config"] = fp8_quantization_config(scale_format)
+        if record:
+            config["megarl_fp8_readers"] = record
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if len(files) > 1 or (src / "model.safetensors.index.json").exists():
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
