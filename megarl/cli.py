@@ -51,7 +51,14 @@ def _config_main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
     parser.add_argument("--fields", action="store_true", help="list every field with type, default and help")
     parser.add_argument("--no-validate", action="store_true", help="only parse and type-check")
+    parser.add_argument("--markdown", action="store_true", help="with --fields: the reference page as Markdown "
+                        "(docs/reference/config.md)")
     args = parser.parse_args(argv)
+    if args.fields and args.markdown:
+        from megarl.config.reference import fields_markdown
+
+        sys.stdout.write(fields_markdown())
+        return 0
     if args.fields:
         for name, tp, help_text, default in field_help():
             print(f"{name:48s} {tp:28s} default={default!r}\n{'':48s} {help_text}")
