@@ -1,4 +1,4 @@
-"""Activation memory of one long packed sequence: measured vs ``megarl plan``'s figure (issue 27).
+"""Activation memory of one long packed sequence: measured vs ``megarl plan``'s figure.
 
 One JSON line: for one sequence of ``--tokens`` tokens through megarl's actor path (build_model:
 local spec + megarl's attention, packed THD micro-batch built by workers/batch.py, vocab-parallel

@@ -10,7 +10,7 @@ with the trainer's own flags, alternating between them step by step so both see 
   * "after": this checkout's server and the batched manager;
   * "before": one request per sample (``tests/helpers/per_sample.py``) to a server without
     prefix sharing (``--disable-radix-cache``), or, with ``--baseline-code DIR``, to the server of
-    another checkout (e.g. ``git worktree add /tmp/main main``: the code before issue 18).
+    another checkout (e.g. ``git worktree add /tmp/main main``: the code before batched group requests).
 Both modes draw the same prompts with the same seeds; the line says whether their tokens agreed.
 Reported per mode: median/min wall seconds of the rollout phase, generated tokens/s, and the
 server's own CPU seconds (on a shared CPU box the wall time is inflated by other jobs; CPU seconds

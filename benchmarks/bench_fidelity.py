@@ -4,7 +4,7 @@ mis-named weight costs (one JSON line).
     python benchmarks/bench_fidelity.py --device cuda --dtype bfloat16            # SmolLM2-135M
     python benchmarks/bench_fidelity.py --device cpu --dtype float32 --prompts 2 --new 32
     python benchmarks/bench_fidelity.py --model /path/to/hf_folder --device cuda --dtype bfloat16
-    python benchmarks/bench_fidelity.py --device cuda --dtype bfloat16 --fp8     # + FP8 rollout (issue 26)
+    python benchmarks/bench_fidelity.py --device cuda --dtype bfloat16 --fp8     # + FP8 rollout
 
 Tokens are sampled once (temperature 1, seeded) by the embedded engine in ``--dtype``; then the
 same tokens are scored, all teacher-forced, by:

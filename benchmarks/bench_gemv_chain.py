@@ -45,7 +45,7 @@ from bench_train import SHAPES, graph_timed  # noqa: E402
 def _x_cols(in_ptr, k, K: tl.constexpr, ACT: tl.constexpr):
     """Input columns ``k`` of a projection: ``in[k]``, or (down) SiLU(in[k]) * sigmoid(in[K + k]) --
     SiLU-and-mul's loads and about its arithmetic, but linear in the row's scale (SiLU(g) * u squares
-    it each layer: 24 layers overflowed, H100 session 19). Loads skip L1 (``.cg``):
+    it each layer: 24 layers overflowed on an H100). Loads skip L1 (``.cg``):
     another SM wrote them."""
     km = k < K
     g = tl.load(in_ptr + k, mask=km, other=0.0, cache_modifier=".cg")
@@ -160,7 +160,7 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     # fan-in scaling, down's a little larger: the chain contracts (the row's norm falls ~0.5x a layer,
     # still far from fp32's floor after 24), so a rounding difference is not amplified -- at 3.4 / sqrt(I)
-    # it grew and was chaotic (fp32 vs fp64 differed by ~100% after 24 layers, H200 session 19)
+    # it grew and was chaotic (fp32 vs fp64 differed by ~100% after 24 layers, on an H200 and on CPU)
     flat = torch.empty(L * lw, dtype=torch.bfloat16, device=dev)
     W = _views(flat, L, H, QN, I)
     for qkv, o, gu, down in W:

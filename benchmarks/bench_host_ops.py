@@ -1,8 +1,8 @@
 """Host cost of the trainer's per-micro-batch bookkeeping and of launching small CUDA ops.
 
-Why: the one-GPU train phase is host-bound (RESULTS 19), and a py-spy profile of the GRPO loop on
-the H100 box (RESULTS 24) put 3-7 ms in CPU calls that take ~40-160 us on a 2-core CPU box
-(``packed_inputs``, ``TokenBatch.padded``). This measures those calls alone, with torch's
+Why: the one-GPU train phase is host-bound (benchmarks/RESULTS.md, train phase host cost), and a
+py-spy profile of the GRPO loop on the H100 box put 3-7 ms in CPU calls that take ~40-160 us on a
+2-core CPU box (``packed_inputs``, ``TokenBatch.padded``). This measures those calls alone, with torch's
 intra-op thread pool at its default size and at 1 and 4 threads, beside the host time of one
 small CUDA launch, of a bf16 GEMM whose row count changes every call (packed micro-batches:
 a new shape each time) vs one fixed shape, and of the embedded engine's weight release done three

@@ -8,7 +8,7 @@ megarl's launch savings against baselines in the same run (one JSON line):
 * ``megatron``: megatron-core's own THD RoPE (split per sequence, host reads) and unfused gradients.
 
 Why count ops: on the GPU the one-GPU GRPO step's train phase is bound by the host launching
-~2 300 kernels per micro-batch (benchmarks/RESULTS.md section 19), so every op dispatched per layer
+~2 300 kernels per micro-batch (benchmarks/RESULTS.md, train phase host cost), so every op dispatched per layer
 costs host time whatever its size. Ops are counted at the dispatcher (megarl.profiling.OpCounter)
 with views and allocations left out, so the count is the same on any machine and close to the
 kernel launches on CUDA (one eager compute op is about one kernel; the compiled fusions, which the

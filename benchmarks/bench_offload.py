@@ -1,5 +1,5 @@
 """Offload/onload of a Megatron role's state (workers/offload.py) against the raw pinned copy
-bandwidth measured in the same run, plus the leak and exactness checks of issue 24.
+bandwidth measured in the same run, plus the leak and exactness checks.
 
     python benchmarks/bench_offload.py                          # CPU: tiny shape (code path only)
     python benchmarks/bench_offload.py --shape qwen2.5-1.5b     # GPU: ~21 GB of state

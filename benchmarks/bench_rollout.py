@@ -43,7 +43,7 @@ def main():
                     help="decode step(s) to time, comma list of auto (triton on CUDA, torch on CPU) | triton (fused) | "
                          "triton-proj (fused, projections in Triton too) | "
                          "torch (the reference body); a +sync suffix turns off launching step t+1 before step t is "
-                         "read; +fallback decodes, then samples (the served engine before session 12, and at TP > 1); "
+                         "read; +fallback decodes, then samples (the served engine's path before it got decode_launch, and at TP > 1); "
                          "+splitN: N keys per attention split (default kernels.SPLIT_KEYS); +blkN / +warpsN / +stagesN: "
                          "the attention kernel's keys per block, warps and pipeline stages; +rope / +norope: RoPE and "
                          "the cache write inside the attention kernel / in their own kernel (unnamed: the default); "
@@ -183,7 +183,7 @@ def _attention_split(kernels, suffixes, defaults: dict) -> None:
 
 class _WithoutLaunch:
     """The served handle without ``decode_launch``: the engine decodes, then samples (a host read per
-    step, the eager sampler) -- the served engine's path before session 12, and the TP > 1 path."""
+    step, the eager sampler) -- the served engine's path before its handle got ``decode_launch``, and the TP > 1 path."""
 
     def __init__(self, handle):
         self._handle = handle

@@ -53,7 +53,7 @@ def main() -> None:
             "torch_sort": lambda: sample_rows(logits, rp, True, filter_all=True),
             "triton_threshold": lambda: sample_rows(logits, rp, True, fused=True, filter_all=True, filter_kinds=kinds),
             "triton_unfiltered": lambda: sample_rows(logits, rp, True, fused=True),
-            # baselines of this session's changes, same run: every id's noise in fp64; one
+            # baselines of the sampler's faster paths, same run: every id's noise in fp64; one
             # 4096-id chunk per search program; greedy (no noise: the pass's floor)
             "triton_unfiltered_exact_noise": lambda: kernels.sample_rows_fused(
                 logits, rp.temperature, rp.greedy, rp.seeds, rp.steps, exact_noise=True),

@@ -100,7 +100,7 @@ def main_gpu(a):
     res.update(_push_into_server(a, cfg, named, None))
     if a.fp8:
         # the same weights into a server of the block-FP8 checkpoint: the pusher quantizes each
-        # projection on the GPU on the way (issue 26); baseline = the bf16 push above, same run
+        # projection on the GPU on the way; baseline = the bf16 push above, same run
         from megarl.checkpoint.fp8_convert import fp8_quantization_config
         from megarl.engine.fp8 import QUANTIZED
         from megarl.quant.served import BlockFp8Format

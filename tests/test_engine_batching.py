@@ -1,6 +1,6 @@
 """The embedded engine's batching machinery against references that do not use it: prefix sharing,
 row compaction, the decode graph's padded/bucketed body, seeds per sample -- each must leave every
-request's tokens and logprobs what they are when the request runs alone (issue 18)."""
+request's tokens and logprobs what they are when the request runs alone."""
 from __future__ import annotations
 
 import time
@@ -235,8 +235,8 @@ def test_requests_that_finish_at_their_prefill_do_not_wait_between_admissions(ti
 
 
 def test_a_buffer_the_body_makes_on_its_first_run_is_in_the_graphs_signature(tiny):
-    """A body may make a buffer on its first (warm-up) run that its graph then reads (session 14's
-    attention split counters did). Read before the warm-up, the signature lacked it: the first check
+    """A body may make a buffer on its first (warm-up) run that its graph then reads (the attention
+    kernel's former split counters did). Read before the warm-up, the signature lacked it: the first check
     after a release (every tensor back at its address) saw a "moved" tensor and captured every graph
     again -- what the GPU test of stable memory caught (2 captures where 1 was right)."""
     d, _ = tiny

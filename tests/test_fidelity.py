@@ -25,7 +25,8 @@ from megarl.algos.fidelity import (DEFAULT_MARGIN, NOISE_FLOOR, logprob_bound, m
 def test_bounds_follow_the_dtypes():
     assert noise_floor("bfloat16", "bfloat16") == pytest.approx(math.sqrt(2) * 3e-2)
     assert noise_floor("float32", "bfloat16") == pytest.approx(math.hypot(1e-5, 3e-2))
-    # the measured floors of FACTS.md pass: engine vs megatron bf16 3.7e-2, megatron bf16 vs HF fp32 3.0e-2
+    # the floors measured on the GPU (benchmarks/RESULTS.md, fidelity) pass: engine vs megatron bf16 3.7e-2,
+    # megatron bf16 vs HF fp32 3.0e-2
     assert 3.7e-2 < noise_floor("bfloat16", "bfloat16") and 3.1e-2 <= noise_floor("bfloat16", "float32") * 1.05
     bf16 = logprob_bound("bfloat16", "bfloat16")
     assert bf16.calibrated and bf16.bound == pytest.approx(DEFAULT_MARGIN * bf16.floor)
@@ -140,7 +141,7 @@ def test_real_weights_bf16_noise_is_the_documented_floor_and_a_misnamed_weight_i
     lp = smollm2_logprobs
     noise = (lp["bf16"] - lp["fp32"]).abs().mean().item()
     wrong = (lp["fp32_misnamed"] - lp["fp32"]).abs().mean().item()
-    # measured on the GPU: 3.1e-2 (FACTS.md); on these CPUs the same order
+    # measured on the GPU: 3.1e-2 (benchmarks/RESULTS.md, fidelity); on these CPUs the same order
     assert NOISE_FLOOR["bfloat16"] / 3 < noise < NOISE_FLOOR["bfloat16"] * 3, noise
     assert noise < logprob_bound("bfloat16", "float32").bound
     # a mis-named weight: far outside even the loosest calibrated bound (bf16 on both sides)

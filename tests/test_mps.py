@@ -1,4 +1,4 @@
-"""CUDA MPS for the one-shared-GPU layout (issue 29): when megarl wants it, what it says without it,
+"""CUDA MPS for the one-shared-GPU layout: when megarl wants it, what it says without it,
 and that each server process gets its SM share. The daemon itself runs only on a GPU machine
 (benchmarks/run_gpu.sh `mps`: bench_async with megarl starting and stopping it)."""
 from __future__ import annotations

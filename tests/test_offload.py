@@ -1,4 +1,4 @@
-"""Offload between phases (issue 24): a run with every switch on equals the same run without
+"""Offload between phases: a run with every switch on equals the same run without
 offload -- losses, grad norms and the exported weights, bit for bit -- under the layouts megarl
 trains with (TP2 x dp2 with megatron's distributed optimizer, PP2, MoE EP2 with the distributed
 optimizer) and for every role kind (actor, critic, reference). The state really leaves: while

@@ -1,6 +1,6 @@
 """RoPE on packed (THD) micro-batches: megarl's replacement of megatron's THD RoPE gives megatron's
 own result, gathers each micro-batch's per-token frequencies once for all layers (the launch count
-of the train phase, benchmarks/RESULTS.md section 19), and never reuses them across a changed
+of the train phase, benchmarks/RESULTS.md, train phase host cost), and never reuses them across a changed
 ``cu_seqlens`` or from ``inference_mode`` into a graph that needs a backward. The model-level check
 compares a packed megatron forward with HF transformers' forward of each sequence alone."""
 from __future__ import annotations

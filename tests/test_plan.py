@@ -217,7 +217,7 @@ def test_every_recipe_fits_its_gpus(recipe):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
 
-# ----------------------------------------------------------------------------- offload (issue 24)
+# ----------------------------------------------------------------------------- offload
 SEVEN_B = str(ROOT / "recipes/qwen2.5-7b-grpo-1gpu.yaml")
 NO_OFFLOAD = ["actor.offload.params=false", "actor.offload.grads=false", "actor.offload.optimizer=false",
               "actor.optim.cpu_offload_fraction=0"]

@@ -1,4 +1,4 @@
-"""Reliability defects of issue 15, each checked where it happens: checkpoint retention, a
+"""Reliability defects, each checked where it happens: checkpoint retention, a
 data-parallel rank without samples, and a rollout server that timed out once."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ decode graphs replay after a release/resume instead of being captured again, and
 of before. The reference for "released" is the driver's own free-memory count. (No unit control
 with plain torch allocations: the driver may hand a freed range back at the same address, so
 whether they move is chance; the loop measures it -- 2.8 captures a step without stable regions,
-0.0 with them, RESULTS 25.)"""
+0.0 with them: benchmarks/RESULTS.md, GRPO loop on one GPU.)"""
 from __future__ import annotations
 
 import torch

@@ -3,7 +3,7 @@
 Why: a decode graph whose batch has a filtered row put every row through `sampler.filtered_logp`,
 a stable sort of ``[B, V]`` plus a cumulative sum, scatter and a dozen more ``[B, V]`` passes. On
 the H200 that made a top-p 0.9 batch of 128 at Qwen's 152k vocabulary 3.6x slower than the same
-batch unfiltered (benchmarks/RESULTS.md, section 21).
+batch unfiltered (benchmarks/RESULTS.md, decode speed).
 
 Every one of these filters keeps the ids whose value is above some bound, so a row's keep-set is
 ``z >= threshold`` with ``z = logits / T``:

@@ -17,7 +17,8 @@ With ``decode_kernels = "triton-proj"`` the projections are Triton kernels too (
 each folding in its neighbours: the residual add + RMSNorm (for a few rows) and RoPE + the cache
 write into q/k/v, the add + RMSNorm and SiLU-and-mul into gate/up, and o/down's split-K partial
 sums are reduced where they are consumed -- 7 kernels per layer, or 5 up to NORM_PROLOGUE_ROWS (q/k/v, attention,
-o, gate/up, down; default 0). Opt-in: at parity with the cuBLAS step (benchmarks/RESULTS.md, section 22).
+o, gate/up, down; default 0). Opt-in: at parity with the cuBLAS step (benchmarks/RESULTS.md, decode and
+prefill kernel choices).
 """
 from __future__ import annotations
 

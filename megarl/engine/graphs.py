@@ -1,7 +1,8 @@
 """CUDA graphs of the embedded engine's decode step, and of its small prefills (`PrefillGraphs`).
 
 Why: a decode step of a small model is hundreds of tiny kernels; launching them from Python costs
-more than running them (benchmarks/RESULTS.md section 2: graphs gave 3.5-4x over eager). A graph
+more than running them (graphs gave 3.5-4x over eager on an H100:
+benchmarks/results/h100_decode_vs_hf_logprob_parity.jsonl). A graph
 is captured per (batch bucket, key-length bucket) on first use and replayed after that.
 
 Rows: the engine keeps its running requests in KV-cache rows ``[0, B)`` (it compacts the batch when
@@ -93,8 +94,9 @@ class _CapturedGraphs:
     def _capture(self, body: Callable[..., torch.Tensor], *args) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._warm_up(body, *args)
         # the signature is read after the warm-up: a body may make buffers on its first run that
-        # the graph reads too (session 14's split counters were such a buffer). Read before, it lacked them,
-        # and the first check after a release found "moved" tensors and captured everything again.
+        # the graph reads too (the attention kernel's former split counters were such a buffer). Read
+        # before, it lacked them, and the first check after a release found "moved" tensors and
+        # captured everything again.
         # Tensors that moved since the last capture were caught by `_drop_if_moved` already.
         self.sig, self.quick = self.signature(), self.signature(params=False)
         graph, out = self._record(body, *args)
@@ -209,7 +211,7 @@ class PrefillGraphs(_CapturedGraphs):
     logits ``[U, V]`` (`fused_prefill.prefill_body`).
 
     Why: an admission's prefill launches ~11 kernels per layer from Python, and for a few short
-    prompts those launches take several times the GPU's work (benchmarks/RESULTS.md section 30:
+    prompts those launches take several times the GPU's work (benchmarks/RESULTS.md, prefill and admissions:
     7.8 ms of wall for 1.1 ms of kernels, one 32-token prompt of Qwen2.5-0.5B). Every agent turn
     and every admission wave of a rollout pays it. Rows are padded to a power of two with
     sequences of row -1 (nothing stored, logits dropped), lengths to a power of two >= 16 (the

@@ -117,8 +117,8 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, row_ptr, cos_ptr, sin_ptr, qn_ptr, kn_p
 def _attend_block(q, kc_ptr, vc_ptr, base, n0, end, stride_kp, scale, m_i, l_i, acc,
                   D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One block of keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``) into the online softmax. (Loading
-    the values with the keys, before the scores, measured no faster on the H100: benchmarks/RESULTS.md
-    section 28.)"""
+    the values with the keys, before the scores, measured no faster on the H100: benchmarks/RESULTS.md,
+    decode and prefill kernel choices.)"""
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     nm = n < end
@@ -206,9 +206,10 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, ml_pt
     or on the key length it was shaped for (a graph serves a whole class of lengths). One split: the output;
     several: unnormalised partial sums + (max, sum), merged by `_combine_kernel`. (Merging them in
     the last program to finish, through a counter per (b, kv head), measured no faster on the H100:
-    benchmarks/RESULTS.md section 28.) ROPE: ``q_ptr`` is the q/k/v projection's output, not rotated yet: each
-    program rotates its queries, and the program whose split holds pos[b] rotates the new key and
-    stores it and its value into the caches before it reads them (no `_rope_store_kernel`)."""
+    benchmarks/RESULTS.md, decode and prefill kernel choices.) ROPE: ``q_ptr`` is the q/k/v projection's
+    output, not rotated yet: each program rotates its queries, and the program whose split holds
+    pos[b] rotates the new key and stores it and its value into the caches before it reads them (no
+    `_rope_store_kernel`)."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -474,8 +475,8 @@ def sample_rows_fused(logits: torch.Tensor, temperature: torch.Tensor, greedy: t
     The noise is scored in fp32 and only a block's likely best re-scored in fp64; ``exact_noise``
     scores every id in fp64 instead (the same tokens: the benchmark's baseline). ``block``: ids a
     program holds at once (a divisor of the chunk; 4096 with 8 warps measured 1.13x at one row and
-    0.99-1.00x from 32 rows, benchmarks/RESULTS.md section 23 -- the per-block reductions are not
-    what bounds it)."""
+    0.99-1.00x from 32 rows, benchmarks/results/h100_h200_pdl_sampler_grid_sync.jsonl -- the per-block
+    reductions are not what bounds it)."""
     B, V = logits.shape
     logits = logits.contiguous()
     chunk = 4096

@@ -901,7 +901,7 @@ class DecoderModel:
         number, that many tokens in up to as many rows (the engine's slots at most: the caller sized
         it, the fp32 logits buffer included); 0, none (every prefill launched eagerly). Why on: a
         one-prompt admission took 1.8 ms instead of 7.0, and a 500-token one 2.5 instead of 7-10
-        (H100, Qwen2.5-0.5B shape, benchmarks/RESULTS.md section 31)."""
+        (H100, Qwen2.5-0.5B shape, benchmarks/RESULTS.md, prefill and admissions)."""
         s = self.spec
         width = 3 * (s.intermediate_size or 0) + 4 * s.hidden_size + (self.nh + 2 * self.nkv) * s.head_dim
         budget = PREFILL_GRAPH_MIB << 20

@@ -1,7 +1,7 @@
 """Triton projections for a decode step's few rows, with the work around them folded in.
 
 Why: at decode, a projection multiplies a handful of rows (M = 1..128) by a weight matrix, so its
-time is the weight's bytes plus a fixed cost per kernel; section 16 of benchmarks/RESULTS.md saw
+time is the weight's bytes plus a fixed cost per kernel; a profile of the decode step on the H200 saw
 cuBLAS at 4.4-8 us per projection for bytes that take ~1 us, and the elementwise work between
 projections costing a kernel of its own. Here each projection is one kernel that also does its
 neighbours' work:
@@ -15,7 +15,8 @@ neighbours' work:
   the weight at once), summed in a fixed order by their consumer (`add_norm`, or a projection's
   `NormedInput` prologue) together with the bias and the residual add -- no reduce kernel.
 
-Measured (section 22): at parity with the cuBLAS step (0.97-1.04x on an H100, batch 128 to 1), so
+Measured (benchmarks/RESULTS.md, decode and prefill kernel choices): about at parity with the cuBLAS
+step (0.92-1.10x on an H100, batch 128 to 1), so
 `DecoderModel` runs these only when asked (``decode_kernels = "triton-proj"``). Each program walks
 K in dependent 128-column steps; passing cuBLAS needs more bytes in flight per SM.
 
@@ -43,7 +44,7 @@ PARTS_PROGRAMS = 256  # o/down: split K until about this many programs read the 
 # Up to this many rows (at most 16) a projection makes its RMSNorm input itself; 0: the separate
 # `add_norm` kernel always. Off by default: every program of the projection re-reads the rows' x and
 # branch parts, twice, one dependent load after another -- 0.60-0.75x cuBLAS where the separate
-# kernel gives 0.96-1.02x (benchmarks/RESULTS.md, section 22).
+# kernel gives 0.96-1.02x (benchmarks/RESULTS.md, decode and prefill kernel choices).
 NORM_PROLOGUE_ROWS = int(os.environ.get("MEGARL_DECODE_NORM_PROLOGUE_ROWS", "0"))
 
 
@@ -345,7 +346,7 @@ def add_norm(inp: NormedInput) -> torch.Tensor:
     (x, part, pb, nw, xo), const = inp.launch_args()
     h = torch.empty_like(x)
     # one row per program, the whole row in one block: each pass is one round of loads (four rows
-    # per program in 128-column steps took 10.6 us on the H200 at 32 rows, section 22)
+    # per program in 128-column steps took 10.6 us on the H200 at 32 rows)
     _parts_add_rms_kernel[(M,)](x, part, pb, nw, xo, h, M, inp.eps, x.stride(0), xo.stride(0), h.stride(0), H=H,
                                 BLOCK_M=1, BLOCK_K=triton.next_power_of_2(H), num_warps=4, **const)
     return h

@@ -3,7 +3,8 @@
 Why: a colocated engine gives its weights and KV cache back to the driver while the trainer runs
 (`/release_memory_occupation`) and takes memory again afterwards. Reallocated through torch, both
 come back at new addresses, and every captured decode graph -- which bakes in the addresses it
-reads -- must be captured again, every RL step (~0.1 s a step for SmolLM2 on an H100, RESULTS 24).
+reads -- must be captured again, every RL step (~0.1 s a step for SmolLM2 on an H100;
+benchmarks/RESULTS.md, GRPO loop on one GPU).
 SGLang avoids this with torch_memory_saver, which keeps the virtual range and swaps only the
 physical pages behind it. :class:`StableRegion` does the same for one byte range:
 

@@ -2,7 +2,8 @@
 
 Why: without TE or apex, megatron's local spec runs RMSNorm, rotary embeddings and SwiGLU as
 chains of separate torch ops. At the 0.5B shape a profile of one actor step on an H100 put ~half
-the CUDA time in such elementwise kernels (benchmarks/RESULTS.md section 1). TE's fused kernels are
+the CUDA time in such elementwise kernels (before these fusions; with them: benchmarks/RESULTS.md,
+training step). TE's fused kernels are
 the usual cure; where TE is not installed, ``torch.compile`` of the same math gives one kernel per
 op in forward and backward:
 

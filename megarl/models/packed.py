@@ -19,7 +19,7 @@ for :func:`apply_rotary_pos_emb_thd`: the same per-sequence positions computed o
 are the same for q and k of every layer of one micro-batch, so they are gathered once per micro-batch
 and kept while it runs (:func:`token_freqs`): recomputing them for q and k in each layer
 cost ~16 small kernels per layer, half the launches of a layer's forward on the GPU, where the train
-phase is bound by launches (benchmarks/RESULTS.md section 19). Under context
+phase is bound by launches (benchmarks/RESULTS.md, train phase host cost). Under context
 parallelism (:mod:`megarl.models.context_parallel`) ``cu_seqlens`` are the global padded sequences
 and the rank holds chunks ``r`` and ``2 cp - 1 - r`` of each; :func:`cp_positions` gives each local
 token its global position the same way (megatron's own function does the same slicing with a host

@@ -21,7 +21,7 @@ exist), layers that borrow their weight at call time (the output layer tied to t
 fp32 LM head (``models/fp32_head.py`` calls the layer with an fp32 copy of its weight, which has no
 ``main_grad``: megatron's fused backward would fail on it), and everything when megatron already has
 Apex's extension (its kernel is then used). A train phase
-bound by kernel launches (benchmarks/RESULTS.md section 19) saves one launch per linear layer per
+bound by kernel launches (benchmarks/RESULTS.md, train phase host cost) saves one launch per linear layer per
 micro-batch: four per transformer layer.
 """
 from __future__ import annotations

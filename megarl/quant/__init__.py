@@ -1,1 +1,1 @@
-"""Weight quantization formats served by rollout engines (issue 26: block FP8)."""
+"""Weight quantization formats served by rollout engines (block FP8)."""

@@ -2,8 +2,8 @@
 
 Requests are batched, in SGLang's batch form (one ``/generate`` with a list of ``input_ids`` and
 one ``sampling_params`` per item; responses are prompt-major), because per-sample requests cost a
-fixed overhead each -- HTTP, JSON, a scheduler admission -- which dominated the in-loop rollout
-(issue 18). The prompts are cut into chunks of whole groups (every sample of a prompt in the same
+fixed overhead each -- HTTP, JSON, a scheduler admission -- which dominated the in-loop rollout.
+The prompts are cut into chunks of whole groups (every sample of a prompt in the same
 request, so the server prefills the prompt once and shares it); each chunk goes to the live
 server with the fewest samples in flight, all chunks are in flight at once, and each chunk's
 outputs are handed back (:meth:`RolloutManager.stream`) as soon as it completes, so the caller

@@ -1,4 +1,4 @@
-"""The rollout manager as it was before batched requests (issue 18): one ``/generate`` per sample.
+"""The rollout manager as it was before batched requests: one ``/generate`` per sample.
 
 Kept only as a baseline: ``benchmarks/bench_e2e.py --rollout-only`` times it against the batched
 manager, and a test checks that batching changed no sample.
