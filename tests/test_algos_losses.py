@@ -7,6 +7,7 @@ import torch
 from megarl.algos import (
     AGG_MODES,
     PolicyLossConfig,
+    RolloutCorrection,
     aggregate_loss,
     entropy_bonus,
     get_policy_loss,
@@ -195,12 +196,12 @@ def test_tis_weights_and_mismatch_metrics():
     old = torch.zeros(1, 3, dtype=D)
     roll = t([[-LN(3), LN(2), NAN]]).requires_grad_()
     mask = t([[1, 1, 0]])
-    cfg = PolicyLossConfig(tis_cap=2.0)
+    cfg = PolicyLossConfig(rollout_correction=RolloutCorrection.from_tis_cap(2.0))
     loss, m = get_policy_loss("ppo")(lp, old, t([[1, 1, 1]]), mask, cfg, rollout_logprobs=roll)
     close(loss, -1.25)
-    close(m["tis_clip_frac"], 0.5)
-    close(m["tis_weight_max"], 2.0)
-    close(m["tis_weight_mean"], 1.25)
+    close(m["rollout_is_truncated_frac"], 0.5)
+    close(m["rollout_is_weight_max"], 2.0)
+    close(m["rollout_is_weight_mean"], 1.25)
     close(m["rollout_logprob_diff_mean"], (1.098612 + 0.693147) / 2)
     close(m["rollout_logprob_diff_max"], 1.098612)
     loss.backward()
@@ -209,7 +210,7 @@ def test_tis_weights_and_mismatch_metrics():
     # rollout logprobs without a cap: metrics only, loss unchanged (-1)
     loss, m = get_policy_loss("ppo")(lp, old, t([[1, 1, 1]]), mask, rollout_logprobs=roll)
     close(loss, -1.0)
-    assert "rollout_logprob_diff_max" in m and "tis_weight_mean" not in m
+    assert "rollout_logprob_diff_max" in m and "rollout_is_weight_mean" not in m
     with pytest.raises(ValueError):
         get_policy_loss("ppo")(lp, old, t([[1, 1, 1]]), mask, cfg)
 
@@ -321,7 +322,7 @@ def test_policy_loss_padding_changes_nothing_and_no_grad_leaks(name):
     roll = old + 0.1 * torch.randn(3, 4, generator=g, dtype=D)
     adv = torch.randn(3, 4, generator=g, dtype=D)
     mask = t([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
-    cfg = PolicyLossConfig(tis_cap=2.0, dual_clip_c=3.0)
+    cfg = PolicyLossConfig(rollout_correction=RolloutCorrection.from_tis_cap(2.0), dual_clip_c=3.0)
     x = lp.clone().requires_grad_()
     base, mb = get_policy_loss(name)(x, old, adv, mask, cfg, rollout_logprobs=roll,
                                      generator=torch.Generator().manual_seed(0))

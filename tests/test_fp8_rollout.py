@@ -218,13 +218,14 @@ def test_grpo_with_fp8_rollout_on_a_tp2_embedded_server(models, tmp_path):
                           "trainer.total_steps=2", "trainer.eval_before_after=false", "checkpoint.export_hf=false")
     trainer = Trainer(cfg)
     steps = trainer.run()["steps"]
-    assert cfg.algorithm.tis_cap == 2.0                          # on by default with FP8 rollout
+    rc = cfg.algorithm.rollout_correction                       # on by default with FP8 rollout: TIS at 2
+    assert (rc.enabled, rc.level, rc.mode, rc.lower, rc.upper) == (True, "token", "truncate", None, 2.0)
     assert trainer.logprob_bound.rollout_dtype == "float32+fp8_block"
     assert trainer.logprob_bound.bound == logprob_bound("float32", "float32+fp8_block").bound
     for s in steps:
         # the servers hold the FP8-rounded weights: not the trainer's exactly, within the FP8 bound
         assert 1e-4 < s["rollout/logprob_diff_mean"] < trainer.logprob_bound.bound, s["rollout/logprob_diff_mean"]
-        assert "actor/tis_weight_mean" in s
+        assert "actor/rollout_is_weight_mean" in s and s["actor/rollout_kl_k3"] > 0
     # each push moved the FP8 checkpoint's tensors: 1 byte per FP8 element, fp32 for the rest
     from safetensors import safe_open
     with safe_open(str(next(fp8.glob("*.safetensors"))), framework="pt") as fh:

@@ -284,7 +284,7 @@ def _cfg(hf_dir: str, world: int, layout: dict, packing: bool, value_head: bool 
 
 ALGO = LossSettings(policy_loss="ppo", entropy_coef=0.01, value_clip=0.2, kl_loss_coef=0.0, kl_estimator="k3",
                     policy=PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip_c=None, agg_mode="token-mean",
-                                            tis_cap=None, norm_len=32.0))
+                                            norm_len=32.0))
 
 
 def randomize_value_head(worker) -> None:

@@ -37,7 +37,12 @@ Registries (pick by name from the config; add your own with the decorators)
         -> (loss: 0-dim Tensor, metrics: dict[str, 0-dim Tensor])
 
     ``metrics`` always holds ``clip_frac``, ``approx_kl``, ``ratio_mean``, ``ratio_max`` (and more).
-    ``cfg.tis_cap`` with ``rollout_logprobs`` applies truncated importance sampling.
+    ``rollout_logprobs`` adds the rollout/train mismatch metrics; ``cfg.rollout_correction``
+    (``RolloutCorrection``) weights the loss by ``pi_old / pi_rollout``, truncated or masked.
+
+``register_rollout_ratio_level``
+    the levels of a ``RolloutCorrection``: ``token``, ``sequence``, ``geometric``;
+    ``fn(log_rho, mask) -> Tensor`` (the log ratio each token is weighted by).
 
 ``get_kl_estimator(name)`` / ``@register_kl_estimator``
     ``k1`` (``kl``), ``k2`` (``mse``), ``k3`` (``low_var_kl``), ``abs``:
@@ -126,7 +131,9 @@ from .registry import (
     register_advantage_estimator,
     register_kl_estimator,
     register_policy_loss,
+    register_rollout_ratio_level,
 )
+from .rollout_correction import RolloutCorrection, apply_rollout_correction, correction_weights
 from .value import value_loss
 
 import types as _types

@@ -116,16 +116,23 @@ def response_length_stats(mask: Tensor, max_len: Optional[int] = None) -> Dict[s
 
 @torch.no_grad()
 def logprob_mismatch(train_logprobs: Tensor, rollout_logprobs: Tensor,
-                     mask: Tensor) -> Dict[str, Tensor]:
-    """Rollout-vs-train log-prob mismatch (Yao et al. 2025, "Your Efficient RL Framework Secretly
-    Brings You Off-Policy RL Training"): ``|log pi_train - log pi_rollout|`` mean and max over valid
-    tokens, and the k3 KL(rollout || train) estimate. Large values mean the inference engine
-    samples from a visibly different distribution than the trainer scores.
+                     mask: Tensor, clamp: float = 20.0) -> Dict[str, Tensor]:
+    """Rollout-vs-train mismatch on the sampled tokens (Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training"), with ``rho = pi_train / pi_rollout`` per token:
+    ``|log rho|`` mean and max; KL(rollout || train) as k1 ``E[-log rho]`` and k3
+    ``E[rho - 1 - log rho]`` (Schulman 2020: the samples are the rollout's); chi-square
+    ``E[rho^2] - 1`` (the variance of the token importance weights); ``rho``'s min and max. Large
+    values mean the inference engine samples from a visibly different distribution than the
+    trainer scores (``clamp`` bounds ``log rho`` before ``exp``).
     """
-    d = sanitize(train_logprobs.detach() - rollout_logprobs.detach(), mask)
-    log_r = d.clamp(-20, 20)
-    out = masked_means({"rollout_logprob_diff_mean": d.abs(), "rollout_kl_k3": torch.exp(log_r) - log_r - 1}, mask)
-    out["rollout_logprob_diff_max"] = masked_max(d.abs(), mask)
+    log_rho = sanitize(train_logprobs.detach() - rollout_logprobs.detach(), mask)
+    log_r = log_rho.clamp(-clamp, clamp)
+    rho = torch.exp(log_r)
+    out = masked_means({"rollout_logprob_diff_mean": log_rho.abs(), "rollout_kl_k1": -log_rho,
+                        "rollout_kl_k3": rho - log_r - 1, "rollout_chi2": rho * rho - 1}, mask)
+    out["rollout_logprob_diff_max"] = masked_max(log_rho.abs(), mask)
+    out["rollout_ratio_min"] = masked_min(rho, mask)
+    out["rollout_ratio_max"] = masked_max(rho, mask)
     return out
 
 

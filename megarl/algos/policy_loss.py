@@ -1,5 +1,5 @@
-"""Policy-gradient losses: PPO clip (with clip-higher and dual-clip), GSPO, Clip-Cov, KL-Cov, and
-the truncated importance-sampling (TIS) correction for rollout/train mismatch.
+"""Policy-gradient losses: PPO clip (with clip-higher and dual-clip), GSPO, Clip-Cov, KL-Cov; each
+applies the rollout/train mismatch correction of ``cfg.rollout_correction`` (``rollout_correction``).
 
 Every loss has the signature::
 
@@ -11,7 +11,7 @@ Every loss has the signature::
 * ``old_logprobs``: log pi_old from the trainer's forward before the update (behaviour policy as
   the trainer scores it); ``advantages``: from an estimator. Both are detached here.
 * ``rollout_logprobs``: log-probs reported by the inference engine. If given, mismatch metrics are
-  logged and, with ``cfg.tis_cap``, the TIS weight is applied.
+  logged and, with ``cfg.rollout_correction``, its per-token weights are applied.
 * ``num_tokens`` / ``num_seqs``: global denominators for micro-batching (see ``aggregation``).
 * ``generator``: RNG for ``clip_cov``'s random token choice (reproducible tests).
 
@@ -28,8 +28,9 @@ from torch import Tensor
 
 from .aggregation import aggregate_loss, check_agg_mode
 from .masked import as_bool_mask, masked_mean, masked_means, sanitize
-from .metrics import logprob_mismatch, masked_max, masked_min
+from .metrics import masked_max, masked_min
 from .registry import register_policy_loss
+from .rollout_correction import RolloutCorrection, apply_rollout_correction
 
 LossOutput = Tuple[Tensor, Dict[str, Tensor]]
 
@@ -48,8 +49,10 @@ class PolicyLossConfig:
             on a bad token cannot blow up the update. ``None`` disables it. Typical: 3.0.
         agg_mode: loss aggregation (``aggregation.AGG_MODES``).
         norm_len: constant ``L`` of ``seq-mean-token-sum-norm`` (max response length).
-        tis_cap: truncation ``C`` of the TIS weight ``min(pi_old / pi_rollout, C)`` (Yao et al.
-            2025); ``None`` disables the correction. Typical: 2.0.
+        rollout_correction: importance weights from the rollout's policy to ``pi_old``
+            (``rollout_correction.RolloutCorrection``: token / sequence / geometric level,
+            truncated or masked); ``None`` applies none. TIS at ``C`` (Yao et al. 2025) is
+            ``RolloutCorrection.from_tis_cap(C)``.
         log_ratio_clamp: ``log(pi/pi_old)`` is clamped to ``[-c, c]`` before ``exp`` (overflow).
         clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov (Cui et al. 2025): fraction of tokens
             whose gradient is dropped, chosen among those with covariance in ``(lb, ub)``.
@@ -62,7 +65,7 @@ class PolicyLossConfig:
     dual_clip_c: Optional[float] = None
     agg_mode: str = "token-mean"
     norm_len: Optional[float] = None
-    tis_cap: Optional[float] = None
+    rollout_correction: Optional[RolloutCorrection] = None
     log_ratio_clamp: float = 20.0
     clip_cov_ratio: float = 2e-4
     clip_cov_lb: float = 1.0
@@ -77,8 +80,6 @@ class PolicyLossConfig:
             raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
         if not 0 <= self.clip_cov_ratio <= 1 or not 0 <= self.kl_cov_ratio <= 1:
             raise ValueError("clip_cov_ratio and kl_cov_ratio must be in [0, 1]")
         if self.clip_cov_lb >= self.clip_cov_ub:
@@ -128,29 +129,6 @@ def clipped_surrogate(ratio: Tensor, adv: Tensor, cfg: PolicyLossConfig
     return loss, masks
 
 
-def _apply_tis(loss_mat: Tensor, old: Tensor, m: Tensor, cfg: PolicyLossConfig,
-               rollout_logprobs: Optional[Tensor], metrics: Dict[str, Tensor]) -> Tensor:
-    """Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
-    You Off-Policy RL Training"): samples come from the rollout engine's ``pi_rollout``, not the
-    trainer's ``pi_old``; weighting each token's loss by ``min(pi_old / pi_rollout, C)`` (detached)
-    corrects the mismatch with bounded variance."""
-    if rollout_logprobs is None:
-        if cfg.tis_cap is not None:
-            raise ValueError("tis_cap is set but rollout_logprobs were not given")
-        return loss_mat
-    if rollout_logprobs.shape != loss_mat.shape:
-        raise ValueError("rollout_logprobs must have the shape of logprobs")
-    roll = sanitize(rollout_logprobs.detach().to(old.dtype), m)
-    metrics.update(logprob_mismatch(old, roll, m))
-    if cfg.tis_cap is None:
-        return loss_mat
-    raw = torch.exp((old - roll).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
-    w = raw.clamp(max=cfg.tis_cap)
-    metrics.update(masked_means({"tis_weight_mean": w, "tis_clip_frac": raw > cfg.tis_cap}, m))
-    metrics["tis_weight_max"] = masked_max(w, m)
-    return loss_mat * w
-
-
 def _base_metrics(ratio: Tensor, lp: Tensor, old: Tensor, m: Tensor,
                   clip_masks: Dict[str, Tensor]) -> Dict[str, Tensor]:
     with torch.no_grad():
@@ -190,7 +168,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
                     generator: Optional[torch.Generator] = None) -> LossOutput:
     """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms"),
     token-level ratio ``r_t = pi(y_t) / pi_old(y_t)``, with asymmetric clip range (DAPO clip-higher,
-    Yu et al. 2025), optional dual-clip (Ye et al. 2020) and optional TIS (Yao et al. 2025).
+    Yu et al. 2025), optional dual-clip (Ye et al. 2020) and the optional rollout correction.
     This is also the GRPO / DAPO / Dr.GRPO / RLOO / REINFORCE++ policy loss; they differ in the
     advantages and ``cfg.agg_mode``. At ``r = 1`` its value is ``-aggregate(A)``.
     """
@@ -199,7 +177,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     ratio = torch.exp(log_r)
     loss_mat, clip_masks = clipped_surrogate(ratio, adv, cfg)
     metrics = _base_metrics(ratio, lp, old, m, clip_masks)
-    loss_mat = _apply_tis(loss_mat, old, m, cfg, rollout_logprobs, metrics)
+    loss_mat = apply_rollout_correction(loss_mat, old, m, rollout_logprobs, cfg.rollout_correction, metrics)
     return _finish(loss_mat, m, cfg, num_tokens, num_seqs, metrics)
 
 
@@ -231,7 +209,7 @@ def gspo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     seq_ratio = torch.exp(seq_log_ratio.detach())
     metrics["seq_ratio_mean"] = masked_mean(seq_ratio, has_tok)
     metrics["seq_ratio_max"] = masked_max(seq_ratio, has_tok)
-    loss_mat = _apply_tis(loss_mat, old, m, cfg, rollout_logprobs, metrics)
+    loss_mat = apply_rollout_correction(loss_mat, old, m, rollout_logprobs, cfg.rollout_correction, metrics)
     return _finish(loss_mat, m, cfg, num_tokens, num_seqs, metrics)
 
 
@@ -274,7 +252,7 @@ def clip_cov_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Ten
         keep[chosen[:, 0], chosen[:, 1]] = 0.0
     metrics["cov_clip_frac"] = masked_mean((keep == 0).to(loss_mat.dtype), m)
     loss_mat = loss_mat * keep
-    loss_mat = _apply_tis(loss_mat, old, m, cfg, rollout_logprobs, metrics)
+    loss_mat = apply_rollout_correction(loss_mat, old, m, rollout_logprobs, cfg.rollout_correction, metrics)
     return _finish(loss_mat, m, cfg, num_tokens, num_seqs, metrics)
 
 
@@ -308,7 +286,7 @@ def kl_cov_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tenso
         penal = penal.view_as(m) & m
     loss_mat = torch.where(penal, loss_mat + cfg.kl_cov_coef * (lp - old).abs(), loss_mat)
     metrics["kl_cov_frac"] = masked_mean(penal.to(loss_mat.dtype), m)
-    loss_mat = _apply_tis(loss_mat, old, m, cfg, rollout_logprobs, metrics)
+    loss_mat = apply_rollout_correction(loss_mat, old, m, rollout_logprobs, cfg.rollout_correction, metrics)
     return _finish(loss_mat, m, cfg, num_tokens, num_seqs, metrics)
 
 

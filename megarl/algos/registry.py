@@ -1,6 +1,7 @@
 """Name -> function registries, so a run's config can pick an algorithm by a string.
 
-Each kind (advantage estimator, policy loss, KL estimator) has its own table. Registering an existing
+Each kind (advantage estimator, policy loss, KL estimator, rollout-correction ratio level) has its
+own table. Registering an existing
 name raises: a silent overwrite would make a typo in a plugin change every run that uses the name.
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Registry:
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
 POLICY_LOSSES = Registry("policy loss")
 KL_ESTIMATORS = Registry("KL estimator")
+ROLLOUT_RATIO_LEVELS = Registry("rollout correction level")
 
 
 def register_advantage_estimator(name: str, *aliases: str) -> Callable[[F], F]:
@@ -60,6 +62,12 @@ def register_policy_loss(name: str, *aliases: str) -> Callable[[F], F]:
 def register_kl_estimator(name: str, *aliases: str) -> Callable[[F], F]:
     """Register a per-token KL estimator ``fn(logprobs, ref_logprobs) -> Tensor``."""
     return KL_ESTIMATORS.register(name, *aliases)
+
+
+def register_rollout_ratio_level(name: str, *aliases: str) -> Callable[[F], F]:
+    """Register a rollout-correction level ``fn(log_rho, mask) -> Tensor``: from the per-token
+    ``log(pi_old / pi_rollout)`` ``[B, T]``, the log ratio each token is weighted by."""
+    return ROLLOUT_RATIO_LEVELS.register(name, *aliases)
 
 
 def get_advantage_estimator(name: str) -> Callable:

@@ -195,7 +195,7 @@ class RolloutConfig:
     server_urls: list[str] = opt([], "use already running servers instead of starting them")
     model_path: Optional[str] = opt(None, "checkpoint the rollout servers serve, when not model.hf_path: e.g. a block "
                                     "FP8 copy made by `megarl convert hf-to-fp8` (every push is then quantized to its "
-                                    "format, and TIS is on by default); null = model.hf_path")
+                                    "format, and the rollout correction is on by default); null = model.hf_path")
     quantization: Optional[Literal["none", "fp8"]] = opt(None, "the served checkpoint's weight format for `megarl "
                                                          "plan` (fp8: block FP8, 1 byte per projection weight); "
                                                          "null = read from rollout.model_path's config.json")
@@ -274,6 +274,20 @@ class OverlongConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    enabled: Optional[bool] = opt(None, "importance weights pi_old / pi_rollout on the policy loss; null = on where rollout "
+                                  "and training differ by construction (block-FP8 servers, rollout.mode one_step_off or "
+                                  "async) or when another field here is set, else off")
+    level: Literal["token", "sequence", "geometric"] = opt(
+        "token", "ratio each token is weighted by: its own, its sequence's product, or that product's geometric mean")
+    mode: Literal["truncate", "mask"] = opt("truncate", "truncate: clamp the ratio to [lower, upper] (TIS); mask: "
+                                            "weight 0 outside [lower, upper] (MIS; IcePop = token, 0.5, 5)")
+    lower: Optional[float] = opt(None, "lower bound of the ratio (null = none)")
+    upper: Optional[float] = opt(2.0, "upper bound of the ratio (null = none)")
+    reweight: bool = opt(True, "mask mode: tokens inside the bounds weigh their ratio (false: 1, pure rejection)")
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: Literal["grpo", "dr_grpo", "rloo", "gae", "reinforce_plus_plus",
                        "reinforce_plus_plus_baseline", "remax"] = opt("grpo", "advantage estimator")
@@ -288,8 +302,8 @@ class AlgorithmConfig:
     lam: float = opt(1.0, "GAE lambda")
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
     value_clip: float = opt(0.2, "critic value clipping range")
-    tis_cap: Optional[float] = opt(None, "truncated importance sampling cap for rollout/train mismatch; null = off, "
-                                   "or 2.0 when the servers serve block FP8 (rollout.model_path); 0 = off")
+    tis_cap: Optional[float] = opt(None, "legacy: C > 0 is rollout_correction {enabled: true, level: token, mode: "
+                                   "truncate, upper: C}; 0 = enabled: false; null = use rollout_correction")
     routing_replay: Literal["none", "rollout"] = opt("none", "MoE routing replay (R3): rollout = the actor's router "
                                                     "uses the experts the rollout chose for every token, in the "
                                                     "old-logprob and training passes (gates still trained); none = "
@@ -300,6 +314,7 @@ class AlgorithmConfig:
         "(the trainer's numerics); rollout = the servers' logprobs of the sampled tokens, no forward pass "
         "(slime's --use-rollout-logprobs; the fidelity check still runs one at the run's first step)")
     kl: KLConfig = section(KLConfig, "KL regularisation")
+    rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "rollout/training mismatch correction")
     dynamic_sampling: DynamicSamplingConfig = section(DynamicSamplingConfig, "DAPO dynamic sampling")
     overlong: OverlongConfig = section(OverlongConfig, "DAPO overlong reward shaping")
 

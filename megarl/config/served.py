@@ -3,19 +3,18 @@
 Why: a block-FP8 copy of the model (`megarl convert hf-to-fp8`, or DeepSeek-V3's own checkpoint)
 must describe the same network as ``model.hf_path``, in a format megarl can push; otherwise the
 run would start servers and workers only to fail at the first push. And FP8 rollout makes the
-rollout policy differ from the trainer's more than bf16 noise does, so truncated importance
-sampling is turned on unless the recipe says otherwise (``algorithm.tis_cap``).
+rollout policy differ from the trainer's more than bf16 noise does (as off-policy rollout modes do
+by design), so the rollout correction is turned on unless the recipe says otherwise
+(``algorithm.rollout_correction.enabled``).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+import dataclasses
 from typing import Any, Optional
 
 from megarl.quant.fp8_block import BLOCK
-
-# the TIS cap FP8 rollout gets when algorithm.tis_cap is null (verl's default imp-ratio cap)
-FP8_TIS_CAP = 2.0
 # config.json fields that must agree between the trained and the served checkpoint
 SAME_NETWORK = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "vocab_size", "moe_intermediate_size", "num_experts", "n_routed_experts",
@@ -93,12 +92,43 @@ def rollout_is_fp8(cfg: Any) -> bool:
 
 
 def resolve_served_defaults(cfg: Any, served_dir: str) -> tuple[bool, Optional[str]]:
-    """(whether ``served_dir`` is block FP8, the line to log or None). FP8 rollout turns on TIS at
-    ``FP8_TIS_CAP`` when ``algorithm.tis_cap`` is null (not when the old logprobs are the rollout's:
-    then there is no mismatch left to correct)."""
+    """(whether ``served_dir`` is block FP8, the line to log or None): the rollout correction
+    resolved against it (:func:`resolve_rollout_correction`)."""
     fp8 = checkpoint_quant_method(served_dir) == "fp8"
-    if not fp8 or cfg.algorithm.tis_cap is not None or cfg.algorithm.old_logprobs == "rollout":
-        return fp8, None
-    cfg.algorithm.tis_cap = FP8_TIS_CAP
-    return fp8, (f"FP8 rollout ({served_dir}): truncated importance sampling on, algorithm.tis_cap = "
-                 f"{FP8_TIS_CAP:g} (set algorithm.tis_cap: 0 to turn it off)")
+    return fp8, resolve_rollout_correction(cfg, f"the servers serve block FP8 ({served_dir})" if fp8 else None)
+
+
+def resolve_rollout_correction(cfg: Any, fp8_reason: Optional[str]) -> Optional[str]:
+    """Set ``algorithm.rollout_correction.enabled`` when null; return the line to log or None.
+
+    On where the rollout's policy differs from the trainer's by construction -- block-FP8 servers
+    (``fp8_reason``), off-policy rollout modes -- or where the recipe set any other field of the
+    section; off where the old logprobs are the rollout's (nothing left to correct). A legacy
+    ``algorithm.tis_cap`` stays as it is (``algos.loss_settings.rollout_correction_of`` reads it)
+    and is named in the line."""
+    a = cfg.algorithm
+    rc = a.rollout_correction
+    if a.tis_cap is not None:
+        meaning = (f"{{enabled: true, level: token, mode: truncate, upper: {a.tis_cap:g}}}" if a.tis_cap > 0
+                   else "{enabled: false}")
+        return f"algorithm.tis_cap: {a.tis_cap:g} is read as algorithm.rollout_correction {meaning}"
+    if rc.enabled is not None:
+        return None
+    if a.old_logprobs == "rollout":
+        rc.enabled = False
+        return None
+    reasons = [r for r in (fp8_reason, f"rollout.mode = {cfg.rollout.mode}" if cfg.rollout.mode != "sync" else None,
+                           "algorithm.rollout_correction is set" if correction_configured(rc) else None) if r]
+    rc.enabled = bool(reasons)
+    if not reasons:
+        return None
+    bounds = f"[{'-' if rc.lower is None else f'{rc.lower:g}'}, {'-' if rc.upper is None else f'{rc.upper:g}'}]"
+    return (f"rollout correction on ({'; '.join(reasons)}): level {rc.level}, {rc.mode} to {bounds} "
+            f"(algorithm.rollout_correction.enabled: false turns it off)")
+
+
+def correction_configured(rc: Any) -> bool:
+    """Whether any field of ``algorithm.rollout_correction`` besides ``enabled`` differs from the
+    schema's default (the recipe asked for a correction of its own)."""
+    default = type(rc)()
+    return any(getattr(rc, f.name) != getattr(default, f.name) for f in dataclasses.fields(rc) if f.name != "enabled")

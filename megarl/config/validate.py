@@ -360,11 +360,7 @@ def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"algorithm.clip_high: must be > 0, got {a.clip_high}")
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:
         problems.append(f"algorithm.dual_clip_c: must be > 1, got {a.dual_clip_c}")
-    if a.tis_cap is not None and a.tis_cap < 0:
-        problems.append(f"algorithm.tis_cap: must be > 0 (0 = off), got {a.tis_cap}")
-    if a.tis_cap and a.old_logprobs == "rollout":
-        problems.append(f"algorithm.tis_cap: {a.tis_cap} corrects rollout-vs-trainer logprobs, but "
-                        f"algorithm.old_logprobs = 'rollout' makes them the same (set tis_cap: 0 or null)")
+    _check_rollout_correction(cfg, problems)
     if not 0 <= a.gamma <= 1:
         problems.append(f"algorithm.gamma: must be in [0, 1], got {a.gamma}")
     if not 0 <= a.lam <= 1:
@@ -391,6 +387,36 @@ def _check_algorithm(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"rollout.sampling.max_new_tokens: must be >= 1, got {s.max_new_tokens}")
     if r.n_per_prompt < 1:
         problems.append(f"rollout.n_per_prompt: must be >= 1, got {r.n_per_prompt}")
+
+
+def _check_rollout_correction(cfg: RunConfig, problems: list[str]) -> None:
+    """``algorithm.rollout_correction`` (and the legacy ``tis_cap`` it replaces): bounds that make a
+    band, one way of saying it, and something to correct."""
+    from megarl.config.served import correction_configured
+
+    a = cfg.algorithm
+    rc, name = a.rollout_correction, "algorithm.rollout_correction"
+    asked = rc.enabled or correction_configured(rc)
+    if a.tis_cap is not None and a.tis_cap < 0:
+        problems.append(f"algorithm.tis_cap: must be > 0 (0 = off), got {a.tis_cap}")
+    if a.tis_cap is not None and (rc.enabled is not None or asked):
+        problems.append(f"algorithm.tis_cap: set {name} or the legacy tis_cap, not both")
+    if a.tis_cap and a.old_logprobs == "rollout":
+        problems.append(f"algorithm.tis_cap: {a.tis_cap} corrects rollout-vs-trainer logprobs, but "
+                        f"algorithm.old_logprobs = 'rollout' makes them the same (set tis_cap: 0 or null)")
+    if asked and a.old_logprobs == "rollout":
+        problems.append(f"{name}.enabled: it corrects rollout-vs-trainer logprobs, but algorithm.old_logprobs = "
+                        f"'rollout' makes them the same (set enabled: false)")
+    if rc.upper is not None and rc.upper <= 0:
+        problems.append(f"{name}.upper: must be > 0 (or null: unbounded), got {rc.upper}")
+    if rc.lower is not None and rc.lower < 0:
+        problems.append(f"{name}.lower: must be >= 0 (or null: unbounded), got {rc.lower}")
+    if rc.lower is None and rc.upper is None:
+        problems.append(f"{name}.upper: lower and upper are both null; set at least one bound")
+    if rc.lower is not None and rc.upper is not None and rc.lower >= rc.upper:
+        problems.append(f"{name}.lower: {rc.lower} must be < upper = {rc.upper}")
+    if not rc.reweight and rc.mode != "mask":
+        problems.append(f"{name}.reweight: false (weight 1 inside the bounds) needs mode 'mask', got {rc.mode!r}")
 
 
 def _check_routing_replay(cfg: RunConfig, problems: list[str]) -> None:
