@@ -38,11 +38,16 @@ EXTRAS = {
         # (tests/test_lora*.py); peft imports accelerate. Neither pulls torch past the pinned one.
         "peft==0.21.2",
         "accelerate==1.16.0",
+        "math-verify==0.9.0",   # reward.rule math_verify, graded against the package itself
     ],
     # Agentic RL environments: BM25 retrieval for agent.env=search. The python sandbox needs
     # Debian's bubblewrap (apt-get install bubblewrap; launch/install.sh does it), not a wheel.
     "agent": ["bm25s==0.3.16"],
     "sinks": ["wandb==0.31.0", "mlflow-skinny==3.18.0"],
+    # reward.rule math_verify (the math recipes' grader): HF math-verify, pure Python (latex2sympy2_extended,
+    # antlr4 runtime, sympy; no torch). An extra, not core: only math recipes use it, and its antlr4 pin
+    # (<= 4.13.2) should not constrain installs that grade nothing with it.
+    "math": ["math-verify==0.9.0"],
     # GPU-only engines. apex is not on PyPI: build it from source if wanted (README).
     "gpu": [
         "transformer-engine[pytorch]>=2.4",

@@ -347,7 +347,9 @@ class DataConfig:
 class RewardConfig:
     kind: Literal["rule", "reasoning_gym", "model", "function"] = opt("reasoning_gym", "how samples are scored")
     function: Optional[str] = opt(None, "dotted path module:function(sample) -> float for kind=function")
-    rule: Literal["math_answer", "exact"] = opt("math_answer", "rule for kind=rule")
+    rule: Literal["math_answer", "math_verify", "exact"] = opt(
+        "math_answer", "rule for kind=rule: math_answer (megarl's parser: boxed, ####, <answer>, last number), "
+        "math_verify (HF math-verify: LaTeX/sympy equivalence; needs megarl[math], reward.executor process), exact")
     format_reward: float = opt(0.0, "added when the answer is found in the expected format")
     workers: int = opt(8, "parallel reward workers scoring a batch, order kept (0 = score in the trainer's thread)")
     executor: Literal["thread", "process"] = opt("thread", "thread: any function, parallel while it waits (I/O, "

@@ -7,6 +7,7 @@ arithmetic mirrors what megatron-core asserts deep inside ``initialize_model_par
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -489,6 +490,10 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
         problems.append("reward_model.enabled: reward.kind = 'model' needs the reward model role")
     if rw.workers < 0:
         problems.append(f"reward.workers: must be >= 0, got {rw.workers}")
+    if rw.kind == "rule" and rw.rule == "math_verify" and not cfg.agent.enabled and (
+            rw.executor != "process" or rw.workers < 1):
+        problems.append("reward.executor: rule 'math_verify' grades in worker processes (math-verify's timeouts "
+                        "use SIGALRM, which only a main thread can set): set reward.executor: process, workers >= 1")
     if rw.kind == "reasoning_gym" and d.source != "reasoning_gym":
         problems.append(f"reward.kind: 'reasoning_gym' scores reasoning-gym tasks but data.source = {d.source!r}")
     if cfg.sync.bucket_mb < 1:
@@ -572,6 +577,9 @@ def _check_paths(cfg: RunConfig, problems: list[str]) -> None:
             problems.append(f"{name}.model_path: no config.json in {path!r}")
     from megarl.config.served import served_problems
 
+    rw = cfg.reward
+    if rw.kind == "rule" and rw.rule == "math_verify" and importlib.util.find_spec("math_verify") is None:
+        problems.append("reward.rule: 'math_verify' needs the math-verify package (pip install 'megarl[math]')")
     trained = hf_config_path(hf)
     problems.extend(served_problems(cfg, json.loads(trained.read_text()) if trained else None))
     if cfg.agent.enabled:

@@ -10,9 +10,12 @@ import importlib
 from typing import Any, Callable
 
 from megarl.data.records import PromptRecord
+from megarl.rewards.math_verify import math_verify_reward
 from megarl.rewards.rules import exact_reward, math_answer_reward
 
 RewardFn = Callable[[str, PromptRecord], float]
+RULES: dict[str, Callable[[str, Any], float]] = {"math_answer": math_answer_reward, "math_verify": math_verify_reward,
+                                                 "exact": exact_reward}
 
 
 def reasoning_gym_reward(response: str, record: PromptRecord) -> float:
@@ -47,8 +50,7 @@ def build_reward_fn(reward_cfg: Any) -> RewardFn:
     if reward_cfg.kind == "reasoning_gym":
         return reasoning_gym_reward
     if reward_cfg.kind == "rule":
-        rule = math_answer_reward if reward_cfg.rule == "math_answer" else exact_reward
-        return functools.partial(_rule_reward, rule)  # picklable: reward.executor=process
+        return functools.partial(_rule_reward, RULES[reward_cfg.rule])  # picklable: reward.executor=process
     if reward_cfg.kind == "function":
         return load_user_function(reward_cfg.function)
     raise ValueError(f"reward.kind {reward_cfg.kind!r} is scored by a worker, not a function")

@@ -45,7 +45,9 @@ class RewardPool:
         if len(texts) != len(records):
             raise ValueError(f"{len(texts)} responses but {len(records)} records")
         items = list(zip(texts, records))
-        if self.workers == 0 or len(items) <= 1:
+        # one item is scored inline with threads; processes get it too: a scorer may need a main thread
+        # (math-verify's SIGALRM timeouts), which the caller's thread need not be
+        if self.workers == 0 or (len(items) <= 1 and self.executor == "thread"):
             return _score_chunk(self.fn, items)
         pool = self._get_pool()
         if self.executor == "thread":
