@@ -23,6 +23,16 @@ namespaces (found with ``ip netns pids``: only processes started inside them), t
 namespaces and the run's temp dir. ``start`` first removes namespaces and temp dirs of earlier
 runs whose process is gone (a crashed or SIGKILLed test). Every wait has a deadline.
 
+Signals and teardown: a namespace is recorded before ``ip netns add`` runs, so a signal that
+interrupts ``start`` just after the kernel made it still has it deleted; SIGINT and SIGTERM are
+held back while ``stop`` runs (main thread), so a second Ctrl-C or a CI's SIGTERM during the
+teardown acts once it is done instead of cutting it short (which left the namespaces and their
+processes behind, ``stop`` already marked done). A process that waits for a signal to tear down
+should wait in short sleeps: CPython runs a Python-level handler only between bytecodes, so a
+signal that lands after the last check and before a long ``time.sleep`` starts waits out the whole
+sleep (under ``stress-ng --cpu 2`` on 2 cores, 3 of 900 SIGTERMs sent just after a holder printed
+its line did).
+
 :class:`RayBox` starts a Ray cluster over the nodes the way ``launch/slurm/common.sh`` and
 ``launch/ray_bootstrap.sh`` do: ``ray start --block`` per node with ``--node-ip-address``, fake GPUs
 (``--num-gpus``), custom node resources (``megarl_train`` / ``megarl_rollout``), token auth with a
@@ -34,6 +44,7 @@ fresh ``RAY_AUTH_TOKEN``, a small object store; drivers run inside a node's name
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -45,7 +56,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "megarl"
@@ -107,6 +118,21 @@ def _remove_namespaces(names: Sequence[str], timeout: float = 20.0) -> None:
     _kill_and_wait(pids, timeout)
     for ns in names:
         _ip("netns", "delete", ns, check=False)
+
+
+@contextlib.contextmanager
+def _signals_held(signals: Sequence[int]) -> Iterator[None]:
+    """Block ``signals`` in the main thread for the block's duration: one that arrives meanwhile
+    is delivered (its handler runs) when the block ends, not in the middle of it. Elsewhere than
+    the main thread, where Python handlers never run, nothing to do."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def clean_stale(prefix: str = PREFIX) -> list[str]:
@@ -174,8 +200,10 @@ class NetnsCluster:
         return self
 
     def _add_ns(self, ns: str) -> None:
-        _ip("netns", "add", ns)
+        """Recorded first: interrupted once the kernel has made it, it is still deleted by stop
+        (deleting one that was never made is a no-op)."""
         self._created.append(ns)
+        _ip("netns", "add", ns)
 
     def _trap_sigterm(self) -> None:
         """SIGTERM (CI timeout, `kill`) becomes SystemExit so context managers and fixtures tear down."""
@@ -187,33 +215,39 @@ class NetnsCluster:
             self._old_sigterm = signal.signal(signal.SIGTERM, _exit)
 
     def stop(self, timeout: float = 20.0) -> None:
-        """Stop what this run started and delete its namespaces and temp dir (idempotent)."""
+        """Stop what this run started and delete its namespaces and temp dir (idempotent). A SIGINT
+        or SIGTERM arriving meanwhile is held back and acts when the teardown is done."""
         if self._stopped:
             return
         self._stopped = True
+        with _signals_held((signal.SIGINT, signal.SIGTERM)):
+            self._stop_procs(timeout / 2)
+            _remove_namespaces(self._created, timeout=timeout / 2)
+            self._created = []
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+                self._old_sigterm = None
+            atexit.unregister(self.stop)
+
+    def _stop_procs(self, timeout: float) -> None:
+        """SIGTERM the process group of every process ``popen`` started, SIGKILL what is left after
+        ``timeout``; one that outlives even SIGKILL is left to the namespace sweep."""
         for p in self._procs:
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        deadline = time.time() + timeout / 2
+        deadline = time.time() + timeout
         for p in self._procs:
             try:
                 p.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(5)
-        _remove_namespaces(self._created, timeout=timeout / 2)
-        self._created = []
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
-        atexit.unregister(self.stop)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(5)
 
     def __enter__(self) -> "NetnsCluster":
         return self.start()

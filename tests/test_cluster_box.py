@@ -100,35 +100,106 @@ def test_loopback_does_not_reach_another_node(pair):
     assert seen["gloo_interface"] == "eth0" and seen["gloo_interface_loopback"] is None, seen
 
 
+HOLD = r"""
+import faulthandler, json, os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import tests.netns_cluster as nc
+
+# the signals the test sends act as they do for a user, whatever the CI's shell ignored or blocked
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+faulthandler.register(signal.SIGUSR1, all_threads=True)   # the test asks for the stack of a hang
+mode = sys.argv[2]
+if mode == "signal-after-netns-add":
+    real_ip = nc._ip
+    def ip(*args, **kw):
+        done = real_ip(*args, **kw)
+        if args[:2] == ("netns", "add") and args[2].endswith("-n1"):
+            os.kill(os.getpid(), signal.SIGTERM)   # the kernel has made it, start() has not returned
+        return done
+    nc._ip = ip
+with nc.NetnsCluster(2) as box:
+    p = box.popen(1, ["sleep", "3600"])
+    if mode == "second-signal-in-stop":
+        real_remove = nc._remove_namespaces
+        def remove(*args, **kw):
+            os.kill(os.getpid(), signal.SIGINT)    # Ctrl-C again, in the middle of the teardown
+            return real_remove(*args, **kw)
+        nc._remove_namespaces = remove
+    print(json.dumps({"names": box.names, "pid": p.pid}), flush=True)
+    end = time.time() + 3600
+    while time.time() < end:   # short sleeps: a signal landing just before one long sleep waits it out
+        time.sleep(0.2)
+"""
+
+
+def _hold(tmp_path: Path, mode: str = "plain") -> subprocess.Popen:
+    """hold.py: a NetnsCluster(2) with `sleep` in node 1, held until a signal (stderr to a file: the
+    `sleep` inherits it, and a pipe would stay open after hold.py ends)."""
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD)
+    with (tmp_path / f"hold.{mode}.err").open("w") as err:
+        return subprocess.Popen([sys.executable, str(script), str(ROOT), mode], stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+
+
+def _held(holder: subprocess.Popen) -> dict:
+    """hold.py's line, once its `sleep` is inside node 1 (nsenter may not have entered it yet)."""
+    assert select.select([holder.stdout], [], [], HANG_S)[0], f"hold.py did not start in {HANG_S} s"
+    info = json.loads(holder.stdout.readline())
+    assert set(info["names"]) <= _netns_list()
+    deadline = time.time() + HANG_S
+    while namespace_pids(info["names"][1]) != [info["pid"]] and time.time() < deadline:
+        time.sleep(0.1)
+    assert namespace_pids(info["names"][1]) == [info["pid"]]
+    return info
+
+
+def _ended(holder: subprocess.Popen, tmp_path: Path) -> int:
+    """hold.py's exit status; past HANG_S it fails with what hold.py was doing (its signal masks,
+    its kernel wait channel, its Python stack)."""
+    try:
+        return holder.wait(HANG_S)
+    except subprocess.TimeoutExpired:
+        status = _proc_text(holder.pid, "status").splitlines()
+        state = [line for line in status if line.startswith(("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn"))]
+        wchan = _proc_text(holder.pid, "wchan")
+        holder.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        holder.kill()
+        holder.wait()
+        stack = "\n".join(p.read_text()[-4000:] for p in tmp_path.glob("hold.*.err"))
+        pytest.fail(f"hold.py still running {HANG_S} s after the signal: {state} wchan={wchan}\n{stack}")
+    finally:
+        holder.stdout.close()
+
+
+def _proc_text(pid: int, name: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_text()
+    except OSError as err:   # it ended meanwhile
+        return str(err)
+
+
+def _run_namespaces(pid: int) -> set[str]:
+    return {n for n in _netns_list() if n.startswith(f"{PREFIX}-{pid}-")}
+
+
 def test_teardown_on_signals_and_stale_cleanup(tmp_path):
     """A run killed by SIGTERM or Ctrl-C removes its namespaces and its processes in them; a run
     SIGKILLed (nothing runs) leaves them, and the next run removes those before starting."""
-    script = tmp_path / "hold.py"
-    script.write_text(
-        "import json, subprocess, sys, time\n"
-        "sys.path.insert(0, sys.argv[1])\n"
-        "from tests.netns_cluster import NetnsCluster\n"
-        "with NetnsCluster(2) as box:\n"
-        "    p = box.popen(1, ['sleep', '300'])\n"
-        "    print(json.dumps({'names': box.names, 'pid': p.pid}), flush=True)\n"
-        "    time.sleep(300)\n")
-    # Every wait below is a hang guard only, far above the time it takes on a loaded 2-core box: a
-    # teardown runs several `ip` commands and waits for processes (NetnsCluster.stop), and once took
-    # more than 60 s with the load at 7-9.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
-        holder = subprocess.Popen([sys.executable, str(script), str(ROOT)], stdout=subprocess.PIPE, text=True)
+    # Every wait below is a hang guard only, far above the time it takes on a loaded 2-core box (a
+    # teardown runs several `ip` commands and waits for processes: under 1 s at load 15); hold.py
+    # outlives every guard, so a signal it did not act on fails here with its state, not as a wait.
+    for sig, code in ((signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT),
+                      (signal.SIGKILL, -signal.SIGKILL)):
+        holder = _hold(tmp_path)
         try:
-            assert select.select([holder.stdout], [], [], HANG_S)[0], f"hold.py did not start in {HANG_S} s"
-            info = json.loads(holder.stdout.readline())
-            assert set(info["names"]) <= _netns_list()
-            deadline = time.time() + HANG_S   # nsenter may not have entered the namespace yet
-            while namespace_pids(info["names"][1]) != [info["pid"]] and time.time() < deadline:
-                time.sleep(0.1)
-            assert namespace_pids(info["names"][1]) == [info["pid"]]
+            info = _held(holder)
         finally:
             holder.send_signal(sig)
-            holder.wait(HANG_S)
-            holder.stdout.close()
+            assert _ended(holder, tmp_path) == code, sig
         if sig != signal.SIGKILL:
             assert not set(info["names"]) & _netns_list(), sig
             assert not pid_alive(info["pid"]), f"process in the namespace survived {sig!r}"
@@ -138,6 +209,28 @@ def test_teardown_on_signals_and_stale_cleanup(tmp_path):
         assert not set(info["names"]) & _netns_list()
         assert not pid_alive(info["pid"])  # killed (a zombie at most, until init reaps it)
         assert all(n.startswith(f"{PREFIX}-") for n in box.names)
+
+
+def test_a_second_signal_during_teardown_waits_for_it(tmp_path):
+    """Ctrl-C pressed again while a SIGTERMed run tears down (delivered at a fixed point of stop:
+    before the namespaces are deleted) does not cut the teardown short, and still ends the run."""
+    holder = _hold(tmp_path, "second-signal-in-stop")
+    try:
+        info = _held(holder)
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        code = _ended(holder, tmp_path)
+    assert not set(info["names"]) & _netns_list()
+    assert not pid_alive(info["pid"])
+    assert code == -signal.SIGINT, (code, (tmp_path / "hold.second-signal-in-stop.err").read_text()[-3000:])
+
+
+def test_a_signal_just_after_a_namespace_is_made_leaves_none(tmp_path):
+    """SIGTERM arriving in start() right after `ip netns add` made node 1's namespace (before
+    start() returns) ends the run with every namespace it made deleted, that one too."""
+    holder = _hold(tmp_path, "signal-after-netns-add")
+    assert _ended(holder, tmp_path) == 128 + signal.SIGTERM
+    assert not _run_namespaces(holder.pid), _run_namespaces(holder.pid)
 
 
 # --------------------------------------------------------------------------------------- Ray
