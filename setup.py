@@ -2,7 +2,7 @@
 
 Versions are pinned to what was verified on the CPU dev/CI machines (Python 3.11) and carried to
 the GPU box. megatron-core 0.17+ requires Python >= 3.12, so 0.16.1 is the one version that runs on
-both (see ../shared/FACTS.md). Install torch first (`pip install torch==2.13.0`) so no dependency
+both. Install torch first (`pip install torch==2.13.0`) so no dependency
 pulls a CUDA build on CPU machines.
 """
 from setuptools import find_packages, setup
@@ -39,6 +39,9 @@ EXTRAS = {
         "peft==0.21.2",
         "accelerate==1.16.0",
         "math-verify==0.9.0",   # reward.rule math_verify, graded against the package itself
+        # the documentation site (docs/, mkdocs.yml): tests/test_docs.py builds it with --strict
+        "mkdocs==1.6.1",
+        "mkdocs-material==9.8.2",
     ],
     # Agentic RL environments: BM25 retrieval for agent.env=search. The python sandbox needs
     # Debian's bubblewrap (apt-get install bubblewrap; launch/install.sh does it), not a wheel.
@@ -54,6 +57,7 @@ EXTRAS = {
         "sglang==0.5.23",
     ],
     "data": ["reasoning-gym==0.1.25", "gguf==0.19.0", "pyarrow>=15"],
+    "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],
 }
 
 setup(

@@ -1,4 +1,4 @@
-"""FP8 rollout (issue 26) against the other sides' own code: transformers' FP8 loader reads what
+"""FP8 rollout against the other sides' own code: transformers' FP8 loader reads what
 `megarl convert hf-to-fp8` writes; SGLang 0.5.23's own server code (CPU harness, TP2) receives
 from a TP2 megatron trainer exactly the bytes SGLang's own block quantizer makes, over all three
 transports; the loop runs with an FP8 TP2 embedded server, TIS on by default.

@@ -9,27 +9,14 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from megarl.data.answers import last_boxed
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed{") - 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1: j]
-    return None
-
-
 def extract_answer(text: str) -> str | None:
-    boxed = _last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
     if "####" in text:
