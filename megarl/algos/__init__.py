@@ -44,6 +44,11 @@ Registries (pick by name from the config; add your own with the decorators)
     the levels of a ``RolloutCorrection``: ``token``, ``sequence``, ``geometric``;
     ``fn(log_rho, mask) -> Tensor`` (the log ratio each token is weighted by).
 
+``get_distill_advantage(name)`` / ``@register_distill_advantage``
+    ``reverse_kl``: ``fn(student_logprobs, teacher_logprobs, mask) -> Tensor[batch, T]``, each
+    sampled token's on-policy distillation advantage ``-(log pi_student - log pi_teacher)``;
+    :func:`mix_advantages` adds it to a task advantage, :func:`distill_metrics` reports it.
+
 ``get_kl_estimator(name)`` / ``@register_kl_estimator``
     ``k1`` (``kl``), ``k2`` (``mse``), ``k3`` (``low_var_kl``), ``abs``:
     ``fn(logprobs, ref_logprobs) -> Tensor`` per token.
@@ -82,6 +87,7 @@ from .advantages import (
     token_level_rewards,
 )
 from .aggregation import AGG_MODES, aggregate_loss, check_agg_mode
+from .distill import distill_metrics, mix_advantages, reverse_kl_advantages
 from .entropy import entropy_bonus, entropy_from_logits, logprobs_from_logits
 from .filters import (
     GroupFilter,
@@ -126,9 +132,11 @@ from .policy_loss import (
 )
 from .registry import (
     get_advantage_estimator,
+    get_distill_advantage,
     get_kl_estimator,
     get_policy_loss,
     register_advantage_estimator,
+    register_distill_advantage,
     register_kl_estimator,
     register_policy_loss,
     register_rollout_ratio_level,

@@ -1,7 +1,7 @@
 """Name -> function registries, so a run's config can pick an algorithm by a string.
 
-Each kind (advantage estimator, policy loss, KL estimator, rollout-correction ratio level) has its
-own table. Registering an existing
+Each kind (advantage estimator, policy loss, KL estimator, rollout-correction ratio level,
+distillation advantage) has its own table. Registering an existing
 name raises: a silent overwrite would make a typo in a plugin change every run that uses the name.
 """
 from __future__ import annotations
@@ -47,6 +47,7 @@ ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
 POLICY_LOSSES = Registry("policy loss")
 KL_ESTIMATORS = Registry("KL estimator")
 ROLLOUT_RATIO_LEVELS = Registry("rollout correction level")
+DISTILL_ADVANTAGES = Registry("distillation advantage")
 
 
 def register_advantage_estimator(name: str, *aliases: str) -> Callable[[F], F]:
@@ -68,6 +69,18 @@ def register_rollout_ratio_level(name: str, *aliases: str) -> Callable[[F], F]:
     """Register a rollout-correction level ``fn(log_rho, mask) -> Tensor``: from the per-token
     ``log(pi_old / pi_rollout)`` ``[B, T]``, the log ratio each token is weighted by."""
     return ROLLOUT_RATIO_LEVELS.register(name, *aliases)
+
+
+def register_distill_advantage(name: str, *aliases: str) -> Callable[[F], F]:
+    """Register a distillation advantage ``fn(student_logprobs, teacher_logprobs, mask) -> Tensor``:
+    from the log-probabilities both models give the student's sampled tokens (``[B, T]``), each
+    token's advantage (0 on padding)."""
+    return DISTILL_ADVANTAGES.register(name, *aliases)
+
+
+def get_distill_advantage(name: str) -> Callable:
+    """The distillation advantage registered as ``name`` (``KeyError`` lists the known names)."""
+    return DISTILL_ADVANTAGES.get(name)
 
 
 def get_advantage_estimator(name: str) -> Callable:
