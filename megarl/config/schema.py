@@ -148,6 +148,26 @@ class RoleConfig:
 
 
 @dataclass
+class TeacherConfig(RoleConfig):
+    """The teacher of on-policy distillation: a frozen model that scores the student's sampled tokens
+    (``algorithm.distill``). A forward-only Megatron role like the reference, of any size and layout
+    (its own model_path, gpus, parallel, offload), or servers that return the logprobs of given
+    tokens (SGLang's /generate with ``logprob_start_len``, or ``megarl serve``). Either way it must
+    share the student's tokenizer (checked at launch)."""
+
+    mode: Literal["megatron", "served"] = opt("megatron", "megatron: a forward-only role on the trainer's GPUs "
+                                              "(teacher.gpus, parallel, offload); served: teacher.server_urls score "
+                                              "the tokens (no Megatron role)")
+    server_urls: list[str] = opt([], "mode served: running SGLang or `megarl serve` servers of teacher.model_path; "
+                                 "a step's sequences are spread over them")
+    api_key_env: str = opt("MEGARL_TEACHER_API_KEY", "mode served: environment variable holding the teacher "
+                           "servers' API key (sent as Authorization: Bearer); unset = no key")
+    request_batch: int = opt(16, "mode served: sequences per /generate scoring request")
+    arch: ModelArch = section(ModelArch, "the teacher's shape for validation and `megarl plan` (filled from "
+                                         "teacher.model_path's config.json when readable)")
+
+
+@dataclass
 class ClusterConfig:
     backend: Literal["local", "ray"] = opt("ray", "ray: one Ray actor per rank; local: in-process (tests, one GPU)")
     ray_address: Optional[str] = opt(None, "join this Ray cluster (auto, ray://host:port); None = start one")
@@ -288,6 +308,18 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (needs teacher.enabled): each sampled token's advantage gets
+    coef * -(log pi_student - log pi_teacher), beside reward_weight times the task reward's."""
+
+    advantage: Literal["reverse_kl"] = opt("reverse_kl", "distillation advantage (megarl.algos registry): "
+                                           "reverse_kl = -(log pi_student - log pi_teacher) per sampled token")
+    coef: float = opt(1.0, "weight of the distillation advantage")
+    reward_weight: float = opt(1.0, "weight of the task reward's advantage beside it; 0 = distillation alone "
+                               "(rewards are still scored and logged)")
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: Literal["grpo", "dr_grpo", "rloo", "gae", "reinforce_plus_plus",
                        "reinforce_plus_plus_baseline", "remax"] = opt("grpo", "advantage estimator")
@@ -317,6 +349,7 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "rollout/training mismatch correction")
     dynamic_sampling: DynamicSamplingConfig = section(DynamicSamplingConfig, "DAPO dynamic sampling")
     overlong: OverlongConfig = section(OverlongConfig, "DAPO overlong reward shaping")
+    distill: DistillConfig = section(DistillConfig, "on-policy distillation from teacher.*")
 
 
 @dataclass
@@ -436,6 +469,8 @@ class RunConfig:
     critic: RoleConfig = section(lambda: RoleConfig(enabled=False), "value model (GAE/PPO)")
     ref: RoleConfig = section(lambda: RoleConfig(enabled=False), "frozen reference for KL")
     reward_model: RoleConfig = section(lambda: RoleConfig(enabled=False), "learned reward model")
+    teacher: TeacherConfig = section(lambda: TeacherConfig(enabled=False), "frozen teacher for on-policy "
+                                     "distillation (algorithm.distill)")
     rollout: RolloutConfig = section(RolloutConfig, "rollout servers and sampling")
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "RL algorithm")
     batch: BatchConfig = section(BatchConfig, "batch sizes")
@@ -453,6 +488,8 @@ class RunConfig:
 
     @property
     def megatron_roles(self) -> list[str]:
-        """Roles that build a megatron model (with LoRA the reference is the actor's base: no role)."""
-        return [r for r in ("actor", "critic", "ref", "reward_model") if getattr(self, r).enabled
-                and not (r == "ref" and self.actor.lora.rank > 0)]
+        """Roles that build a megatron model (with LoRA the reference is the actor's base: no role; a
+        served teacher is servers, no role)."""
+        return [r for r in ("actor", "critic", "ref", "reward_model", "teacher") if getattr(self, r).enabled
+                and not (r == "ref" and self.actor.lora.rank > 0)
+                and not (r == "teacher" and self.teacher.mode == "served")]

@@ -19,7 +19,8 @@ from megarl.config.schema import LoRAConfig, ModelArch, ParallelConfig, RoleConf
 
 GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"}
 ROLES = ("actor", "critic", "ref", "reward_model")
-PROFILED_PHASES = ("rollout", "release", "old_logprobs", "ref_logprobs", "values", "train", "sync")  # Trainer.step's timers
+PROFILED_PHASES = ("rollout", "release", "old_logprobs", "ref_logprobs", "teacher_logprobs", "values", "train",
+                   "sync")  # Trainer.step's timers
 
 # HF config.json key(s) -> ModelArch field; the first key present wins.
 HF_ARCH_KEYS: dict[str, tuple[str, ...]] = {
@@ -217,19 +218,25 @@ def _check_cp_budget(cfg: RunConfig, problems: list[str]) -> None:
     """Under context parallelism a packed micro-batch holds ``max_tokens_per_micro_batch x cp``
     tokens (each CP rank ``1 / cp`` of them), every sequence padded to a multiple of ``2 cp``: the
     longest sample must fit one, or training would fail after the rollout was paid for."""
-    longest = max_sequence_len(cfg)
     for name in ROLES:
-        role = getattr(cfg, name)
-        p = role.parallel
-        if not role.enabled or p.cp <= 1 or not role.packing:
-            continue
-        padded = -(-longest // (2 * p.cp)) * 2 * p.cp
-        for field_name in ("max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch"):
-            per_rank = getattr(role, field_name)
-            if per_rank and padded > per_rank * p.cp:
-                problems.append(f"{name}.{field_name}: {per_rank} x cp {p.cp} = {per_rank * p.cp} tokens is less "
-                                f"than the longest sample (max_prompt_len + max_new_tokens = {longest}, {padded} "
-                                f"padded to a multiple of 2*cp)")
+        if getattr(cfg, name).enabled:
+            _check_role_cp_budget(cfg, name, problems)
+
+
+def _check_role_cp_budget(cfg: RunConfig, name: str, problems: list[str]) -> None:
+    """:func:`_check_cp_budget` for one role."""
+    longest = max_sequence_len(cfg)
+    role = getattr(cfg, name)
+    p = role.parallel
+    if p.cp <= 1 or not role.packing:
+        return
+    padded = -(-longest // (2 * p.cp)) * 2 * p.cp
+    for field_name in ("max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch"):
+        per_rank = getattr(role, field_name)
+        if per_rank and padded > per_rank * p.cp:
+            problems.append(f"{name}.{field_name}: {per_rank} x cp {p.cp} = {per_rank * p.cp} tokens is less "
+                            f"than the longest sample (max_prompt_len + max_new_tokens = {longest}, {padded} "
+                            f"padded to a multiple of 2*cp)")
 
 
 def _check_batches(cfg: RunConfig, problems: list[str]) -> None:
@@ -576,7 +583,9 @@ def _check_paths(cfg: RunConfig, problems: list[str]) -> None:
         if getattr(cfg, name).enabled and path and not path.startswith("builtin:") and hf_config_path(path) is None:
             problems.append(f"{name}.model_path: no config.json in {path!r}")
     from megarl.config.served import served_problems
+    from megarl.config.teacher import teacher_path_problems
 
+    problems.extend(teacher_path_problems(cfg))
     rw = cfg.reward
     if rw.kind == "rule" and rw.rule == "math_verify" and importlib.util.find_spec("math_verify") is None:
         problems.append("reward.rule: 'math_verify' needs the math-verify package (pip install 'megarl[math]')")
@@ -609,6 +618,9 @@ def collect_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
     _check_rest(cfg, problems)
     _check_agent(cfg, problems)
     _check_lora(cfg, problems)
+    from megarl.config.teacher import teacher_problems
+
+    problems.extend(teacher_problems(cfg))
     return problems
 
 
