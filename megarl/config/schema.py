@@ -377,8 +377,41 @@ class DataConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A served model that grades responses (``reward.kind: judge``; megarl/rollout/judge.py)."""
+
+    server_url: Optional[str] = opt(None, "a running judge server (SGLang or `megarl serve`: /generate on token "
+                                    "ids); null = megarl starts one from judge.model_path")
+    api_key_env: Optional[str] = opt(None, "environment variable holding server_url's API key (sent as "
+                                     "Authorization: Bearer); a server megarl starts gets a fresh key")
+    model_path: Optional[str] = opt(None, "HF folder of the judge model: served by megarl when server_url is "
+                                    "null, and the tokenizer of the judge's prompts")
+    tokenizer: Optional[str] = opt(None, "the judge's tokenizer (default: judge.model_path)")
+    engine: Literal["auto", "embedded", "sglang"] = opt("auto", "server megarl starts: auto = rollout.engine")
+    template: Optional[str] = opt(None, "judge prompt with {prompt}, {response} and {reference} (null: the "
+                                  "default rubric, which asks for 'Score: N' with N from 0 to 10)")
+    system_prompt: Optional[str] = opt(None, "system message of the judge's chat (chat: true)")
+    chat: bool = opt(True, "wrap the prompt with the judge tokenizer's chat template")
+    parser: str = opt("score", "grade parser: score (the last 'Score: N' in the answer, N mapped from "
+                      "score_range to [0, 1]) or a dotted module:function(text) -> float (raise on unparsable)")
+    score_pattern: str = opt(r"[Ss]core\s*[:=]\s*(-?\d+(?:\.\d+)?)", "parser score: regex whose group 1 is N")
+    score_range: list[float] = opt([0.0, 10.0], "parser score: [lowest, highest] grade, mapped to [0, 1]; a grade "
+                                   "outside it is unparsable")
+    max_new_tokens: int = opt(256, "judge answer length at most (greedy sampling)")
+    timeout_s: float = opt(60.0, "deadline of one judge request (a batch of samples); past it each of its "
+                           "samples fails (reason judge_timeout)")
+    batch_size: int = opt(8, "samples per /generate request")
+    max_concurrency: int = opt(16, "judge requests in flight at once")
+    context_length: int = opt(4096, "a server megarl starts: prompt + answer tokens per sequence")
+    devices: list[int] = opt([], "a server megarl starts on a GPU run: GPU ids of the driver's node it runs on "
+                             "(CUDA_VISIBLE_DEVICES, TP = their count), GPUs the run's pools do not use; empty "
+                             "on CPU runs")
+
+
+@dataclass
 class RewardConfig:
-    kind: Literal["rule", "reasoning_gym", "model", "function"] = opt("reasoning_gym", "how samples are scored")
+    kind: Literal["rule", "reasoning_gym", "model", "function", "judge"] = opt(
+        "reasoning_gym", "how samples are scored (judge: a served model grades them, reward.judge.*)")
     function: Optional[str] = opt(None, "dotted path module:function(sample) -> float for kind=function")
     rule: Literal["math_answer", "math_verify", "exact"] = opt(
         "math_answer", "rule for kind=rule: math_answer (megarl's parser: boxed, ####, <answer>, last number), "
@@ -388,6 +421,12 @@ class RewardConfig:
     executor: Literal["thread", "process"] = opt("thread", "thread: any function, parallel while it waits (I/O, "
                                                  "subprocess, sandbox); process: CPU-bound Python scorers "
                                                  "(function and records must pickle)")
+    retries: int = opt(0, "more tries of a sample whose reward failed (a function that raised, a judge request "
+                       "that timed out or failed); then the sample is marked failed: no advantage, no loss, "
+                       "never a 0")
+    max_failed_steps: int = opt(3, "consecutive steps in which every sample failed before the run stops "
+                                "(RewardsUnavailable); such a step trains nothing (0 = never stop)")
+    judge: JudgeConfig = section(JudgeConfig, "LLM-as-judge reward (kind: judge)")
 
 
 @dataclass
