@@ -22,12 +22,15 @@ from typing import Any, Optional
 import torch
 
 from megarl.algos import LossSettings, get_advantage_estimator, kl_reward_penalty, make_kl_controller
+from megarl.algos.distill import distill_metrics, mix_advantages
 from megarl.algos.fidelity import LogprobBound, LogprobMismatch, logprob_bound, rollout_logprob_check
 from megarl.algos.metrics import batch_summary
+from megarl.algos.registry import get_distill_advantage
 from megarl.checkpoint.hf_export import export_hf_folder, export_peft_adapter
 from megarl.checkpoint.manager import CheckpointManager
 from megarl.config import RunConfig
 from megarl.config.served import resolve_served_defaults
+from megarl.config.teacher import served_teacher_key
 from megarl.data import PromptLoader, load_split
 from megarl.data.batch import LOSS_MASK, TokenBatch
 from megarl.data.packing import denominators
@@ -44,6 +47,7 @@ from megarl.rollout.pipeline import RolloutPipeline, build_pipeline
 from megarl.rollout.routed_experts import moe_routing_shape
 from megarl.rollout.sample import token_batch
 from megarl.rollout.source import make_source
+from megarl.rollout.teacher import ServedTeacher
 from megarl.sync.driver import WeightSync
 from megarl.wire.versions import version_tag
 from megarl.workers.model_source import load_tokenizer, resolve_hf_path
@@ -94,6 +98,7 @@ class Trainer:
         self.residency = Residency({}, {}, cuda=False)   # what each role keeps on the GPU, phase by phase
         self.stop_requested = False
         self.mps: Optional[MpsSession] = None          # CUDA MPS daemon of a one-GPU disaggregated run
+        self.served_teacher: Optional[ServedTeacher] = None   # teacher.mode served (megatron: groups["teacher"])
         log = cfg.logging
         self.profiler = phase_profiler(log.profile_steps, log.profile_phases, Path(log.profile_dir or self.out / "profile"))
 
@@ -134,6 +139,11 @@ class Trainer:
         self.servers = servers = RolloutServers(cfg, self.served_dir, self.out / "logs", placement=placement.servers(),
                                                 env=self.mps.env_for("rollout") if self.mps else None)
         self.groups = start_roles(cfg, placement)
+        if cfg.teacher.enabled and cfg.teacher.mode == "served":
+            self.served_teacher = ServedTeacher(cfg.teacher.server_urls, cfg.teacher.request_batch,
+                                                served_teacher_key(cfg), cfg.rollout.request_timeout_s,
+                                                cfg.rollout.request_retries)
+            self.served_teacher.wait_healthy()
         self.residency = Residency(self.groups, offload_switches(cfg, list(self.groups)), cfg.cluster.device == "cuda")
         servers.wait_healthy()
         note(f"workers and {len(servers.urls)} rollout server(s) ready in {time.time() - started:.1f}s")
@@ -216,6 +226,10 @@ class Trainer:
             if a.kl.mode == "reward":
                 kl_tokens = kl_reward_penalty(batch.padded(fields["old_logprobs"]), batch.padded(fields["ref_logprobs"]),
                                               mask, self.kl_ctl.value, a.kl.estimator)
+        distilling = self.cfg.teacher.enabled
+        if distilling:
+            with timer("teacher_logprobs"):
+                fields["teacher_logprobs"] = self.teacher_logprobs(batch)
         if "critic" in self.groups:
             with timer("values"):
                 self.residency.hold("values", "critic", "forward")
@@ -227,7 +241,11 @@ class Trainer:
         adv = get_advantage_estimator(a.advantage)(
             rewards, mask, group_ids=torch.tensor([s.group for s in samples]) if grouped else None, values=values,
             gamma=a.gamma, lam=a.lam, kl=kl_tokens, norm_std=a.norm_adv_by_std, baseline_rewards=baseline)
-        fields["advantages"] = batch.unpad(adv.advantages if token_weights is None else adv.advantages * token_weights)
+        advantages = adv.advantages
+        if distilling:   # on-policy distillation: the teacher's per-token signal beside (or instead of) the reward's
+            advantages, found = self.distill(batch, advantages, mask)
+            metrics.update(found)
+        fields["advantages"] = batch.unpad(advantages if token_weights is None else advantages * token_weights)
         if values is not None:
             fields["returns"] = batch.unpad(adv.returns)
         if baseline is not None:
@@ -251,9 +269,26 @@ class Trainer:
             self.rollout.server_memory("resume", ("kv_cache",))
         metrics.update(self.residency.metrics())
         metrics.update(batch_summary(rewards, torch.tensor([len(s.response_ids) for s in samples]),
-                                     torch.tensor([s.finish_reason == "length" for s in samples]), adv.advantages, mask))
+                                     torch.tensor([s.finish_reason == "length" for s in samples]), advantages, mask))
         metrics.update(timer.metrics(float(mask.sum())))
         return metrics
+
+    def teacher_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """The teacher's log-probabilities of the batch's response tokens: its Megatron role (which
+        takes its parameters back on a colocated GPU) or its servers."""
+        if self.served_teacher is not None:
+            return self.served_teacher.logprobs(batch)
+        self.residency.hold("teacher_logprobs", "teacher", "forward")
+        return self.groups["teacher"].forward("compute_logprobs", batch, False)["logprobs"]
+
+    def distill(self, batch: TokenBatch, task: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """``algorithm.distill``: the advantages with the teacher's signal mixed in, and its metrics.
+        The student's log-probabilities are the step's old ones (what the PPO ratio divides by)."""
+        d, fields = self.cfg.algorithm.distill, batch.token_fields
+        student, teacher = batch.padded(fields["old_logprobs"]), batch.padded(fields["teacher_logprobs"])
+        signal = get_distill_advantage(d.advantage)(student, teacher, mask)
+        mixed = mix_advantages(task, signal, mask, coef=d.coef, reward_weight=d.reward_weight)
+        return mixed, distill_metrics(student, teacher, mask)
 
     def train(self, batch: TokenBatch, mask: torch.Tensor, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes over the batch's mini-batches: the actor, then the critic, on the
@@ -356,7 +391,7 @@ class Trainer:
 
     def close(self) -> None:
         """Stop everything that was started."""
-        for part in (self.source, self.logger, self.weights):
+        for part in (self.source, self.logger, self.weights, self.served_teacher):
             if part is not None:
                 part.close()
         for group in self.groups.values():

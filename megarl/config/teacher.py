@@ -66,6 +66,11 @@ def teacher_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"algorithm.distill.{field}: must be >= 0, got {getattr(d, field)}")
     elif d.coef == 0 and d.reward_weight == 0:
         problems.append("algorithm.distill.coef: coef and reward_weight are both 0: the advantage would be 0 everywhere")
+    temperature = cfg.rollout.sampling.temperature
+    if cfg.algorithm.old_logprobs == "rollout" and temperature != 1.0:
+        problems.append(f"algorithm.old_logprobs: 'rollout' makes the servers' logprobs at temperature {temperature} "
+                        f"the student's side of the reverse KL, the teacher's are at 1; use recompute (or "
+                        f"rollout.sampling.temperature=1)")
     s, a = cfg.model.arch, t.arch
     if s.vocab_size and a.vocab_size and a.vocab_size < s.vocab_size:
         problems.append(f"teacher.arch.vocab_size: the teacher has {a.vocab_size} token rows, the student "

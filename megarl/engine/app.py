@@ -25,6 +25,7 @@ from aiohttp import web
 
 from .auth import api_key_middleware
 from .engine import Engine, EngineStopped, Request, Sampling
+from .input_logprobs import logprob_start, score_inputs
 from .pause import PAUSE_MODES, GenerationGate, ServerClosing
 from .session import SessionError, SessionGate, applies_to_target, check_selector
 from .tp import RankFailure
@@ -156,6 +157,10 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
         sps = sp if isinstance(sp, list) else [sp] * len(prompts)
         rl = body.get("return_logprob") or False
         rls = rl if isinstance(rl, list) else [rl] * len(prompts)
+        ls = body.get("logprob_start_len")
+        starts = ls if isinstance(ls, list) else [ls] * len(prompts)
+        if len(starts) != len(prompts):
+            return _json_error(400, "logprob_start_len: one start, or a list of one per prompt")
         rid = body.get("rid")
         lora = body.get("lora_path")
         loras = lora if isinstance(lora, list) else [lora] * len(prompts)
@@ -171,8 +176,9 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
             ns = {int((s or {}).get("n", 1) or 1) for s in sps}
             if len(ns) > 1:   # SGLang: "The parallel_sample_num should be the same for all samples"
                 raise ValueError("n must be the same for every item of a batch")
-            for i, (p, s, r, ad) in enumerate(zip(prompts, sps, rls, loras)):
+            for i, (p, s, r, ad, st) in enumerate(zip(prompts, sps, rls, loras, starts)):
                 samp = Sampling.from_dict(s)
+                start = logprob_start(st, bool(r), len(p))
                 if routes and not 0 <= int(routes_start) <= len(p):
                     # SGLang's scheduler aborts such a request with this reason
                     raise ValueError(f"routed_experts_start_len={routes_start} must be in [0, number of input "
@@ -184,7 +190,9 @@ def build_app(state: ServerState, api_key: Optional[str] = None) -> web.Applicat
                     sub = f"{base}" if (n == 1 and not batched) else f"{base}-{i}-{j}"
                     reqs.append(Request(input_ids=ids_i, sampling=samp.for_sample(j), return_logprob=bool(r), rid=sub,
                                         return_routed_experts=routes, routed_experts_start_len=int(routes_start),
-                                        lora=ad))
+                                        lora=ad, logprob_start_len=start))
+            if any(q.logprob_start_len >= 0 for q in reqs):   # input logprobs: scored between decode steps
+                await asyncio.wrap_future(eng.control(lambda: score_inputs(state.handle, reqs), new_epoch=False))
             loop = asyncio.get_running_loop()
             futs: List[Any] = [None] * len(reqs)
             todo = []

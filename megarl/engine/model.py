@@ -999,7 +999,30 @@ class DecoderModel:
     @torch.inference_mode()
     def forward_full(self, ids: List[int], lora: Optional[str] = None) -> Optional[torch.Tensor]:
         """Logits [T, V] over a whole sequence, without the cache (None on TP ranks > 0), with adapter
-        ``lora`` if given.  For tests and prompt logprobs."""
+        ``lora`` if given.  For tests."""
+        return self._head(self._hidden_full(ids, lora))
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, ids: List[int], start: int, lora: Optional[str] = None,
+                        chunk: int = 1024) -> Optional[torch.Tensor]:
+        """fp32 ``log p(ids[i] | ids[:i])`` of the given tokens for ``i`` in ``start + 1 .. T - 1``
+        (``[T - 1 - start]``; None on TP ranks > 0): a teacher's scores of a sequence it did not
+        generate. Raw logits (no temperature), as SGLang's input logprobs. The head runs over
+        ``chunk`` positions at a time, so a long sequence never holds ``[T, V]`` logits."""
+        h = self._hidden_full(ids, lora)
+        if self.tp_rank != 0:
+            return None
+        x = _rms(h[start:len(ids) - 1], self.params["model.norm.weight"], self.spec.rms_norm_eps)
+        nxt = torch.tensor(ids[start + 1:], dtype=torch.long, device=self.device)
+        out = torch.empty(nxt.numel(), dtype=torch.float32, device=self.device)
+        for a in range(0, nxt.numel(), chunk):
+            logits = self._logits(x[a:a + chunk])
+            out[a:a + chunk] = logits.gather(1, nxt[a:a + chunk, None])[:, 0] - torch.logsumexp(logits, -1)
+        return out
+
+    def _hidden_full(self, ids: List[int], lora: Optional[str]) -> torch.Tensor:
+        """Hidden states ``[T, H]`` after the last layer (before the final norm) of a whole sequence,
+        without the cache."""
         self._before_forward()
         T = len(ids)
         t = torch.tensor(ids, dtype=torch.long, device=self.device)[None]
@@ -1013,7 +1036,7 @@ class DecoderModel:
                 x = self._layer(i, x, cos, sin, a)
         finally:
             self._lora = []
-        return self._head(x[0])
+        return x[0]
 
 
 @dataclass

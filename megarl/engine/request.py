@@ -91,6 +91,8 @@ class Request:
     routed_experts_start_len: int = 0
     routed_experts: Optional[str] = None  # meta_info["routed_experts"]: base64 of int32 [rows, layers, k]
     lora: Optional[str] = None            # SGLang's lora_path: the name of a loaded LoRA adapter (None: base)
+    logprob_start_len: int = -1           # SGLang's field: input logprobs from this position (-1: none)
+    input_logprobs: Optional[List[list]] = None   # meta_info["input_token_logprobs"] (input_logprobs.py)
     _key: Optional[Tuple[Any, ...]] = field(default=None, repr=False)
 
     @property
@@ -115,6 +117,8 @@ class Request:
         }
         if self.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
+        if self.input_logprobs is not None:
+            meta["input_token_logprobs"] = self.input_logprobs
         if self.routed_experts is not None:
             meta["routed_experts"] = self.routed_experts
         return {"output_ids": list(self.output_ids), "meta_info": meta}

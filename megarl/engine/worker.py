@@ -100,6 +100,9 @@ class RankWorker:
     def forward_full(self, ids: List[int], lora: Optional[str] = None) -> Optional[torch.Tensor]:
         return self.model.forward_full(ids, lora)
 
+    def prompt_logprobs(self, ids: List[int], start: int, lora: Optional[str] = None) -> Optional[torch.Tensor]:
+        return self.model.prompt_logprobs(ids, start, lora)
+
     def offload_weights(self, keep: bool = True) -> None:
         self.model.offload_weights(keep)
 
@@ -214,6 +217,10 @@ class ModelHandle:
 
     def forward_full(self, ids: List[int], lora: Optional[str] = None) -> torch.Tensor:
         return self.lockstep.call("forward_full", ids, lora)
+
+    def prompt_logprobs(self, ids: List[int], start: int, lora: Optional[str] = None) -> torch.Tensor:
+        """Rank 0's fp32 log-probabilities of ``ids[start + 1:]`` (every TP rank runs the forward)."""
+        return self.lockstep.call("prompt_logprobs", ids, start, lora)
 
     def unload_lora(self, name: str) -> None:
         self.lockstep.call("unload_lora", name)

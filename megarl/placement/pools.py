@@ -4,8 +4,8 @@ Colocated: every Megatron role (and the rollout servers on GPU) shares one pool 
 bundle per rank; each role's rank ``i`` lands on bundle ``i`` with a fraction of its resources so
 that several roles fit on the same GPU, as in verl's colocated layout. Disaggregated: the actor's
 pool, the critic's pool and the rollout pool are separate placement groups, so rollout nodes never
-hold trainer ranks; the reference and reward model share the actor's pool (they run in phases
-when the actor is idle).
+hold trainer ranks; the reference, reward model and distillation teacher share the actor's pool
+(they run in phases when the actor is idle).
 
 Node resources: ``launch/slurm/train_disagg.sbatch`` (and ``ray start --resources`` on any Ray
 cluster) marks trainer nodes with ``megarl_train`` and rollout nodes with ``megarl_rollout``. In a
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-ROLES = ("actor", "critic", "ref", "reward_model")
+ROLES = ("actor", "critic", "ref", "reward_model", "teacher")
 TRAIN_RESOURCE = "megarl_train"
 ROLLOUT_RESOURCE = "megarl_rollout"
 

@@ -29,8 +29,8 @@ def pool_nodes(cfg: RunConfig) -> tuple[int, int]:
     g = cfg.cluster.gpus_per_node
     if not g:
         return cfg.cluster.nodes, 0
-    train_gpus = max([cfg.actor.gpus] + [getattr(cfg, r).gpus for r in ("critic", "ref", "reward_model")
-                                         if getattr(cfg, r).enabled and cfg.placement.mode == "colocated"])
+    train_gpus = max([cfg.actor.gpus] + [getattr(cfg, r).gpus for r in ("critic", "ref", "reward_model", "teacher")
+                                         if r in cfg.megatron_roles and cfg.placement.mode == "colocated"])
     if cfg.placement.mode == "colocated":
         return ceil_div(max(train_gpus, cfg.rollout.gpus), g), 0
     train_gpus = cfg.actor.gpus + (cfg.critic.gpus if cfg.critic.enabled else 0)

@@ -15,7 +15,8 @@ Static state of a Megatron role (per GPU, for its largest pipeline stage)
                                             experts), else 1. This is Megatron-LM's
                                             "6 + 12/d bytes per parameter" for bf16 (docs of the
                                             distributed optimizer).
-    Frozen roles (ref, reward model) hold params only.
+    Frozen roles (ref, reward model, distillation teacher) hold params only; the teacher's are of
+    its own network (``teacher.arch``), every other role's of the policy's (``model.arch``).
 
 Activations (training, per GPU) -- Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", eq. (1)-(5): per layer and token, with tensor parallel t and sequence
@@ -84,6 +85,7 @@ from megarl.config.colocation import released_weights_resume_unpushed
 from megarl.config.loader import ConfigError
 from megarl.config.served import rollout_is_fp8
 from megarl.config.schema import ModelArch, RoleConfig, RunConfig
+from megarl.config.teacher import role_arch
 from megarl.config.validate import dp_size, max_sequence_len
 from megarl.planning.context_parallel import cp_exchange, suggest_cp
 from megarl.planning.offload import offload_that_fits
@@ -322,7 +324,7 @@ def _in_flight(cfg: RunConfig, role: RoleConfig, stage: int) -> float:
 # ----------------------------------------------------------------------------- roles
 def plan_role(cfg: RunConfig, name: str) -> RolePlan:
     role: RoleConfig = getattr(cfg, name)
-    arch = cfg.model.arch
+    arch = role_arch(cfg, name)
     p = role.parallel
     trained = name in cfg.trained_roles
     value_head = name in ("critic", "reward_model")
@@ -461,6 +463,10 @@ def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[in
     if not arch.num_layers or not arch.hidden_size or not arch.vocab_size:
         raise ConfigError(["model.arch: num_layers, hidden_size and vocab_size are needed to plan "
                            "(state them in the recipe or point model.hf_path at a config.json)"])
+    t = cfg.teacher.arch
+    if "teacher" in cfg.megatron_roles and not (t.num_layers and t.hidden_size and t.vocab_size):
+        raise ConfigError(["teacher.arch: num_layers, hidden_size and vocab_size are needed to plan "
+                           "(state them in the recipe or point teacher.model_path at a config.json)"])
     device = gpu_memory_override if gpu_memory_override is not None else gpu_memory(cfg.cluster.gpu_type)
     cpu = device is None
     capacity = host_memory() if cpu else device

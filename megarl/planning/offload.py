@@ -12,6 +12,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+ROLES = ("actor", "critic", "ref", "reward_model", "teacher")
 # cheapest first, by bytes copied per step: gradients are released (nothing copied), parameters
 # are 2 bytes per parameter, the optimizer 12
 KIND_ORDER = ((), ("grads",), ("params",), ("grads", "params"), ("optimizer",), ("grads", "optimizer"),
@@ -41,7 +42,7 @@ def _candidates(cfg: Any, only_unset: bool) -> list[OffloadChoice]:
     """Switch combinations, cheapest first: without a new CPU-optimizer fraction, then with each
     larger fraction (GPU bf16 runs); within each, by bytes copied. Frozen roles offload their
     parameters whenever trained roles do."""
-    roles = [r for r in ("actor", "critic", "ref", "reward_model") if getattr(cfg, r).enabled]
+    roles = [r for r in ROLES if r in cfg.megatron_roles]   # (a served teacher, a LoRA run's ref: no role)
     trained = [r for r in roles if r in cfg.trained_roles]
 
     def free(role: str, kind: str) -> bool:
@@ -81,7 +82,7 @@ def offload_that_fits(cfg: Any, plan_fn: Callable[[Any], Any], only_unset: bool 
 
 
 def _unset_to_off(cfg: Any) -> None:
-    for role in ("actor", "critic", "ref", "reward_model"):
+    for role in ROLES:
         o = getattr(cfg, role).offload
         for k in ("params", "grads", "optimizer"):
             if getattr(o, k) is None:
@@ -93,7 +94,7 @@ def resolve_offload(cfg: Any, plan_fn: Callable[[Any], Any]) -> Optional[str]:
     not fit, with them it does), off otherwise. Returns the one line to print when it turned
     some on. Explicit true/false settings are kept."""
     unset = any(getattr(getattr(cfg, r).offload, k) is None
-                for r in ("actor", "critic", "ref", "reward_model") for k in ("params", "grads", "optimizer"))
+                for r in ROLES for k in ("params", "grads", "optimizer"))
     if not unset:
         return None
     trial = copy.deepcopy(cfg)

@@ -11,8 +11,10 @@ from typing import Any
 from megarl.metrics_log import note
 from megarl.workers.group import WorkerGroup
 
-# role -> (trainable, value head)
-ROLES = {"actor": (True, False), "ref": (False, False), "critic": (True, True), "reward_model": (False, True)}
+# role -> (trainable, value head); the teacher (on-policy distillation) is a frozen LM of its own
+# network (teacher.model_path), scored like the reference
+ROLES = {"actor": (True, False), "ref": (False, False), "critic": (True, True), "reward_model": (False, True),
+         "teacher": (False, False)}
 
 
 class BaseReference:
