@@ -41,6 +41,7 @@ from megarl.placement import RunPlacement
 from megarl.placement.mps import MpsSession, start_mps
 from megarl.profiling import phase_profiler
 from megarl.rollout.agent import agent_metrics
+from megarl.rollout.failures import FailedBatches, failure_metrics, valid_mask
 from megarl.rollout.healing import RolloutServerLost
 from megarl.rollout.launch import RolloutServers, rollout_dtype
 from megarl.rollout.pipeline import RolloutPipeline, build_pipeline
@@ -98,6 +99,7 @@ class Trainer:
         self.residency = Residency({}, {}, cuda=False)   # what each role keeps on the GPU, phase by phase
         self.stop_requested = False
         self.mps: Optional[MpsSession] = None          # CUDA MPS daemon of a one-GPU disaggregated run
+        self.failed_batches = FailedBatches(cfg.reward.max_failed_steps)   # batches without any reward, in a row
         self.served_teacher: Optional[ServedTeacher] = None   # teacher.mode served (megatron: groups["teacher"])
         log = cfg.logging
         self.profiler = phase_profiler(log.profile_steps, log.profile_phases, Path(log.profile_dir or self.out / "profile"))
@@ -192,6 +194,12 @@ class Trainer:
             baseline = self.rollout.greedy_baseline(samples) if a.advantage == "remax" else None
         with timer("release"):   # colocated GPU: the servers give their memory back (nothing else: ~0 s)
             self.rollout.server_memory("release")
+        metrics.update(failure_metrics(samples))
+        if not self.failed_batches.trainable(samples, step):   # no sample has a reward: weights stay, versions advance
+            self._sync(step, timer, metrics)
+            metrics["reward/all_failed_step"] = 1.0
+            metrics.update(timer.metrics(0.0))
+            return metrics
 
         batch = token_batch(samples, routes_shape=self.moe_routing)  # flat; [B, R] views only for the algorithms
         mask = batch.loss_mask()    # tokens the model sampled (agent: environment tokens are 0)
@@ -240,7 +248,8 @@ class Trainer:
         grouped = a.advantage not in GROUP_FREE_ESTIMATORS
         adv = get_advantage_estimator(a.advantage)(
             rewards, mask, group_ids=torch.tensor([s.group for s in samples]) if grouped else None, values=values,
-            gamma=a.gamma, lam=a.lam, kl=kl_tokens, norm_std=a.norm_adv_by_std, baseline_rewards=baseline)
+            gamma=a.gamma, lam=a.lam, kl=kl_tokens, norm_std=a.norm_adv_by_std, baseline_rewards=baseline,
+            valid=valid_mask(samples))   # failed samples: out of the advantage (and of the loss: their mask is 0)
         advantages = adv.advantages
         if distilling:   # on-policy distillation: the teacher's per-token signal beside (or instead of) the reward's
             advantages, found = self.distill(batch, advantages, mask)
@@ -249,7 +258,7 @@ class Trainer:
         if values is not None:
             fields["returns"] = batch.unpad(adv.returns)
         if baseline is not None:
-            metrics["remax/baseline_reward_mean"] = float(baseline.mean())
+            metrics["remax/baseline_reward_mean"] = float(baseline.nanmean())   # nan: a greedy response failed
 
         with timer("train"):
             metrics.update(self.train(batch, mask, step))
@@ -259,6 +268,16 @@ class Trainer:
             self.kl_ctl.update(kl_now, len(batch))
             metrics.update({"kl/actor_ref_k1": kl_now, "kl/coef": self.kl_ctl.value})
 
+        self._sync(step, timer, metrics)
+        metrics.update(self.residency.metrics())
+        metrics.update(batch_summary(rewards, torch.tensor([len(s.response_ids) for s in samples]),
+                                     torch.tensor([s.finish_reason == "length" for s in samples]), advantages, mask,
+                                     valid_mask(samples)))
+        metrics.update(timer.metrics(float(mask.sum())))
+        return metrics
+
+    def _sync(self, step: int, timer: PhaseTimer, metrics: dict[str, float]) -> None:
+        """The sync phase: the servers get version ``step + 1``."""
         with timer("sync"):   # wake order: server weights, the push, trainer state out, then the KV cache
             self.rollout.server_memory("resume", ("weights",))
             self.residency.hold("sync", "actor", "push")
@@ -267,11 +286,6 @@ class Trainer:
             metrics.update(update)
             self.residency.release_all("rollout")
             self.rollout.server_memory("resume", ("kv_cache",))
-        metrics.update(self.residency.metrics())
-        metrics.update(batch_summary(rewards, torch.tensor([len(s.response_ids) for s in samples]),
-                                     torch.tensor([s.finish_reason == "length" for s in samples]), advantages, mask))
-        metrics.update(timer.metrics(float(mask.sum())))
-        return metrics
 
     def teacher_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """The teacher's log-probabilities of the batch's response tokens: its Megatron role (which

@@ -4,7 +4,7 @@ Every estimator has the same signature, so the trainer calls ``get_advantage_est
 without knowing which one it holds::
 
     fn(rewards, mask, *, group_size=None, group_ids=None, values=None, gamma=1.0, lam=1.0,
-       kl=None, norm_std=True, eps=1e-6, baseline_rewards=None) -> AdvantageOutput(advantages, returns)
+       kl=None, norm_std=True, eps=1e-6, baseline_rewards=None, valid=None) -> AdvantageOutput(advantages, returns)
 
 * ``rewards``: ``[batch]`` sequence rewards (outcome reward, credited to the last valid token), or
   ``[batch, T]`` token-level rewards (e.g. process rewards) - the outcome estimators then use the
@@ -14,6 +14,10 @@ without knowing which one it holds::
 * ``kl``: ``[batch, T]`` per-token KL penalty *already multiplied by its coefficient* (see
   :func:`megarl.algos.kl.kl_reward_penalty`); it is subtracted from the token rewards. Estimators
   that work on sequence scores subtract its masked sum from the score.
+* ``valid``: ``[batch]`` bool, the samples that have a reward (a failed one's reward may be ``nan``).
+  The others get advantage and return 0 and enter no statistic: group estimators compute each
+  group's mean and std over its valid samples, and a group with fewer than 2 valid samples gets
+  advantage 0 throughout; batch estimators whiten over the valid samples' tokens. ``None``: all.
 * ``advantages`` and ``returns`` are ``[batch, T]``, zero on padding, and carry no gradient.
   ``returns`` are the critic's regression targets for ``gae``; for critic-free estimators they are
   the (unnormalised) returns or, for group estimators, equal to the advantages.
@@ -107,9 +111,38 @@ def _broadcast(seq_adv: Tensor, mask: Tensor) -> Tensor:
     return sanitize(seq_adv.unsqueeze(-1).expand(m.shape).to(seq_adv.dtype), m)
 
 
-def _group_mean_std(scores: Tensor, group_size, group_ids) -> tuple[Tensor, Tensor, Tensor]:
+def _group_mean_std(scores: Tensor, group_size, group_ids,
+                    valid: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     idx, n = group_index(scores.shape[0], group_size, group_ids, device=scores.device)
-    return group_stats(scores, idx, n)
+    return group_stats(scores, idx, n, valid)
+
+
+def _valid_rows(valid: Optional[Tensor], rewards: Tensor) -> Optional[Tensor]:
+    """``valid`` as a ``[batch]`` bool tensor on the rewards' device (None: every sample)."""
+    if valid is None:
+        return None
+    v = valid.detach().to(device=rewards.device, dtype=torch.bool)
+    if v.shape != rewards.shape[:1]:
+        raise ValueError(f"valid must have shape [{rewards.shape[0]}], got {tuple(v.shape)}")
+    return v
+
+
+def _drop_invalid(rewards: Tensor, mask: Tensor, valid: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Rewards with the invalid samples' entries (possibly ``nan``) set to 0, and the mask without
+    their rows: what the token-level estimators compute on."""
+    r = _as_float(rewards)
+    if valid is None:
+        return r, mask
+    keep = valid if r.dim() == 1 else valid.unsqueeze(-1)
+    return torch.where(keep, r, torch.zeros_like(r)), as_bool_mask(mask) & valid.unsqueeze(-1)
+
+
+def _grouped_only(adv: Tensor, valid: Optional[Tensor], count: Tensor) -> Tensor:
+    """A group estimator's ``[batch]`` advantage where it is defined: valid samples of groups with
+    at least 2 valid samples (one sample has nothing to be compared with); 0 elsewhere."""
+    if valid is None:
+        return adv
+    return torch.where(valid & (count >= 2), adv, torch.zeros_like(adv))
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,7 +154,8 @@ def gae_advantages(rewards: Tensor, mask: Tensor, *, group_size: Optional[int] =
                    group_ids: Optional[Tensor] = None, values: Optional[Tensor] = None,
                    gamma: float = 1.0, lam: float = 1.0, kl: Optional[Tensor] = None,
                    norm_std: bool = True, eps: float = 1e-6,
-                   baseline_rewards: Optional[Tensor] = None) -> AdvantageOutput:
+                   baseline_rewards: Optional[Tensor] = None,
+                   valid: Optional[Tensor] = None) -> AdvantageOutput:
     """Generalized Advantage Estimation (Schulman et al. 2015, "High-Dimensional Continuous Control
     Using Generalized Advantage Estimation"), the PPO advantage (Schulman et al. 2017).
 
@@ -134,6 +168,7 @@ def gae_advantages(rewards: Tensor, mask: Tensor, *, group_size: Optional[int] =
     """
     if values is None:
         raise ValueError("gae needs values=[batch, T] from a critic")
+    rewards, mask = _drop_invalid(rewards, mask, _valid_rows(valid, rewards))
     m = as_bool_mask(mask)
     r = token_level_rewards(rewards, m, kl)
     v = sanitize(values.detach().to(r.dtype), m)
@@ -160,18 +195,20 @@ def grpo_advantages(rewards: Tensor, mask: Tensor, *, group_size: Optional[int] 
                     group_ids: Optional[Tensor] = None, values: Optional[Tensor] = None,
                     gamma: float = 1.0, lam: float = 1.0, kl: Optional[Tensor] = None,
                     norm_std: bool = True, eps: float = 1e-6,
-                    baseline_rewards: Optional[Tensor] = None) -> AdvantageOutput:
+                    baseline_rewards: Optional[Tensor] = None,
+                    valid: Optional[Tensor] = None) -> AdvantageOutput:
     """GRPO outcome advantage (Shao et al. 2024, "DeepSeekMath", sec. 4.1.2):
     ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` on every token of response ``i``.
 
     ``norm_std=False`` keeps only the centring. A group of one sample gets advantage 0.
     """
-    s = sequence_scores(rewards, mask, kl)
-    mean, std, _ = _group_mean_std(s, group_size, group_ids)
+    v = _valid_rows(valid, rewards)
+    s = sequence_scores(_drop_invalid(rewards, mask, v)[0], mask, kl)
+    mean, std, count = _group_mean_std(s, group_size, group_ids, v)
     adv = s - mean
     if norm_std:
         adv = adv / (std + eps)
-    adv = _broadcast(adv, mask)
+    adv = _broadcast(_grouped_only(adv, v, count), mask)
     return AdvantageOutput(adv, adv.clone())
 
 
@@ -181,15 +218,17 @@ def dr_grpo_advantages(rewards: Tensor, mask: Tensor, *, group_size: Optional[in
                        group_ids: Optional[Tensor] = None, values: Optional[Tensor] = None,
                        gamma: float = 1.0, lam: float = 1.0, kl: Optional[Tensor] = None,
                        norm_std: bool = True, eps: float = 1e-6,
-                       baseline_rewards: Optional[Tensor] = None) -> AdvantageOutput:
+                       baseline_rewards: Optional[Tensor] = None,
+                       valid: Optional[Tensor] = None) -> AdvantageOutput:
     """Dr.GRPO advantage (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
     Perspective", sec. 3.2): ``A_i = r_i - mean(r_group)``, no std division (it biases towards
     questions of too low/high difficulty). ``norm_std`` is ignored. Pair it with the
     ``seq-mean-token-sum-norm`` aggregation, which removes GRPO's length normalisation.
     """
-    s = sequence_scores(rewards, mask, kl)
-    mean, _, _ = _group_mean_std(s, group_size, group_ids)
-    adv = _broadcast(s - mean, mask)
+    v = _valid_rows(valid, rewards)
+    s = sequence_scores(_drop_invalid(rewards, mask, v)[0], mask, kl)
+    mean, _, count = _group_mean_std(s, group_size, group_ids, v)
+    adv = _broadcast(_grouped_only(s - mean, v, count), mask)
     return AdvantageOutput(adv, adv.clone())
 
 
@@ -199,19 +238,21 @@ def rloo_advantages(rewards: Tensor, mask: Tensor, *, group_size: Optional[int] 
                     group_ids: Optional[Tensor] = None, values: Optional[Tensor] = None,
                     gamma: float = 1.0, lam: float = 1.0, kl: Optional[Tensor] = None,
                     norm_std: bool = True, eps: float = 1e-6,
-                    baseline_rewards: Optional[Tensor] = None) -> AdvantageOutput:
+                    baseline_rewards: Optional[Tensor] = None,
+                    valid: Optional[Tensor] = None) -> AdvantageOutput:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
     Optimization for Learning from Human Feedback in LLMs"; Kool et al. 2019):
     ``A_i = r_i - 1/(n-1) sum_{j != i} r_j = n/(n-1) (r_i - mean(r_group))``.
 
     Every group needs at least 2 samples. ``norm_std`` is ignored.
     """
-    s = sequence_scores(rewards, mask, kl)
-    mean, _, count = _group_mean_std(s, group_size, group_ids)
-    if bool((count < 2).any()):
+    v = _valid_rows(valid, rewards)
+    s = sequence_scores(_drop_invalid(rewards, mask, v)[0], mask, kl)
+    if bool((_group_mean_std(s, group_size, group_ids)[2] < 2).any()):
         raise ValueError("rloo needs at least 2 samples per group")
-    baseline = (mean * count - s) / (count - 1)
-    adv = _broadcast(s - baseline, mask)
+    mean, _, count = _group_mean_std(s, group_size, group_ids, v)
+    baseline = (mean * count - s) / (count - 1).clamp(min=1)
+    adv = _broadcast(_grouped_only(s - baseline, v, count), mask)
     return AdvantageOutput(adv, adv.clone())
 
 
@@ -223,13 +264,15 @@ def reinforce_plus_plus_advantages(rewards: Tensor, mask: Tensor, *,
                                    values: Optional[Tensor] = None, gamma: float = 1.0,
                                    lam: float = 1.0, kl: Optional[Tensor] = None,
                                    norm_std: bool = True, eps: float = 1e-6,
-                                   baseline_rewards: Optional[Tensor] = None) -> AdvantageOutput:
+                                   baseline_rewards: Optional[Tensor] = None,
+                                   valid: Optional[Tensor] = None) -> AdvantageOutput:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
     Language Models"): token rewards ``r_t = -kl_t + [t = last] R`` (KL in the reward),
     ``G_t = sum_{s>=t} gamma^(s-t) r_s``, then *global batch* normalisation
     ``A = (G - mean_batch(G)) / (std_batch(G) + eps)`` over all valid tokens. No groups, no critic.
     ``returns`` are the raw ``G_t``.
     """
+    rewards, mask = _drop_invalid(rewards, mask, _valid_rows(valid, rewards))
     m = as_bool_mask(mask)
     g = discounted_returns(token_level_rewards(rewards, m, kl), m, gamma)
     adv = masked_whiten(g, m, eps=eps, divide_std=norm_std)
@@ -244,18 +287,19 @@ def reinforce_plus_plus_baseline_advantages(rewards: Tensor, mask: Tensor, *,
                                             values: Optional[Tensor] = None, gamma: float = 1.0,
                                             lam: float = 1.0, kl: Optional[Tensor] = None,
                                             norm_std: bool = True, eps: float = 1e-6,
-                                            baseline_rewards: Optional[Tensor] = None
-                                            ) -> AdvantageOutput:
+                                            baseline_rewards: Optional[Tensor] = None,
+                                            valid: Optional[Tensor] = None) -> AdvantageOutput:
     """REINFORCE++-baseline (Hu 2025, "REINFORCE++", sec. on group baselines; OpenRLHF
     ``reinforce_baseline``): subtract the group mean of the outcome rewards first
     (``R_i - mean(R_group)``, no std, so it is robust to reward scale), then proceed as
     :func:`reinforce_plus_plus_advantages` (token KL penalty, returns, global batch normalisation).
     """
-    m = as_bool_mask(mask)
     if rewards.dim() != 1:
         raise ValueError("reinforce_plus_plus_baseline needs [batch] sequence rewards")
-    r = _as_float(rewards)
-    mean, _, _ = _group_mean_std(r, group_size, group_ids)
+    v = _valid_rows(valid, rewards)
+    r, mask = _drop_invalid(rewards, mask, v)
+    m = as_bool_mask(mask)
+    mean, _, _ = _group_mean_std(r, group_size, group_ids, v)
     g = discounted_returns(token_level_rewards(r - mean, m, kl), m, gamma)
     adv = masked_whiten(g, m, eps=eps, divide_std=norm_std)
     return AdvantageOutput(adv, g)
@@ -267,7 +311,8 @@ def remax_advantages(rewards: Tensor, mask: Tensor, *, group_size: Optional[int]
                      group_ids: Optional[Tensor] = None, values: Optional[Tensor] = None,
                      gamma: float = 1.0, lam: float = 1.0, kl: Optional[Tensor] = None,
                      norm_std: bool = True, eps: float = 1e-6,
-                     baseline_rewards: Optional[Tensor] = None) -> AdvantageOutput:
+                     baseline_rewards: Optional[Tensor] = None,
+                     valid: Optional[Tensor] = None) -> AdvantageOutput:
     """ReMax (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
     Method for Aligning Large Language Models"): REINFORCE with the reward of the *greedy* response
     to the same prompt as baseline: ``A_t = G_t - R(greedy)``, ``G_t`` the (KL-penalised) return.
@@ -277,9 +322,13 @@ def remax_advantages(rewards: Tensor, mask: Tensor, *, group_size: Optional[int]
     """
     if baseline_rewards is None:
         raise ValueError("remax needs baseline_rewards=[batch] (reward of the greedy response)")
+    baseline = baseline_rewards.detach()
+    # a greedy response without a reward (nan) gives its prompt's samples no baseline: not valid
+    finite = torch.isfinite(baseline).to(rewards.device)
+    rewards, mask = _drop_invalid(rewards, mask, finite if valid is None else _valid_rows(valid, rewards) & finite)
     m = as_bool_mask(mask)
     g = discounted_returns(token_level_rewards(rewards, m, kl), m, gamma)
-    adv = sanitize(g - baseline_rewards.detach().to(g.dtype).unsqueeze(-1), m)
+    adv = sanitize(g - torch.nan_to_num(baseline.to(g.dtype), nan=0.0).unsqueeze(-1), m)
     return AdvantageOutput(adv, g)
 
 

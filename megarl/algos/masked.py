@@ -113,17 +113,22 @@ def group_index(batch: int, group_size: Optional[int] = None, group_ids: Optiona
     return idx, batch // group_size
 
 
-def group_stats(x: Tensor, index: Tensor, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+def group_stats(x: Tensor, index: Tensor, num_groups: int,
+                valid: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-sample ``(group_mean, group_std_unbiased, group_count)`` of a ``[batch]`` tensor.
 
     The std is Bessel-corrected (``torch.std`` default, as in verl and OpenRLHF); a group of one
-    sample has std 0 (not ``nan``).
+    sample has std 0 (not ``nan``). ``valid`` (``[batch]`` bool): only those samples enter the
+    statistics and the count (the others may hold anything, even ``nan``); a group without a valid
+    sample has mean 0, std 0 and count 0.
     """
-    ones = torch.ones_like(x)
+    keep = torch.ones_like(x, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+    x = torch.where(keep, x, torch.zeros_like(x))
+    ones = keep.to(x.dtype)
     count = torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, index, ones)
     total = torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, index, x)
-    mean = total / count
-    dev = x - mean[index]
+    mean = total / count.clamp(min=1)
+    dev = torch.where(keep, x - mean[index], torch.zeros_like(x))
     ss = torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, index, dev * dev)
     std = (ss / (count - 1).clamp(min=1)).sqrt()
     return mean[index], std[index], count[index]

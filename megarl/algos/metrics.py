@@ -137,12 +137,16 @@ def logprob_mismatch(train_logprobs: Tensor, rollout_logprobs: Tensor,
 
 
 def batch_summary(rewards: Tensor, response_lengths: Tensor, clipped: Tensor, advantages: Tensor,
-                  mask: Tensor) -> Dict[str, float]:
-    """The batch line of every step: rewards, response lengths and the share cut at the length
+                  mask: Tensor, valid: Optional[Tensor] = None) -> Dict[str, float]:
+    """The batch line of every step: rewards (of the ``valid`` samples only: a failed sample has
+    no reward, and its nan must not read as one), response lengths and the share cut at the length
     limit (``clipped``: bool per sample), the mean advantage over trained tokens, sizes."""
     lengths = response_lengths.float()
-    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "reward/max": float(rewards.max()), "reward/min": float(rewards.min()),
+    scored = rewards if valid is None else rewards[valid.to(torch.bool)]
+    if scored.numel() == 0:   # every sample failed: no reward statistics (nan, not a fake 0)
+        scored = torch.full((1,), float("nan"))
+    return {"reward/mean": float(scored.mean()), "reward/std": float(scored.std()) if len(scored) > 1 else 0.0,
+            "reward/max": float(scored.max()), "reward/min": float(scored.min()),
             "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
             "response/clipped_frac": float(clipped.float().mean()),
             "advantage/mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),

@@ -299,4 +299,7 @@ def minibatches(num_samples: int, global_batch_size: int, seed: int) -> list[lis
 
 
 def denominators(mask: torch.Tensor, batches: list[list[int]]) -> list[dict[str, float]]:
-    return [{"num_tokens": float(mask[b].sum().clamp(min=1)), "num_seqs": float(len(b))} for b in batches]
+    """Each mini-batch's loss denominators: the tokens the loss covers and the sequences holding
+    any of them (a failed sample, whose mask row is 0, is not a sequence the loss averages over)."""
+    return [{"num_tokens": float(mask[b].sum().clamp(min=1)),
+             "num_seqs": float((mask[b].sum(-1) > 0).sum().clamp(min=1))} for b in batches]

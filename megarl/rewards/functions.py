@@ -29,15 +29,16 @@ def reasoning_gym_reward(response: str, record: PromptRecord) -> float:
     return float(scorer(answer=response.strip(), entry=entry))
 
 
-def load_user_function(dotted: str) -> RewardFn:
+def load_user_function(dotted: str, field: str = "reward.function") -> RewardFn:
+    """The callable ``module:function`` names (``field``: the config field, for the error)."""
     module_name, _, attr = dotted.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"reward.function {dotted!r}: cannot import {module_name!r}: {err}") from None
+        raise ValueError(f"{field} {dotted!r}: cannot import {module_name!r}: {err}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward.function {dotted!r}: {module_name} has no callable {attr!r}")
+        raise ValueError(f"{field} {dotted!r}: {module_name} has no callable {attr!r}")
     return fn
 
 
@@ -53,4 +54,4 @@ def build_reward_fn(reward_cfg: Any) -> RewardFn:
         return functools.partial(_rule_reward, RULES[reward_cfg.rule])  # picklable: reward.executor=process
     if reward_cfg.kind == "function":
         return load_user_function(reward_cfg.function)
-    raise ValueError(f"reward.kind {reward_cfg.kind!r} is scored by a worker, not a function")
+    raise ValueError(f"reward.kind {reward_cfg.kind!r} is scored by a model (a worker or a judge server), not a function")

@@ -13,14 +13,16 @@ in ``$...$`` so the LaTeX extractor reads it whole.
 A grading that fails -- a parse or comparison that times out (math-verify's own limit, by
 ``SIGALRM``), an exception inside the package, a reference that parses to nothing -- raises
 :class:`GradingFailed` naming the reason and a piece of the response: it is never scored 0,
-because a grader failure is not a wrong answer (the reward path has no failed-sample state yet to
-keep such a sample out of the advantage). ``SIGALRM`` needs the main thread, so the trainer grades
-in worker processes (``reward.executor: process``; validation says so).
+because a grader failure is not a wrong answer. The reward pool marks such a sample failed (kept
+out of the advantage and the loss, counted by reason: ``megarl/rewards/failures.py``).
+``SIGALRM`` needs the main thread, so the trainer grades in worker processes
+(``reward.executor: process``; validation says so).
 """
 from __future__ import annotations
 
 import threading
 
+from megarl.rewards.failures import RewardFailed
 from megarl.rewards.rules import normalise_reference
 
 # math-verify's own defaults for parse and verify (seconds, per call)
@@ -28,8 +30,11 @@ TIMEOUT_S = 5
 _EXCERPT = 120
 
 
-class GradingFailed(RuntimeError):
-    """math-verify could not grade a response (timeout, error, unreadable reference)."""
+class GradingFailed(RewardFailed):
+    """math-verify could not grade a response (timeout, error, unreadable reference); ``reason``
+    says which (``math_verify_timeout``, ``math_verify_error``, ``math_verify_reference``)."""
+
+    reason = "math_verify_error"
 
 
 def gold_text(reference: object) -> str:
@@ -50,7 +55,7 @@ def math_verify_reward(response: str, reference: object) -> float:
     :class:`GradingFailed` when it cannot tell."""
     if threading.current_thread() is not threading.main_thread():
         raise GradingFailed("reward.rule math_verify runs math-verify's SIGALRM timeouts, which need a main "
-                            "thread: grade in worker processes (reward.executor: process)")
+                            "thread: grade in worker processes (reward.executor: process)", "math_verify_thread")
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
 
@@ -58,7 +63,7 @@ def math_verify_reward(response: str, reference: object) -> float:
     try:
         expected = parse(gold, parsing_timeout=TIMEOUT_S, raise_on_error=True)
         if not expected:
-            raise GradingFailed(f"math_verify: the reference {_excerpt(gold)} parses to nothing")
+            raise GradingFailed(f"math_verify: the reference {_excerpt(gold)} parses to nothing", "math_verify_reference")
         predicted = parse(response, parsing_timeout=TIMEOUT_S, raise_on_error=True)
         if not predicted:   # no answer in the response: a wrong answer, graded as the package grades it
             return 0.0
@@ -66,7 +71,8 @@ def math_verify_reward(response: str, reference: object) -> float:
     except GradingFailed:
         raise
     except TimeoutException:
-        raise GradingFailed(f"math_verify: grading took over {TIMEOUT_S} s (response {_excerpt(response)})") from None
+        raise GradingFailed(f"math_verify: grading took over {TIMEOUT_S} s (response {_excerpt(response)})",
+                            "math_verify_timeout") from None
     except Exception as err:   # noqa: BLE001 -- any error inside the package: say which, never a 0
         raise GradingFailed(f"math_verify: {type(err).__name__}: {str(err)[:_EXCERPT]} "
                             f"(response {_excerpt(response)})") from err

@@ -17,6 +17,7 @@ through the agent loop. Either way the result is a list of :class:`Sample`, grou
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -26,8 +27,11 @@ from megarl.algos.filters import group_has_signal
 from megarl.data import encode_prompt
 from megarl.metrics_log import note
 from megarl.rewards import RewardPool, build_reward_fn
+from megarl.rewards.failures import Failure, checked_score
 from megarl.rollout.agent import AgentRollout, AgentSettings
+from megarl.rollout.failures import valid_rewards
 from megarl.rollout.healing import ServerHealer
+from megarl.rollout.judge import build_judge
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.routed_experts import sample_routes
 from megarl.rollout.sample import Sample, token_batch
@@ -38,14 +42,16 @@ ScoreSequences = Callable[[Any], torch.Tensor]
 
 
 class SampleScorer:
-    """Rewards of finished samples: a rule/function reward (in a worker pool, order kept) or the
-    reward-model role, plus DAPO's overlong shaping. Agent trajectories carry their environment's
-    reward already and are left as they are."""
+    """Rewards of finished samples: a rule/function reward (in a worker pool, order kept), a judge
+    model (``rollout/judge.py``; the same ``score(texts, records)`` as the pool) or the reward-model
+    role, plus DAPO's overlong shaping. A sample the scorer could not score is marked failed
+    (``Sample.fail``: reward nan, never 0). Agent trajectories carry their environment's reward
+    already and are left as they are."""
 
     def __init__(self, cfg: Any, reward_pool: Any = None, score_sequences: Optional[ScoreSequences] = None,
                  eos_token_id: Optional[int] = None):
         if (reward_pool is None) == (score_sequences is None) and not cfg.agent.enabled:
-            raise ValueError("a scorer needs exactly one of a reward function pool and a reward model")
+            raise ValueError("a scorer needs exactly one of a reward pool (function or judge) and a reward model")
         self.cfg = cfg
         self.pool, self.score_sequences, self.eos = reward_pool, score_sequences, eos_token_id
 
@@ -62,17 +68,20 @@ class SampleScorer:
             trimmed = [Sample(s.record, s.group, s.prompt_ids,
                               s.response_ids[:-1] if len(s.response_ids) > 1 and s.response_ids[-1] == self.eos
                               else s.response_ids, [], s.finish_reason) for s in samples]
-            for s, score in zip(samples, self.score_sequences(token_batch(trimmed, False)).tolist()):
-                s.reward = float(score)
+            scores = [checked_score(x) for x in self.score_sequences(token_batch(trimmed, False)).tolist()]
         else:
-            for s, reward in zip(samples, self.pool.score([s.text for s in samples], [s.record for s in samples])):
-                s.reward = reward
+            scores = self.pool.score([s.text for s in samples], [s.record for s in samples])
+        for s, score in zip(samples, scores):
+            if isinstance(score, Failure):
+                s.fail(score)
+            else:
+                s.reward = float(score)
         o = self.cfg.algorithm.overlong
         if o.enabled:
             lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
             penalty = overlong_penalty(lengths, self.cfg.rollout.sampling.max_new_tokens, o.buffer_len, o.penalty_factor)
             for s, p in zip(samples, penalty.tolist()):
-                s.reward += p
+                s.reward += p   # a failed sample stays nan
 
     def close(self) -> None:
         if self.pool is not None:
@@ -180,7 +189,7 @@ class RolloutPipeline:
             if not ds.enabled:
                 kept = groups
                 break
-            kept += [g for g in groups if group_has_signal([s.reward for s in g])][: want - len(kept)]
+            kept += [g for g in groups if group_has_signal(valid_rewards(g))][: want - len(kept)]
             if len(kept) >= want or rounds >= ds.max_rounds:
                 break
         if not kept:
@@ -205,14 +214,17 @@ class RolloutPipeline:
         return torch.tensor([reward_of[s.group] for s in samples])
 
     def evaluate(self, records: list[Any]) -> dict[str, float]:
-        """Held-out reward, accuracy (reward >= 1) and response length of greedy answers."""
+        """Held-out reward, accuracy (reward >= 1) and response length of greedy answers; reward
+        and accuracy over the answers that could be scored (``eval/failed_frac`` counts the rest)."""
         if not records:
             return {}
         samples = self.generate(records, 1, greedy=True)
         self.scorer(samples)
-        rewards = [s.reward for s in samples]
-        return {"eval/reward_mean": sum(rewards) / len(rewards),
-                "eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+        rewards = valid_rewards(samples)
+        scored = max(1, len(rewards))
+        return {"eval/reward_mean": sum(rewards) / scored,
+                "eval/accuracy": sum(r >= 1.0 for r in rewards) / scored,
+                "eval/failed_frac": 1.0 - len(rewards) / len(samples),
                 "eval/response_length": sum(len(s.response_ids) for s in samples) / len(samples)}
 
     def shares_gpus(self) -> bool:
@@ -257,9 +269,18 @@ def build_pipeline(cfg: Any, tokenizer: Any, servers: Any, moe_routing: Optional
                              lora_name=lambda: getattr(servers, "lora_name", None),
                              coalesce_max_samples=r.coalesce_max_samples)
     model_reward = cfg.reward.kind == "model"
-    pool = None if model_reward else RewardPool(build_reward_fn(cfg.reward), cfg.reward.workers, cfg.reward.executor)
-    scorer = SampleScorer(cfg, pool, reward_model_scores if model_reward else None, tokenizer.eos_token_id)
+    scorer = SampleScorer(cfg, None if model_reward else reward_pool(cfg), reward_model_scores if model_reward else None,
+                          tokenizer.eos_token_id)
     return RolloutPipeline(cfg, tokenizer, manager, scorer, moe_routing)
+
+
+def reward_pool(cfg: Any) -> Any:
+    """What scores a run's samples batch by batch (``score(texts, records)``, ``close()``): the judge
+    server for ``reward.kind: judge``, else the reward function in its worker pool."""
+    r = cfg.reward
+    if r.kind == "judge":
+        return build_judge(cfg, Path(cfg.output_dir) / "logs")
+    return RewardPool(build_reward_fn(r), r.workers, r.executor, r.retries)
 
 
 def _groups(samples: list[Sample]) -> list[list[Sample]]:

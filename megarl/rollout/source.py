@@ -40,7 +40,7 @@ import functools
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, Optional, Protocol
 
@@ -49,7 +49,9 @@ import torch
 from megarl.algos.filters import group_has_signal
 from megarl.algos.offpolicy import offpolicy_step
 from megarl.data import PromptLoader
+from megarl.rewards.failures import Failure
 from megarl.rollout.buffer import Group, GroupBuffer, SourceClosed
+from megarl.rollout.failures import valid_rewards
 from megarl.rollout.manager import sample_seed
 from megarl.rollout.partial import generate_resumable
 from megarl.rollout.routed_experts import joined_routes, routes_from_state, routes_state
@@ -273,7 +275,7 @@ class OffPolicySource:
             with self.buffer.cond:
                 self.buffer.fail(e)
             return
-        keep = self.ds_give_up is None or group_has_signal([s.reward for s in samples])
+        keep = self.ds_give_up is None or group_has_signal(valid_rewards(samples))
         with self.buffer.cond:
             self.buffer.finish(job.group, samples if keep else None, filtered=not keep)
         self._poke_async()
@@ -394,7 +396,8 @@ class OffPolicySource:
             return Sample(records[record_index], 0, d["prompt_ids"], d["response_ids"], d["rollout_logprobs"],
                           d["finish_reason"], d["reward"], d["text"], d["versions"],
                           loss_mask=d.get("loss_mask", []), info=d.get("info", {}),
-                          routed_experts=routes_from_state(d.get("routed_experts")))
+                          routed_experts=routes_from_state(d.get("routed_experts")),
+                          failure=Failure(**d["failure"]) if d.get("failure") else None)
         self._reissue = self.buffer.load_state_dict(saved, decode)
 
     def set_version(self, version: int, taken_batches: int) -> None:
@@ -443,7 +446,8 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
     return {"prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids),
             "rollout_logprobs": list(s.rollout_logprobs), "finish_reason": s.finish_reason, "reward": s.reward,
             "text": s.text, "versions": list(s.versions), "loss_mask": list(s.loss_mask), "info": dict(s.info),
-            "routed_experts": routes_state(s.routed_experts)}
+            "routed_experts": routes_state(s.routed_experts),
+            "failure": asdict(s.failure) if s.failure is not None else None}
 
 
 def make_source(cfg: Any, pipeline: Any, records: list[Any], loader: Any, ledger: Optional[Path] = None) -> Any:
