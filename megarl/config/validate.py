@@ -586,6 +586,9 @@ def _check_paths(cfg: RunConfig, problems: list[str]) -> None:
     from megarl.config.teacher import teacher_path_problems
 
     problems.extend(teacher_path_problems(cfg))
+    from megarl.config.judge import judge_path_problems
+
+    problems.extend(judge_path_problems(cfg))
     rw = cfg.reward
     if rw.kind == "rule" and rw.rule == "math_verify" and importlib.util.find_spec("math_verify") is None:
         problems.append("reward.rule: 'math_verify' needs the math-verify package (pip install 'megarl[math]')")
@@ -621,6 +624,9 @@ def collect_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
     from megarl.config.teacher import teacher_problems
 
     problems.extend(teacher_problems(cfg))
+    from megarl.config.judge import judge_problems
+
+    problems.extend(judge_problems(cfg))
     return problems
 
 
