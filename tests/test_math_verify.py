@@ -1,7 +1,8 @@
 """``reward.rule: math_verify`` grades as HF's math-verify package grades (the package, called
 directly, is the reference): its own examples, ``\\frac{1}{2}`` against ``0.5``, ``\\boxed{}``
-forms; a grading that times out or fails raises instead of scoring 0; the trainer's process pool
-runs it (SIGALRM needs a main thread); the math recipes use it."""
+forms; a grading that times out or fails raises instead of scoring 0, and the trainer's process
+pool (SIGALRM needs a main thread) turns that into a failed sample, never a 0; the math recipes use
+it."""
 from __future__ import annotations
 
 import threading
@@ -11,6 +12,7 @@ from math_verify import parse, verify
 
 from megarl.config.schema import RewardConfig
 from megarl.rewards import GradingFailed, RewardPool, build_reward_fn, math_answer_reward, math_verify_reward
+from megarl.rewards.failures import Failure
 
 pytestmark = pytest.mark.unit
 
@@ -62,8 +64,9 @@ def test_a_grading_failure_raises_never_scores_zero(monkeypatch):
 
     monkeypatch.setattr(mv, "TIMEOUT_S", 1)
     huge = "\\boxed{" + "+".join(f"x^{{{i}}}" for i in range(3000)) + "}"
-    with pytest.raises(GradingFailed, match="took over 1 s"):
+    with pytest.raises(GradingFailed, match="took over 1 s") as timed_out:
         math_verify_reward(huge, "3")
+    assert timed_out.value.reason == "math_verify_timeout"
 
     def broken(*_, **__):
         raise RuntimeError("sympy fell over")
@@ -87,15 +90,17 @@ def test_a_grading_failure_raises_never_scores_zero(monkeypatch):
     assert said and "reward.executor: process" in said[0]
 
 
-def test_the_trainers_process_pool_grades_and_passes_failures_on():
+def test_the_trainers_process_pool_grades_and_fails_the_sample_it_cannot_grade():
     fn = build_reward_fn(RewardConfig(kind="rule", rule="math_verify", executor="process", workers=2))
     responses = [r for _, r in HALF]
     golds = [g for g, _ in HALF]
     with RewardPool(fn, workers=2, executor="process") as pool:
         assert pool.score(responses, [_Record(g) for g in golds]) == [package_grade(f"${g}$", r) for g, r in HALF]
         assert pool.score(["\\boxed{0.5}"], [_Record("1/2")]) == [1.0]   # one sample: a worker's main thread too
-        with pytest.raises(GradingFailed):
-            pool.score(["\\boxed{3}", "\\boxed{3}"], [_Record("3"), _Record("")])
+        graded, failed = pool.score(["\\boxed{3}", "\\boxed{3}"], [_Record("3"), _Record("")])
+    assert graded == 1.0                                     # the step goes on; the other sample is graded
+    assert isinstance(failed, Failure) and failed.reason == "math_verify_reference"
+    assert "GradingFailed" in failed.message and "parses to nothing" in failed.message
 
 
 class _Record:

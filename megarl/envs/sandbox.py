@@ -60,8 +60,17 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from megarl.rewards.failures import RewardFailed
+
 SANDBOX_UID_BASE = 61000
 log = logging.getLogger("megarl.envs.sandbox")
+
+
+class SandboxCrashed(RewardFailed):
+    """The sandbox itself could not run the code (its interpreter or ``bwrap`` failed to start):
+    not the model's doing, so the trajectory has no reward (reason ``sandbox_crashed``)."""
+
+    reason = "sandbox_crashed"
 
 
 @dataclass(frozen=True)
@@ -292,7 +301,10 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), python: Optio
                mounts: Sequence[str] = ()) -> SandboxResult:
     """Run ``code`` with ``python -I`` (default: this process's interpreter) in the sandbox, with
     ``mounts`` (host paths) also visible read-only; blocks up to ``limits.wall_s`` (+ teardown)."""
-    interp = interpreter(python or sys.executable)
+    try:
+        interp = interpreter(python or sys.executable)
+    except (OSError, RuntimeError, ValueError) as err:
+        raise SandboxCrashed(f"sandbox interpreter: {err}") from err
     extra = tuple(os.path.abspath(m) for m in mounts)
     for m in extra:
         if any(_under(home, [os.path.realpath(m)]) for home in _homes()):
@@ -311,9 +323,12 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), python: Optio
                 resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb << 20,) * 2)
                 resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
                 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, preexec_fn=child,
-                                    start_new_session=True, close_fds=True,
-                                    env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"})
+            try:
+                proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, preexec_fn=child,
+                                        start_new_session=True, close_fds=True,
+                                        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"})
+            except (OSError, subprocess.SubprocessError) as crash:   # bwrap missing, fork refused, a limit unsettable
+                raise SandboxCrashed(f"sandbox did not start: {type(crash).__name__}: {crash}") from crash
             killed = None
             try:
                 rc = proc.wait(timeout=limits.wall_s)

@@ -46,10 +46,10 @@ class Failure:
 Score = Union[float, Failure]
 
 
-def failure_of(err: BaseException) -> Failure:
+def failure_of(err: BaseException, other: str = "error") -> Failure:
     """The failure an exception of a scorer stands for: its own reason when it is a
-    :class:`RewardFailed`, else ``error`` with the exception's type and words."""
-    reason = err.reason if isinstance(err, RewardFailed) else "error"
+    :class:`RewardFailed`, else ``other`` with the exception's type and words."""
+    reason = err.reason if isinstance(err, RewardFailed) else other
     text = f"{type(err).__name__}: {err}"
     return Failure(reason, text[:_MESSAGE_CHARS])
 

@@ -14,7 +14,9 @@ mask 0 and logprob 0 (``megarl/rollout/trajectory.py``).
 All trajectories of a batch run concurrently as coroutines on the rollout client's event loop, so
 the servers see one request per live trajectory at a time and batch them; tools run in a thread
 pool with per-call deadlines (``megarl/envs/tools.py``): a tool past its deadline ends only its
-own trajectory, flagged ``truncated`` and counted.
+own trajectory, flagged ``truncated`` and counted. An environment step that raises (a sandbox that
+crashed, a scorer that failed) ends its trajectory as a failed sample: no reward, never 0
+(``megarl/rollout/failures.py``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from megarl.envs.base import Action, EnvContext
 from megarl.envs.parsers import get_parser
 from megarl.envs.registry import make_env
 from megarl.envs.tools import ToolPool
+from megarl.rewards.failures import Failure, failure_of
 from megarl.rollout.manager import sample_seed
 from megarl.rollout.partial import Trajectory, generate_resumable
 from megarl.rollout.routed_experts import joined_routes
@@ -91,6 +94,7 @@ class AgentRollout:
                 "env_tokens": 0}
         traj = TrajectoryBuilder()
         reward, finish, texts = 0.0, "stop", []
+        failure: Optional[Failure] = None
         started = time.perf_counter()
         try:
             t = time.perf_counter()
@@ -129,8 +133,13 @@ class AgentRollout:
                 calls, errors = self.parse(text)
                 clock.tokenize_s += time.perf_counter() - t
                 t = time.perf_counter()
-                res = await env.step(Action(text, calls, errors, out.finish_reason))
-                clock.env_s += time.perf_counter() - t
+                try:
+                    res = await env.step(Action(text, calls, errors, out.finish_reason))
+                except Exception as err:  # noqa: BLE001 - the environment failed (a sandbox crash): no reward, never 0
+                    failure = failure_of(err, "env_error")
+                    break
+                finally:
+                    clock.env_s += time.perf_counter() - t
                 reward += res.reward
                 for k in ("tool_calls", "tool_errors", "call_errors", "tool_timeouts"):
                     info[k] += int(res.info.get(k, 0))
@@ -155,8 +164,11 @@ class AgentRollout:
             await env.close()
             clock.trajectory_s += time.perf_counter() - started
         route_rows = joined_routes(pieces, covered, len(prompt) + len(traj), s.routes, s.routes_required) if routed else None
-        return Sample(record, 0, prompt, traj.ids, traj.logprobs, finish, reward=reward, text=texts[-1] if texts else "",
-                      versions=traj.versions, loss_mask=traj.mask, info=info, routed_experts=route_rows)
+        sample = Sample(record, 0, prompt, traj.ids, traj.logprobs, finish, reward=reward, text=texts[-1] if texts else "",
+                        versions=traj.versions, loss_mask=traj.mask, info=info, routed_experts=route_rows)
+        if failure is not None:
+            sample.fail(failure)
+        return sample
 
     async def _turn(self, send: Callable, ids: list[int], params: dict[str, Any], seed: Optional[int],
                     routes_from: Optional[int] = None) -> Trajectory:
