@@ -37,16 +37,19 @@ class StubJudge:
 
     def __init__(self, tokenizer, answer):
         self.tokenizer, self.answer, self.requests = tokenizer, answer, 0
+        self.closing = False   # set before the server's cleanup: a request that never returns returns then
 
-    async def __call__(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.Response:
         if request.path == "/health":
             return web.Response(text="ok")
         body = await request.json()
         self.requests += 1
         prompts = body["input_ids"]
         texts = [self.answer(self.tokenizer.decode(p)) for p in prompts]
-        if any(t is None for t in texts):
-            await asyncio.sleep(3600)   # never answers (the client's deadline ends the wait)
+        if any(t is None for t in texts):   # never answers (the client's deadline ends the wait)
+            while not self.closing:
+                await asyncio.sleep(0.05)
+            return web.json_response({"message": "closing"}, status=503)
         if any(t == "HTTP 500" for t in texts):
             return web.json_response({"message": "judge fell over"}, status=500)
         return web.json_response([{"output_ids": self.tokenizer.encode(t, add_special_tokens=False),

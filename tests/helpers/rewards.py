@@ -25,3 +25,8 @@ def overlapping_length_reward(text: str, record) -> float:
     barrier (BrokenBarrierError after 300 s, a hang guard). Proves overlap without timing it."""
     _overlap.wait(timeout=300)
     return float(len(text)) + 0.001 * float(record)
+
+
+def verifier_down(text: str, record) -> float:
+    """A reward function whose verifier is unreachable: every call raises."""
+    raise ConnectionError("verifier at 10.0.0.7:8000 refused the connection")
