@@ -61,6 +61,29 @@ def test_score_parser_reads_the_last_grade_or_refuses():
     assert make_parser(JudgeConfig(parser="tests.helpers.judge:digest_grade"))("abc") in [i / 10 for i in range(11)]
 
 
+@pytest.mark.unit
+def test_validation_names_each_wrong_judge_field():
+    from megarl.config import load_config
+    from megarl.config.loader import ConfigError
+    from tests.helpers.runs import DEFAULT
+
+    with pytest.raises(ConfigError) as err:
+        load_config(DEFAULT, ["reward.kind=judge", "reward.judge.template=grade this", "reward.judge.score_pattern=Score",
+                              "reward.judge.score_range=[10, 0]", "reward.judge.timeout_s=0", "reward.retries=-1",
+                              "reward.judge.parser=score"])
+    fields = sorted(p.split(":")[0] for p in err.value.problems)
+    assert fields == ["reward.judge.model_path", "reward.judge.score_pattern", "reward.judge.score_range",
+                      "reward.judge.template", "reward.judge.timeout_s", "reward.retries"], err.value.problems
+    with pytest.raises(ConfigError) as err:
+        load_config(DEFAULT, ["reward.kind=judge", "reward.judge.server_url=judge:30000", "reward.judge.parser=nope",
+                              "cluster.device=cpu", "reward.judge.devices=[0]"])
+    assert sorted(p.split(":")[0] for p in err.value.problems) == [
+        "reward.judge.parser", "reward.judge.server_url", "reward.judge.tokenizer"], err.value.problems
+    ok = load_config(DEFAULT, ["reward.kind=judge", "reward.judge.server_url=http://judge:30000",
+                               "reward.judge.tokenizer=/models/judge"])
+    assert ok.reward.judge.parser == "score" and ok.reward.max_failed_steps == 3
+
+
 # ---------------------------------------------------------------------------------------------- stub servers
 def _answer(prompt: str) -> str | None:
     """The stub judge's answer to a rendered judge prompt, by what the graded response says."""
