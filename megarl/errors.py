@@ -33,6 +33,17 @@ class UserError(Exception):
     ``except ValueError`` handlers still catch them."""
 
 
+def failure_reason(exc: BaseException) -> Optional[str]:
+    """The reason an exception declares for a sample without a reward, or None. An exception class
+    with a string class attribute ``reason`` (``rewards.failures.RewardFailed``,
+    ``envs.sandbox.SandboxCrashed``) says: infrastructure failed here, not the model's answer -- the
+    sample is failed, never scored (an instance may narrow the reason). Here, not in ``rewards/``,
+    so the sandbox, which runs where torch is not installed, can declare one without importing it."""
+    if not isinstance(getattr(type(exc), "reason", None), str):
+        return None
+    return str(getattr(exc, "reason"))
+
+
 def _wrapped(exc: BaseException) -> Optional[BaseException]:
     """The exception ``exc`` wraps: a Ray task error's ``.cause`` (the worker's exception, also when
     Ray made the wrapper an instance of the cause's class), else ``raise ... from`` (``__cause__``)."""

@@ -222,3 +222,40 @@ def test_a_batch_without_rewards_trains_nothing_and_the_run_stops_after_n():
         guard.trainable(bad, 4)
     never = FailedBatches(max_consecutive=0)
     assert not any(never.trainable(bad, s) for s in range(5))
+
+
+def test_an_environment_that_crashes_fails_its_trajectory_not_the_batch():
+    """A sandbox that cannot start and a checker that raises end their own trajectories as failed
+    samples (reasons sandbox_crashed, env_error); the other trajectories of the batch are scored."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
+    from megarl.data.records import PromptRecord
+    from megarl.rollout.agent import AgentRollout, AgentSettings
+    from tests.helpers.agent import ScriptedServer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_hf_dir()))
+    eos = 2
+    call = tok.encode('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>',
+                      add_special_tokens=False) + [eos]
+    answer = tok.encode("The answer is 5.", add_special_tokens=False) + [eos]
+    sampling = {"max_new_tokens": 100, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [eos]}
+    got = {}
+    for env, script in (("tests.helpers.agent:CrashingSandboxEnv", [(call, "stop"), (answer, "stop")]),
+                        ("tests.helpers.agent:ScoreRaisesEnv", [(answer, "stop")]),
+                        ("calculator", [(answer, "stop")])):
+        rollout = AgentRollout(ScriptedServer({0: script}), sampling, tok,
+                               AgentSettings(env, max_turns=3, max_response_tokens=400))
+        try:
+            (got[env],) = asyncio.run(rollout._batch([PromptRecord("What is 2 + 3?", answer="5", index=0)], 1, 7,
+                                                     sampling))
+        finally:
+            rollout.close()
+    crashed, raised, fine = got.values()
+    assert crashed.failure.reason == "sandbox_crashed" and "bwrap" in crashed.failure.message
+    assert raised.failure.reason == "env_error" and "answer checker unreachable" in raised.failure.message
+    assert math.isnan(crashed.reward) and math.isnan(raised.reward) and fine.reward == 1.0 and not fine.failed
+    assert crashed.info["turns"] == 1 and len(crashed.response_ids) == len(call)   # the trajectory ends there
+    assert token_batch([crashed, fine]).loss_mask().sum(-1)[0] == 0

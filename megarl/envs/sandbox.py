@@ -60,15 +60,14 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megarl.rewards.failures import RewardFailed
-
 SANDBOX_UID_BASE = 61000
 log = logging.getLogger("megarl.envs.sandbox")
 
 
-class SandboxCrashed(RewardFailed):
+class SandboxCrashed(RuntimeError):
     """The sandbox itself could not run the code (its interpreter or ``bwrap`` failed to start):
-    not the model's doing, so the trajectory has no reward (reason ``sandbox_crashed``)."""
+    not the model's doing, so the trajectory has no reward (its declared failure ``reason``:
+    ``megarl.errors.failure_reason``)."""
 
     reason = "sandbox_crashed"
 

@@ -5,8 +5,9 @@ Subclasses give the tools, the opening messages and the scorer; this class runs 
 * a turn with tool calls -> each call runs in the pool under its deadline; each result is one
   ``tool`` message (unknown tools, bad arguments and tool exceptions become error text for the
   model, counted as ``tool_errors``); a call past its deadline ends the trajectory (truncated);
-  a tool whose own machinery fails (``RewardFailed``, e.g. the sandbox crashed) is not the model's
-  error: it propagates, and the agent loop marks the trajectory failed (no reward, never 0);
+  a tool whose own machinery fails (an error declaring a failure reason, e.g. the sandbox crashed:
+  ``megarl.errors.failure_reason``) is not the model's error: it propagates, and the agent loop
+  marks the trajectory failed (no reward, never 0);
 * a turn the parser could not read -> one error observation per problem; the model may retry;
 * a turn without tool calls -> the final answer: reward = ``score(text, record)``, done.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 from megarl.envs.base import Action, EnvContext, Message, StepResult, ToolSchema
 from megarl.envs.tools import Tool, ToolTimeout
-from megarl.rewards.failures import RewardFailed
+from megarl.errors import failure_reason
 
 MAX_OBSERVATION_CHARS = 4000   # a tool's text beyond this is cut (the token budget is the model's)
 
@@ -68,13 +69,13 @@ class ToolEnv:
                 info["call_errors"] += 1
                 obs.append({"role": "tool", "name": call.name, "content": f"Error: {call.name} timed out ({e})"})
                 return StepResult(obs, done=True, truncated=True, info=info)
-            except RewardFailed:            # the tool's machinery failed (a sandbox crash): no reward, not text
-                raise
             except TypeError as e:          # wrong or missing arguments
                 out = f"Error: bad arguments for {call.name}: {e}"
                 info["tool_errors"] += 1
                 info["call_errors"] += 1
             except Exception as e:  # noqa: BLE001 - any tool failure is text for the model, never a crash
+                if failure_reason(e):       # the tool's machinery failed (a sandbox crash): no reward, not text
+                    raise
                 out = f"Error: {type(e).__name__}: {e}"
                 info["tool_errors"] += 1
                 info["call_errors"] += 1

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Union
 
+from megarl.errors import failure_reason
+
 _MESSAGE_CHARS = 300
 
 
@@ -47,9 +49,10 @@ Score = Union[float, Failure]
 
 
 def failure_of(err: BaseException, other: str = "error") -> Failure:
-    """The failure an exception of a scorer stands for: its own reason when it is a
-    :class:`RewardFailed`, else ``other`` with the exception's type and words."""
-    reason = err.reason if isinstance(err, RewardFailed) else other
+    """The failure an exception of a scorer stands for: the reason it declares (a
+    :class:`RewardFailed`, a sandbox crash: ``megarl.errors.failure_reason``), else ``other``, with
+    the exception's type and words."""
+    reason = failure_reason(err) or other
     text = f"{type(err).__name__}: {err}"
     return Failure(reason, text[:_MESSAGE_CHARS])
 

@@ -78,3 +78,22 @@ class DistinctCalcEnv(CalculatorEnv):
 
     def score(self, text: str, record: Any) -> float:
         return len(set(text)) / 10.0
+
+
+def _crashed_sandbox(**arguments: Any) -> str:
+    from megarl.envs.sandbox import SandboxCrashed
+
+    raise SandboxCrashed("sandbox did not start: FileNotFoundError: bwrap")
+
+
+class CrashingSandboxEnv(CalculatorEnv):
+    """The calculator whose tool's sandbox cannot start (infrastructure, not the model's call)."""
+
+    tools = [Tool("calculator", "calculator", {"type": "object"}, _crashed_sandbox)]
+
+
+class ScoreRaisesEnv(CalculatorEnv):
+    """The calculator whose answer checker raises."""
+
+    def score(self, text: str, record: Any) -> float:
+        raise ConnectionError("answer checker unreachable")
