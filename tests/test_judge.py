@@ -84,6 +84,42 @@ def test_validation_names_each_wrong_judge_field():
     assert ok.reward.judge.parser == "score" and ok.reward.max_failed_steps == 3
 
 
+def test_sglang_parses_the_judge_server_command(tmp_path):
+    """A judge megarl starts with SGLang: its flags, parsed by SGLang 0.5.23's own parser -- the
+    judge's checkpoint loaded (not dummy weights), token ids in and out, TP over its devices, the key
+    from the 0600 file."""
+    import json
+    import subprocess
+
+    from megarl.config import load_config
+    from megarl.rollout.judge_server import judge_server_args
+    from megarl.rollout.launch import sglang_key_file_text
+    from tests.helpers.runs import DEFAULT, ROOT
+    from tests.sglang_cpu.server import harness_env, sglang_cpu_python
+
+    key_file = tmp_path / "judge.yaml"
+    key_file.write_text(sglang_key_file_text("judge-key-0"))
+    gpu = load_config(DEFAULT, ["cluster.device=cuda", "cluster.gpus_per_node=8", "rollout.gpus=1", "reward.kind=judge", "reward.judge.model_path=/models/judge",
+                                "reward.judge.engine=sglang", "reward.judge.devices=[6, 7]",
+                                "reward.judge.context_length=8192"])
+    cpu = load_config(DEFAULT, ["reward.kind=judge", "reward.judge.model_path=/models/judge",
+                                "reward.judge.engine=sglang"])
+    cases = [judge_server_args(c, "/models/judge", "127.0.0.1", 30123, str(key_file)) for c in (gpu, cpu)]
+    script = ("import json, sys\nimport tests.sglang_cpu  # noqa: F401\n"
+              "from sglang.srt.server_args import prepare_server_args\n"
+              "print(json.dumps([{k: getattr(prepare_server_args(a), k) for k in ('model_path', 'tp_size', "
+              "'load_format', 'skip_tokenizer_init', 'api_key', 'context_length', 'port', 'device')} "
+              "for a in json.load(sys.stdin)]))")
+    done = subprocess.run([sglang_cpu_python(), "-c", script], input=json.dumps(cases), capture_output=True,
+                          text=True, env=harness_env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    on_gpu, on_cpu = json.loads(done.stdout.strip().splitlines()[-1])
+    assert on_gpu["model_path"] == "/models/judge" and on_gpu["tp_size"] == 2 and on_gpu["load_format"] == "auto"
+    assert on_gpu["skip_tokenizer_init"] and on_gpu["api_key"] == "judge-key-0" and on_gpu["context_length"] == 8192
+    assert on_gpu["port"] == 30123 and on_cpu["device"] == "cpu" and on_cpu["tp_size"] == 1
+    assert all("--api-key" not in c for c in cases)
+
+
 # ---------------------------------------------------------------------------------------------- stub servers
 def _answer(prompt: str) -> str | None:
     """The stub judge's answer to a rendered judge prompt, by what the graded response says."""
