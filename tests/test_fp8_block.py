@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from megarl.quant import fp8_block
 from megarl.quant.fp8_block import dequantize_block_fp8, quantize_block_fp8
 from tests.helpers.runs import tiny_model
 from tests.sglang_cpu.server import ROOT, harness_env, sglang_cpu_python
@@ -34,13 +35,17 @@ def _weights(tmp_path: Path) -> dict[str, torch.Tensor]:
     ws = {"rand_bf16_300x200": (torch.randn(300, 200, generator=g) * 0.02).bfloat16(),
           "rand_f32_256x384": torch.randn(256, 384, generator=g) * 3.0,
           "rand_tiny_128x128": torch.randn(128, 128, generator=g) * 1e-7,
-          "zeros_130x129": torch.zeros(130, 129, dtype=torch.bfloat16)}
+          "zeros_130x129": torch.zeros(130, 129, dtype=torch.bfloat16),
+          "rand_bf16_640x512": (torch.randn(640, 512, generator=g) * 0.05).bfloat16()}
     real = load_file(str(next(tiny_model(tmp_path).glob("*.safetensors"))))
     ws.update({f"real/{k}": v for k, v in real.items() if v.dim() == 2})
     return ws
 
 
-def test_block_fp8_bytes_match_sglang_and_dequantize_with_sglang(tmp_path):
+def test_block_fp8_bytes_match_sglang_and_dequantize_with_sglang(tmp_path, monkeypatch):
+    # one block row per scaled chunk: the banded multiply is held to SGLang's bytes too (a real
+    # projection takes several bands; these test weights would otherwise fit in one)
+    monkeypatch.setattr(fp8_block, "_SCALE_CHUNK_ELEMENTS", 128 * 128)
     ws = _weights(tmp_path)
     fp32 = {k: quantize_block_fp8(w, scale_format="fp32") for k, w in ws.items()}
     inp, out = tmp_path / "in.pt", tmp_path / "out.pt"

@@ -29,23 +29,54 @@ def _ceil_pow2(x: torch.Tensor) -> torch.Tensor:
     return (exp << 23).view(torch.float32)
 
 
+# fp32 elements of the scaled copy made at a time: the multiply runs in fp32 (as SGLang's does), so
+# a whole 7B projection at once would be a 272 MB temporary beside the push's buckets
+_SCALE_CHUNK_ELEMENTS = 1 << 24
+
+
+def _block_amax(view: torch.Tensor) -> torch.Tensor:
+    """max |x| of each block, in fp32: the larger of the block's max and -min, read in place (no
+    |x| copy of the weight); equal to ``view.abs().float().amax(...)`` bit for bit (max and min of
+    the stored values are exact, NaN propagates through both)."""
+    high = view.amax(dim=(1, 3), keepdim=True)
+    low = view.amin(dim=(1, 3), keepdim=True)
+    return torch.maximum(high, low.neg()).float()
+
+
+def _scale_to_fp8(view: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``(view * inv).to(float8_e4m3fn)`` with the product in fp32, a band of block rows at a time."""
+    out = torch.empty(view.shape, dtype=torch.float8_e4m3fn, device=view.device)
+    rows = max(1, _SCALE_CHUNK_ELEMENTS // max(1, view[0].numel()))
+    for i in range(0, view.shape[0], rows):
+        out[i:i + rows] = view[i:i + rows] * inv[i:i + rows]
+    return out
+
+
 def quantize_block_fp8(w: torch.Tensor, block: int = BLOCK,
                        scale_format: ScaleFormat = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight of w's shape, fp32 weight_scale_inv of shape ceil(m/b) x ceil(n/b))."""
+    """(fp8 weight of w's shape, fp32 weight_scale_inv of shape ceil(m/b) x ceil(n/b)).
+
+    The bytes are SGLang's ``per_block_cast_to_fp8`` (tests/test_fp8_block.py runs SGLang's own
+    function): a weight whose dims are whole blocks is read where it lies (no padded copy, no
+    slice copied out at the end); only a partial tail block pads with zeros."""
     if w.dim() != 2:
         raise ValueError(f"block FP8 quantizes 2-D weights, got shape {tuple(w.shape)}")
     m, n = w.shape
     pm, pn = -(-m // block) * block, -(-n // block) * block
-    padded = torch.zeros((pm, pn), dtype=w.dtype, device=w.device)
-    padded[:m, :n] = w
+    aligned = (pm, pn) == (m, n)
+    if aligned:
+        padded = w.contiguous()
+    else:
+        padded = torch.zeros((pm, pn), dtype=w.dtype, device=w.device)
+        padded[:m, :n] = w
     view = padded.view(pm // block, block, pn // block, block)
-    amax = view.abs().float().amax(dim=(1, 3), keepdim=True)
+    amax = _block_amax(view)
     if scale_format == "ue8m0":
         scale = _ceil_pow2(amax.clamp(1e-4) / FP8_MAX)
     else:
         scale = amax.clamp(1e-12) / FP8_MAX
-    q = (view * (1.0 / scale)).to(torch.float8_e4m3fn)
-    return q.view(pm, pn)[:m, :n].contiguous(), scale.view(pm // block, pn // block)
+    q = _scale_to_fp8(view, 1.0 / scale).view(pm, pn)
+    return (q if aligned else q[:m, :n].contiguous()), scale.view(pm // block, pn // block)
 
 
 def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK,
