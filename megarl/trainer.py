@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from megarl.algos import LossSettings, get_advantage_estimator, kl_reward_penalty, make_kl_controller
-from megarl.algos.distill import distill_metrics, mix_advantages
+from megarl.algos.distill import distill_metrics, mix_advantages, subtract_batch_mean
 from megarl.algos.fidelity import LogprobBound, LogprobMismatch, logprob_bound, rollout_logprob_check
 from megarl.algos.metrics import batch_summary
 from megarl.algos.registry import get_distill_advantage
@@ -301,6 +301,8 @@ class Trainer:
         d, fields = self.cfg.algorithm.distill, batch.token_fields
         student, teacher = batch.padded(fields["old_logprobs"]), batch.padded(fields["teacher_logprobs"])
         signal = get_distill_advantage(d.advantage)(student, teacher, mask)
+        if d.baseline == "batch_mean":
+            signal = subtract_batch_mean(signal, mask)
         mixed = mix_advantages(task, signal, mask, coef=d.coef, reward_weight=d.reward_weight)
         return mixed, distill_metrics(student, teacher, mask)
 

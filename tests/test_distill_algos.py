@@ -9,6 +9,7 @@ import torch
 
 from megarl.algos import (PolicyLossConfig, distill_metrics, get_distill_advantage, get_policy_loss,
                           mix_advantages, register_distill_advantage, reverse_kl_advantages)
+from megarl.algos.distill import subtract_batch_mean
 
 NAN = float("nan")
 
@@ -32,6 +33,14 @@ def test_mix_weights_each_term_and_drops_a_zero_weight_exactly():
     assert mix_advantages(task, distill, mask, coef=1.0, reward_weight=0.0).tolist() == [[0.5, -0.25, 0.0]]
     nan_task = torch.full((1, 3), NAN)   # a weight of 0 never lets a nan through (0 * nan)
     assert mix_advantages(nan_task, distill, mask, coef=1.0, reward_weight=0.0).tolist() == [[0.5, -0.25, 0.0]]
+
+
+def test_batch_mean_baseline_by_hand():
+    adv = torch.tensor([[0.5, NAN, -1.0], [2.0, 9.0, NAN]])
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    mean = (0.5 - 1.0 + 2.0) / 3
+    assert torch.allclose(subtract_batch_mean(adv, mask),
+                          torch.tensor([[0.5 - mean, 0.0, -1.0 - mean], [2.0 - mean, 0.0, 0.0]]))
 
 
 def test_metrics_by_hand():

@@ -16,6 +16,13 @@ same numbers the PPO ratio divides by; the advantage is then a constant of the s
 is. Beside a task reward the two advantages add: ``reward_weight * A_task + coef * A_distill``;
 ``reward_weight = 0`` is distillation alone.
 
+Variance: the per-token signal has a large mean wherever the student is far from the teacher (every
+sampled token looks worse to the teacher than to the student), and ``mean * grad log pi`` is zero in
+expectation but not in a batch of a few hundred tokens, where it mostly pushes down whatever was
+sampled. :func:`subtract_batch_mean` removes it (a constant baseline: the expected gradient is
+unchanged, up to the ``1/N`` share of a token's own value in the mean). Large batches can do
+without; small ones (CPU tests, short steps) learn much faster with it.
+
 Pure torch over padded ``[B, T]`` tensors with a mask of the tokens the model sampled (an agent's
 environment tokens are 0 there): padded positions may hold garbage and never reach a result.
 """
@@ -40,6 +47,14 @@ def reverse_kl_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, ma
     position's divergence only."""
     m = as_bool_mask(mask)
     return sanitize(teacher_logprobs.detach().float() - student_logprobs.detach().float(), m)
+
+
+@torch.no_grad()
+def subtract_batch_mean(advantages: Tensor, mask: Tensor) -> Tensor:
+    """``advantages`` minus their mean over every sampled token of the batch (0 on the rest)."""
+    m = as_bool_mask(mask)
+    a = sanitize(advantages.detach().float(), m)
+    return sanitize(a - masked_mean(a, m), m)
 
 
 @torch.no_grad()

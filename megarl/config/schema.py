@@ -315,6 +315,9 @@ class DistillConfig:
     advantage: Literal["reverse_kl"] = opt("reverse_kl", "distillation advantage (megarl.algos registry): "
                                            "reverse_kl = -(log pi_student - log pi_teacher) per sampled token")
     coef: float = opt(1.0, "weight of the distillation advantage")
+    baseline: Literal["none", "batch_mean"] = opt("none", "none: the per-token signal as it is (GKD, Thinking "
+                                                   "Machines); batch_mean: minus its mean over the step's sampled "
+                                                   "tokens (same expected gradient, lower variance: small batches)")
     reward_weight: float = opt(1.0, "weight of the task reward's advantage beside it; 0 = distillation alone "
                                "(rewards are still scored and logged)")
 

@@ -43,3 +43,36 @@ def make_tiny_chat_model(path: str | Path, *, hidden: int = 64, layers: int = 2,
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     return path
+
+
+def make_distill_pair(root: str | Path) -> tuple[Path, Path]:
+    """(teacher, student) for on-policy distillation tests: a tiny chat model whose output is far
+    from uniform (projections ~ N(0, 0.05), final norm 6: logits of std ~3 over SmolLM2's 49152
+    tokens), and the same model with Gaussian noise of half each weight matrix's std added (reverse
+    KL ~2 nats per sampled token). Both carry SmolLM2's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root = Path(root)
+    teacher, student = root / "teacher", root / "student"
+    if (teacher / "config.json").is_file() and (student / "config.json").is_file():
+        return teacher, student
+    base = make_tiny_chat_model(root / "base")
+    for out, seed, noise in ((teacher, 1, None), (student, 7, 0.5)):
+        model = AutoModelForCausalLM.from_pretrained(base if noise is None else teacher)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() != 2:
+                    continue
+                if noise is None:
+                    p.normal_(0, 0.05, generator=gen)
+                else:
+                    p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
+            if noise is None:
+                model.model.norm.weight.fill_(6.0)
+        model.save_pretrained(out)
+        for f in base.iterdir():
+            if f.name.startswith(("tokenizer", "chat_template", "special_tokens", "generation_config")):
+                shutil.copy(f, out / f.name)
+    return teacher, student
