@@ -89,7 +89,18 @@ def main_gpu(a):
     from bench_train import hf_config
     dev = torch.device(a.device)
     cfg = hf_config(a.shape or "qwen2.5-0.5b")
-    src = DecoderModel(cfg, device=a.device, dtype=torch.bfloat16)
+    # the trainer's weights live in torch's caching allocator (megatron's buffers); the engine's own
+    # weights would sit in CUDA VMM regions, which cannot be exported as CUDA IPC handles (a 7B
+    # embedding larger than a bucket is sent from where it lies: "invalid device pointer")
+    stable = os.environ.get("MEGARL_STABLE_MEMORY")
+    os.environ["MEGARL_STABLE_MEMORY"] = "0"
+    try:
+        src = DecoderModel(cfg, device=a.device, dtype=torch.bfloat16)
+    finally:
+        if stable is None:
+            os.environ.pop("MEGARL_STABLE_MEMORY")
+        else:
+            os.environ["MEGARL_STABLE_MEMORY"] = stable
     named = []
     for n, t in src.params.items():
         t.normal_(0.0, 0.02)

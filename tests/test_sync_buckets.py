@@ -124,6 +124,23 @@ def test_finite_check_one_reduction_names_the_tensor():
         assert not _all_finite([x], x.view(torch.uint8)) and not _all_finite([x])
 
 
+@pytest.mark.parametrize("dt", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz])
+def test_float8_finite_check_reads_bytes_as_torch_converts_them(dt):
+    """Every one of the 256 byte patterns: finite by the byte check iff torch's own conversion to
+    fp32 is finite; a bucket holding one non-finite pattern is refused, per bucket and per tensor."""
+    patterns = torch.arange(256, dtype=torch.uint8)
+    for b in range(256):
+        x = patterns[b:b + 1].view(dt)
+        assert _all_finite([x]) == bool(torch.isfinite(x.float()).all()), (dt, b)
+    ok = torch.cat([patterns[i:i + 1] for i in range(256) if torch.isfinite(patterns[i:i + 1].view(dt).float()).all()])
+    flat = torch.cat([ok, ok])
+    assert _all_finite([flat[:ok.numel()].view(dt), flat[ok.numel():].view(dt)], flat)
+    bad = next(i for i in range(256) if not torch.isfinite(patterns[i:i + 1].view(dt).float()).all())
+    flat[ok.numel() + 3] = bad
+    parts = [flat[:ok.numel()].view(dt), flat[ok.numel():].view(dt)]
+    assert not _all_finite(parts, flat) and not _all_finite(parts) and _all_finite(parts[:1])
+
+
 def test_covering_bytes():
     b = pack([("a", torch.ones(4, 3)), ("b", torch.ones(5))])
     named = b.named_tensors()

@@ -243,7 +243,7 @@ class WeightReceiver:
         if not errors and not _all_finite([t for _, t in named], flat):
             # something in the bucket is not finite: name it (an ignored tensor, e.g. a tied
             # lm_head, may hold it: then nothing we apply is affected)
-            errors = [f"non-finite values in {n}" for n, t in checked if t.numel() and not torch.isfinite(t).all()]
+            errors = [f"non-finite values in {n}" for n, t in checked if t.numel() and not _all_finite([t])]
         if errors:
             raise WeightRefused("; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
         return pairs
@@ -374,6 +374,8 @@ def _all_finite(tensors: Sequence[torch.Tensor], flat: Optional[torch.Tensor] = 
     if not ts:
         return True
     dt = ts[0].dtype
+    if all(t.dtype in FP8_NON_FINITE for t in ts):
+        return _fp8_all_finite(ts, flat if all(t.dtype == dt for t in tensors) else None)
     try:
         if (flat is not None and flat.dtype == torch.uint8 and all(t.dtype == dt for t in tensors)
                 and flat.numel() % ts[0].element_size() == 0):
@@ -383,6 +385,26 @@ def _all_finite(tensors: Sequence[torch.Tensor], flat: Optional[torch.Tensor] = 
         return bool(torch.isfinite(sums).all())
     except (RuntimeError, TypeError, NotImplementedError):   # a dtype without a sum kernel (e.g. float8)
         return all(bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()) for t in ts)
+
+
+# float8 bit patterns that are not finite, as (mask, value): a byte b is NaN/inf iff b & mask == value.
+# e4m3fn has no inf and one NaN mantissa (S.1111.111); e5m2 is IEEE-like (exponent all ones); the fnuz
+# types' only NaN is the negative zero pattern 0x80.
+FP8_NON_FINITE = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C),
+                  torch.float8_e4m3fnuz: (0xFF, 0x80), torch.float8_e5m2fnuz: (0xFF, 0x80)}
+
+
+def _fp8_all_finite(ts: Sequence[torch.Tensor], flat: Optional[torch.Tensor]) -> bool:
+    """Finiteness of float8 tensors from their bytes, with one host sync: torch has no float8 sum,
+    and converting each tensor to fp32 (4x its bytes) with a sync per tensor took 10x the bf16
+    verify of a 7B push (0.082 s against 0.008 s on an H100)."""
+    parts = []
+    if flat is not None and flat.dtype == torch.uint8:
+        parts.append((flat, ts[0].dtype))
+    else:
+        parts.extend((t.reshape(-1).view(torch.uint8), t.dtype) for t in ts)
+    bad = [((raw & FP8_NON_FINITE[dt][0]) == FP8_NON_FINITE[dt][1]).any().reshape(1) for raw, dt in parts]
+    return not bool(torch.cat(bad).any())
 
 
 def _covering_bytes(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
