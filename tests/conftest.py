@@ -22,11 +22,13 @@ TIERS = ("unit", "integration", "e2e")
 UNIT_FILES = {
     "test_algos_advantages.py", "test_algos_kl_filters.py", "test_algos_losses.py", "test_architecture.py",
     "test_client_fields.py", "test_coalesce.py", "test_config.py", "test_data_rewards.py", "test_reward_pool.py",
+    "test_distill_algos.py",
     "test_rollout_source.py", "test_sampling.py", "test_sync_buckets.py",
 }
 E2E_FILES = {
     "test_agent_train.py", "test_cluster_box.py", "test_cluster_train.py", "test_healing.py", "test_reward_model.py",
     "test_rollout_modes.py", "test_slurm.py", "test_trainer.py", "test_trainer_moe.py", "test_lora_train.py",
+    "test_distill_train.py",
 }
 
 
