@@ -19,6 +19,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.config.schema import ParallelConfig
+from megarl.config.teacher import role_arch
 from megarl.config.validate import _check_layer_split
 from megarl.planning.params import stage_chunks
 
@@ -59,11 +60,11 @@ def test_every_recipe_plans_the_split_megatron_builds(recipe):
     cfg = load_config(recipe)
     assert cfg.model.arch.num_layers, f"{recipe.name}: model.arch.num_layers is needed to plan"
     for role in cfg.megatron_roles:
-        p = getattr(cfg, role).parallel
-        want = megatron_chunks(cfg.model.arch.num_layers, p)
-        assert planned(cfg.model.arch.num_layers, p) == want, (recipe.name, role)
+        p, num_layers = getattr(cfg, role).parallel, role_arch(cfg, role).num_layers   # a teacher: its own network
+        want = megatron_chunks(num_layers, p)
+        assert planned(num_layers, p) == want, (recipe.name, role)
         layers = sorted(i for chunks in want for c in chunks for i in c)
-        assert layers == list(range(cfg.model.arch.num_layers)), (recipe.name, role)
+        assert layers == list(range(num_layers)), (recipe.name, role)
 
 
 def test_flagship_recipes_are_uneven_as_written():
