@@ -234,3 +234,28 @@ def test_teacher_validation_names_the_field(student):
         assert any(p.startswith(field) for p in found), (field, found)
     assert problems(student, on, teacher) == []
     assert problems(student, on, teacher, "teacher.mode=served", "teacher.server_urls=[http://127.0.0.1:1]") == []
+
+
+# ----------------------------------------------------------------------------- memory plan
+def test_the_plan_counts_the_teachers_own_network():
+    """The recipe's Qwen3-8B teacher at tp 2, by hand: per layer q/o 2 x 4096 x 32 x 128, k/v 2 x 4096 x 8
+    x 128 and the MLP 3 x 4096 x 12288 split over tp, two norms of 4096 on every rank; embedding and
+    (untied) output layer 151936 x 4096 split over tp; the final norm. bf16, frozen: params only."""
+    from megarl.planning.memory import GIB, make_plan
+
+    recipe = ROOT / "recipes" / "qwen3-1.7b-opd-qwen3-8b.yaml"
+    h, layers, vocab = 4096, 36, 151936
+    per_layer = (2 * h * 32 * 128 + 2 * h * 8 * 128 + 3 * h * 12288) // 2 + 2 * h
+    by_hand = layers * per_layer + 2 * vocab * h // 2 + h
+    plan = make_plan(load_config(recipe))
+    t = plan.roles["teacher"]
+    assert (t.params_on_gpu, t.params, t.grads, t.optimizer, t.layout) == (by_hand, 2 * by_hand, 0, 0, "tp2 pp1 dp4")
+    assert plan.roles["actor"].params_on_gpu < by_hand / 2             # the student is the small one
+    phases = {p.name: p for p in plan.phases}
+    assert phases["forward:teacher"].parts["teacher state"] == t.params
+    assert "teacher resident" not in phases["rollout"].parts           # offloaded outside its pass
+    assert plan.host["teacher offloaded (params)"] == 8 * t.params
+    kept = make_plan(load_config(recipe, ["teacher.offload.params=false"]))
+    rollout = {p.name: p for p in kept.phases}["rollout"]
+    assert rollout.parts["teacher resident"] == t.params and rollout.total - phases["rollout"].total == t.params
+    assert plan.fits and t.params / GIB > 7
