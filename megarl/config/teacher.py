@@ -8,7 +8,6 @@ of validation, the tokenizer at launch (``megarl train``), where the model folde
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,22 +24,11 @@ def role_arch(cfg: RunConfig, role: str) -> ModelArch:
 def resolve_teacher_arch(cfg: RunConfig, problems: list[str]) -> None:
     """Fill ``teacher.arch`` from ``teacher.model_path``'s config.json where readable (as
     ``model.arch`` is filled from ``model.hf_path``); a recipe value that disagrees is an error."""
-    from megarl.config.validate import arch_from_hf, hf_config_path, hf_mapping_refusals
+    from megarl.config.validate import fill_arch, hf_mapping_refusals
 
-    path = hf_config_path(cfg.teacher.model_path or "")
-    if path is None:
-        return
-    try:
-        hf = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        problems.append(f"teacher.model_path: cannot read {path}: {err}")
-        return
-    for name, value in arch_from_hf(hf).items():
-        current = getattr(cfg.teacher.arch, name)
-        if current not in (0, False) and current != value:
-            problems.append(f"teacher.arch.{name}: recipe says {current} but {path} says {value}")
-        setattr(cfg.teacher.arch, name, value)
-    if cfg.teacher.mode == "megatron":
+    found = fill_arch(cfg.teacher.arch, cfg.teacher.model_path or "", "teacher.arch", "teacher.model_path", problems)
+    if found is not None and cfg.teacher.mode == "megatron":   # megarl builds it: it must map exactly
+        path, hf = found
         problems.extend(f"teacher.model_path: {path}: {line}" for line in hf_mapping_refusals(hf))
 
 

@@ -80,20 +80,30 @@ def arch_from_hf(config: dict[str, Any]) -> dict[str, Any]:
 
 def resolve_arch(cfg: RunConfig, problems: list[str]) -> None:
     """Fill ``model.arch`` from config.json where readable; a recipe value that disagrees is an error."""
-    path = hf_config_path(cfg.model.hf_path)
+    found = fill_arch(cfg.model.arch, cfg.model.hf_path, "model.arch", "model.hf_path", problems)
+    if found is not None:
+        path, hf = found
+        problems.extend(f"model.hf_path: {path}: {line}" for line in hf_mapping_refusals(hf))
+
+
+def fill_arch(arch: ModelArch, hf_path: str, arch_field: str, path_field: str,
+              problems: list[str]) -> tuple[Path, dict[str, Any]] | None:
+    """Fill ``arch`` from ``hf_path``'s config.json where readable (a recipe value that disagrees is
+    a problem on ``arch_field``); returns (its path, its contents), or None."""
+    path = hf_config_path(hf_path)
     if path is None:
-        return
+        return None
     try:
         hf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        problems.append(f"model.hf_path: cannot read {path}: {err}")
-        return
+        problems.append(f"{path_field}: cannot read {path}: {err}")
+        return None
     for name, value in arch_from_hf(hf).items():
-        current = getattr(cfg.model.arch, name)
+        current = getattr(arch, name)
         if current not in (0, False) and current != value:
-            problems.append(f"model.arch.{name}: recipe says {current} but {path} says {value}")
-        setattr(cfg.model.arch, name, value)
-    problems.extend(f"model.hf_path: {path}: {line}" for line in hf_mapping_refusals(hf))
+            problems.append(f"{arch_field}.{name}: recipe says {current} but {path} says {value}")
+        setattr(arch, name, value)
+    return path, hf
 
 
 def hf_mapping_refusals(hf: dict[str, Any]) -> list[str]:
