@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
+from megarl.wire.protocol import INPUT_TOKEN_LOGPROBS
 from megarl.wire.versions import weight_version_spans
 
 _SEED_MASK = 0x7FFFFFFF
@@ -118,7 +119,7 @@ class Request:
         if self.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
         if self.input_logprobs is not None:
-            meta["input_token_logprobs"] = self.input_logprobs
+            meta[INPUT_TOKEN_LOGPROBS] = self.input_logprobs
         if self.routed_experts is not None:
             meta["routed_experts"] = self.routed_experts
         return {"output_ids": list(self.output_ids), "meta_info": meta}

@@ -20,6 +20,7 @@ import torch
 from megarl.data.batch import TokenBatch
 from megarl.errors import UserError
 from megarl.rollout.client import LoopThread, SGLangClient
+from megarl.wire.protocol import INPUT_TOKEN_LOGPROBS
 
 
 class ServedTeacherError(UserError, RuntimeError):
@@ -43,7 +44,7 @@ def response_logprobs(url: str, answer: Any, sequences: Sequence[Sequence[int]],
         raise ServedTeacherError(f"teacher server {url}: {len(items)} answers for {len(sequences)} sequences")
     out = []
     for item, seq, p in zip(items, sequences, prompt_lens):
-        entries = ((item or {}).get("meta_info") or {}).get("input_token_logprobs")
+        entries = ((item or {}).get("meta_info") or {}).get(INPUT_TOKEN_LOGPROBS)
         if entries is None:
             raise ServedTeacherError(f"teacher server {url}: no meta_info.input_token_logprobs in its answer (the "
                                      f"teacher needs a server that scores given tokens: SGLang, or megarl serve)")

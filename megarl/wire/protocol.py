@@ -117,4 +117,7 @@ ENDPOINTS = {
 # "length": n} | {"type": "abort", "message": ...}, "prompt_tokens", "completion_tokens",
 # "cached_tokens", "weight_version", "output_token_logprobs": [[logprob, token_id, text|None], ...]}}
 # A single prompt with n > 1, or a batch of prompts, answers a JSON list (prompt-major).
+# With return_logprob and logprob_start_len s >= 0 (a teacher scoring given tokens, max_new_tokens 0),
+# "input_token_logprobs" lists input positions s .. end the same way, the first entry's logprob None.
 OUTPUT_TOKEN_LOGPROBS = "output_token_logprobs"
+INPUT_TOKEN_LOGPROBS = "input_token_logprobs"
