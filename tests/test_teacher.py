@@ -74,6 +74,23 @@ def test_embedded_server_scores_given_tokens_as_sglang_answers(tmp_path):
     assert "input_token_logprobs" not in plain["meta_info"]
 
 
+def test_input_logprobs_of_a_tp2_server_equal_tp1(tmp_path):
+    """Every TP rank runs the scoring forward in lockstep; rank 0's head answers."""
+    make_tiny_hf_model(str(tmp_path / "m"), "llama", std=0.3)
+
+    async def ask(url):
+        async with SGLangClient(url) as c:
+            return await c.generate_raw(scoring_request(SEQS, [s + 1 for s in STARTS]))
+
+    scores = {}
+    for tp in (1, 2):
+        with ServerProcess(str(tmp_path / "m"), extra=["--tp-size", str(tp)]) as server:
+            answer = asyncio.run(ask(server.url))
+        scores[tp] = torch.tensor([e[0] for item in answer for e in item["meta_info"]["input_token_logprobs"][1:]])
+    assert scores[1].numel() == sum(len(ids) - 1 - s for ids, s in zip(SEQS, STARTS))
+    assert (scores[1] - scores[2]).abs().max().item() < 1e-5
+
+
 def test_scoring_request_and_answer_shape_are_sglangs_own():
     """The scoring body uses SGLang's field names, SGLang's GenerateReqInput reads it per item (start,
     return_logprob, max_new_tokens 0), and SGLang's scheduler shapes the kernel's logprobs into the
