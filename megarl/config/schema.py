@@ -126,7 +126,7 @@ class LoRAConfig:
 
 @dataclass
 class RoleConfig:
-    """One Megatron role (actor, critic, reference, reward model): its GPUs and parallel layout."""
+    """One Megatron role (actor, critic, reference, reward model, teacher): its GPUs and parallel layout."""
 
     enabled: bool = opt(True, "whether this role runs")
     gpus: int = opt(1, "GPUs (ranks) in this role's pool; dp = gpus / (tp*pp*cp)")

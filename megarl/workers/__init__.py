@@ -1,4 +1,4 @@
-"""Megatron roles (actor, critic, reference, reward model) as ranks, grouped per role."""
+"""Megatron roles (actor, critic, reference, reward model, distillation teacher) as ranks, grouped per role."""
 from megarl.data.batch import TokenBatch
 from megarl.workers.dispatch import Shard
 from megarl.workers.group import WorkerGroup

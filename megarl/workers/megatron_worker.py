@@ -73,7 +73,7 @@ def _metrics_to_host(outputs: list[dict[str, torch.Tensor]]) -> list[dict[str, f
 class WorkerSpec:
     """Everything a rank needs to start, picklable for Ray."""
 
-    role: str                  # actor | critic | ref | reward_model
+    role: str                  # actor | critic | ref | reward_model | teacher
     cfg: Any                   # RunConfig
     rank: int
     world_size: int

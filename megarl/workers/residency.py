@@ -1,6 +1,6 @@
 """Which Megatron role holds which state on the GPU, phase by phase (colocated runs).
 
-Why one place: in a colocated run the actor, critic, reference and reward model share GPUs
+Why one place: in a colocated run the actor, critic, reference, reward model and teacher share GPUs
 with the rollout servers. Each phase needs little: a forward needs one role's weights, training
 one role's weights, gradients and optimizer, the push the actor's weights. Everything else whose
 ``ROLE.offload.<kind>`` switch is on waits in pinned host memory (``workers/offload.py``). The
