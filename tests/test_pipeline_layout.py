@@ -112,7 +112,7 @@ def test_validation_accepts_exactly_the_splits_megatron_builds(num_layers):
 def _built_layers(rank, world, hf_dir, layout):
     """Build this rank's megatron chunks as a role's worker does, and report their layers."""
     from megarl.models import build_model
-    from megarl.models.builder import unwrap
+    from megarl.models.builder import built_layers, unwrap
     from megarl.parallel import init_model_parallel
 
     init_model_parallel(pp=layout["pp"], vpp=layout.get("vpp"))
@@ -123,7 +123,7 @@ def _built_layers(rank, world, hf_dir, layout):
     experts = sorted({len(layer.mlp.experts.local_experts) for c in chunks for layer in unwrap(c).decoder.layers
                       if hasattr(layer.mlp, "experts")})
     return {"pp_rank": mpu.get_pipeline_model_parallel_rank(),
-            "layers": [[int(layer.layer_number) - 1 for layer in unwrap(c).decoder.layers] for c in chunks],
+            "layers": built_layers(chunks),
             "experts": experts}
 
 

@@ -195,6 +195,12 @@ def unwrap(model):
     return model
 
 
+def built_layers(chunks) -> list[list[int]]:
+    """Global layer indices megatron built in each model chunk (virtual stage) of this rank: the
+    runtime's side of the pipeline split that validation and the plan assume."""
+    return [[int(layer.layer_number) - 1 for layer in unwrap(c).decoder.layers] for c in chunks]
+
+
 def forward_logits(chunks, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                    attention_mask: Optional[torch.Tensor] = None, packed_seq_params=None) -> Optional[torch.Tensor]:
     """Forward only. Returns ``[b, s, vocab]`` logits (TP-gathered, vocab padding removed; for a

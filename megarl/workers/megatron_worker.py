@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megarl.models.builder import unwrap
+from megarl.models.builder import built_layers, unwrap
 from megarl.parallel.dist import DEFAULT_TIMEOUT_S, hosts_rendezvous_store
 from megarl.algos import LossSettings, PolicyLossConfig, entropy_bonus, get_policy_loss, kl_loss, value_loss
 from megarl.data.batch import TokenBatch
@@ -163,12 +163,7 @@ class MegatronWorker:
         return {"rank": spec.rank, "role": spec.role, "params": sum(x.numel() for c in self.chunks for x in c.parameters()),
                 "trainable": trainable or sum(x.numel() for c in self.chunks for x in c.parameters() if x.requires_grad),
                 "pp_rank": mpu.get_pipeline_model_parallel_rank(), "num_layers": unwrap(self.chunks[0]).config.num_layers,
-                "layers": self.built_layers()}
-
-    def built_layers(self) -> list[list[int]]:
-        """Global layer indices megatron built in each of this rank's model chunks (virtual stages):
-        the runtime's side of the pipeline split that validation and the plan assume."""
-        return [[int(layer.layer_number) - 1 for layer in unwrap(c).decoder.layers] for c in self.chunks]
+                "layers": built_layers(self.chunks)}
 
     def _model_path(self) -> Path:
         from megarl.workers.model_source import resolve_hf_path
