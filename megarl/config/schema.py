@@ -190,6 +190,10 @@ class ClusterConfig:
         "trainer's kernels are scheduled first and the rollout fills what is left (one_step_off/async)")
     host_bandwidth_gbps: float = opt(55.0, "pinned host<->device copy bandwidth per GPU (GB/s) for the plan's "
                                      "offload/onload seconds; 55 measured on an H200 (PCIe Gen5 x16)")
+    nvlink_gbps: float = opt(450.0, "in-node GPU-to-GPU bandwidth per GPU, one direction, in GB/s (bytes), for the "
+                             "plan's refit seconds; 450 = NVLink 4 (H100/H200: 900 GB/s both directions)")
+    network_gbps: float = opt(50.0, "cross-node bandwidth per GPU (one NIC), in GB/s (bytes), for the plan's refit "
+                              "seconds; 50 GB/s = a 400 Gb/s NIC per GPU")
 
 
 @dataclass

@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Optional
 
 from megarl.config import load_config
 from megarl.planning.memory import GIB, Plan, make_plan
+from megarl.planning.refit import RefitPlan
 
 
 def _g(x: float) -> str:
@@ -38,6 +40,7 @@ def format_plan(plan: Plan) -> str:
                  f"(max_running_requests x {ro.seq_len} tokens), available {ro.kv_available / GIB:.2f} GiB "
                  f"-> {ro.concurrent_at_full_length} full-length sequences")
     lines.append(f"  Weight sync: {plan.sync_buckets / GIB:.2f} GiB of buckets per side (2 x max(bucket, largest tensor))")
+    lines.extend(format_refit(plan.refit))
     lines.append("")
     lines.append(f"  Phases, GiB {per if not plan.cpu else 'on the host'}:")
     for ph in plan.phases:
@@ -66,6 +69,24 @@ def format_plan(plan: Plan) -> str:
         for s in plan.suggestions:
             lines.append(f"    suggestion: {s}")
     return "\n".join(lines) + "\n"
+
+
+def format_refit(refit: Optional[RefitPlan]) -> list[str]:
+    """The refit lines: seconds per phase of the configured push and of the parallel-senders
+    candidate, the slowest link, the model's caveats."""
+    if refit is None:
+        return []
+    out = [f"  Refit (one weight push, {refit.transport}; model: planning/refit.py, cluster.nvlink_gbps / network_gbps):"]
+    for label, est in (("now", refit.current), ("candidate", refit.parallel_senders)):
+        if est is None:
+            continue
+        parts = ", ".join(f"{p.name} {p.seconds:.3f}" for p in est.phases)
+        out.append(f"    {label} ({est.label}): {est.seconds:.2f} s with {est.senders} sender(s), "
+                   f"{est.payload_bytes / 1e9:.1f} GB packed "
+                   f"= {parts}; slowest link {est.slowest_link} ({est.slowest_link_seconds:.2f} s)")
+    for n in refit.notes:
+        out.append(f"    note: {n}")
+    return out
 
 
 def plan_main(argv: list[str]) -> int:

@@ -90,6 +90,7 @@ from megarl.config.validate import dp_size, max_sequence_len
 from megarl.planning.context_parallel import cp_exchange, suggest_cp
 from megarl.planning.offload import offload_that_fits
 from megarl.planning.lora import adapter_params, lora_state_bytes
+from megarl.planning.refit import RefitPlan, plan_refit
 from megarl.planning.params import (MLA_QK_NOPE, MLA_QK_ROPE, MLA_V, ModelParams, head_dim, is_mla,
                                     is_moe_layer, model_params, stage_shards)
 
@@ -231,6 +232,7 @@ class Plan:
     host: dict[str, int] = field(default_factory=dict)   # host bytes per node, by part
     host_capacity: int = 0
     offload_seconds: float = 0.0    # per GPU, each way, per step, at cluster.host_bandwidth_gbps
+    refit: Optional[RefitPlan] = None   # modelled seconds of one weight push (planning/refit.py)
 
     @property
     def host_total(self) -> int:
@@ -248,6 +250,7 @@ class Plan:
             d["roles"][name]["peak"] = r.peak
         d["phases"] = [dict(name=p.name, pool=p.pool, parts=p.parts, total=p.total) for p in self.phases]
         d["pools"] = self.pool_peaks()
+        d["refit"] = self.refit.to_json() if self.refit else None
         return d
 
     def pool_peaks(self) -> dict[str, dict]:
@@ -581,7 +584,8 @@ def make_plan(cfg: RunConfig, recipe: str = "", gpu_memory_override: Optional[in
                 placement=cfg.placement.mode, total_params=mp.total, active_params=mp.active(arch), roles=roles,
                 rollout=rollout, sync_buckets=buckets, phases=phases, nodes_needed=nodes_needed,
                 nodes=cfg.cluster.nodes, gpus_per_node=gpn, problems=problems, warnings=warnings,
-                suggestions=suggestions, host=host, host_capacity=host_capacity, offload_seconds=offload_seconds)
+                suggestions=suggestions, host=host, host_capacity=host_capacity, offload_seconds=offload_seconds,
+                refit=plan_refit(cfg, rollout.weight_format == "fp8", rollout.tp, rollout.servers))
     if problems and not cpu and suggest:
         suggestions.extend(_suggest(cfg, plan, recipe, gpu_memory_override))
     return plan
