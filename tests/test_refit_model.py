@@ -35,7 +35,7 @@ def _arch() -> ModelArch:
 
 
 def _rates(**kw) -> Rates:
-    base = dict(nvlink=10e9, network=1e9, nics_per_node=1, pack=20e9, quantize=5e9, checksum=0.0, verify=0.0,
+    base = dict(nvlink=10e9, network=1e9, nics_per_node=1, pack=20e9, convert=25e9, quantize=5e9, checksum=0.0, verify=0.0,
                 write=40e9, ipc_receive=0.0, bucket_overhead_s=0.0)
     base.update(kw)
     return Rates(**base)
@@ -85,6 +85,7 @@ def test_fp8_bytes_and_quantize_input():
     proj = ATTN + EXPERTS
     assert s0.quantize_in == proj * 2
     assert s0.payload == pytest.approx(proj * (1 + FP8_SCALE_OVERHEAD) + (EMB + NORMS_ROUTER) * 2)
+    assert s0.held == (ATTN + EMB + NORMS_ROUTER + EXPERTS) * 2            # converted before quantizing
 
 
 def test_one_shared_link_gains_nothing_from_parallel_senders_one_link_each_does():
@@ -122,6 +123,7 @@ def test_phases_add_up_and_apply_counts_every_server_rank_byte():
     assert est.phase("apply").seconds == pytest.approx(total / 4e9 + total / 40e9)
     biggest = max(s.payload for s in broadcast_senders(st, _cpu_layout(2, 2, 2), "stage", False, elem))
     assert est.phase("pack").seconds == pytest.approx(biggest / 20e9 + biggest / 8e9)
+    assert est.phase("convert").seconds == pytest.approx(biggest / 25e9)
     assert est.phase("buckets").seconds == pytest.approx(2 * 0.001)     # 190 kB in 100 kB buckets
 
 
@@ -143,7 +145,7 @@ def test_network_setting_is_bytes_per_second_and_plan_json_has_the_refit(capsys)
     refit = json.loads(capsys.readouterr().out)["refit"]
     cur, par = refit["current"], refit["parallel_senders"]
     assert refit["transport"] == "distributed" and refit["seconds"] == cur["seconds"]
-    assert [p["name"] for p in cur["phases"]] == ["gather", "quantize", "pack", "send", "apply", "buckets"]
+    assert [p["name"] for p in cur["phases"]] == ["gather", "quantize", "convert", "pack", "send", "apply", "buckets"]
     assert cur["senders"] == 12 and par["senders"] == 96 and par["seconds"] < cur["seconds"]
     assert refit["slowest_link"].startswith("send: network of node")
     # half the NIC bandwidth: the network-bound send phase takes twice as long

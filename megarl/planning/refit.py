@@ -8,6 +8,8 @@ the resource it moves bytes over and adds the phases (no overlap assumed, so it 
   expert-parallel ranks' experts, ETP shards; colocated IPC: the whole model on every rank), each
   peer's bytes over NVLink when the peer is on the sender's node, over the network otherwise;
 * **quantize** -- block FP8 servers: the model-dtype bytes of the projections a sender quantizes;
+* **convert** -- the sender's megatron -> HF layout (fused QKV / gate-up split into HF tensors: one
+  copy of what it sends);
 * **pack** -- the sender's copy into its buckets (and its checksum, when one is sent);
 * **send** -- broadcast transport: every sender's bytes reach every server rank (a pipelined
   chain, as NCCL broadcasts): each node takes in every byte sent from another node over its NICs,
@@ -43,7 +45,7 @@ FP8_SCALE_OVERHEAD = 4 / 128 ** 2      # one fp32 scale per 128 x 128 block
 # GPU rates, bytes per second. Each from benchmarks/RESULTS.md "Weight push": bench_sync.py
 # --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 (15.23 GB, 16 buckets,
 # CUDA IPC into the embedded server on the same GPU), H200, 2026-12-03, unless said otherwise.
-GPU_PACK_BPS = 15.23e9 / 12.1e-3                 # pack 12.1 ms
+GPU_PACK_BPS = 15.23e9 / 12.1e-3                 # pack 12.1 ms (also the megatron -> HF copy's rate: not measured apart)
 GPU_IPC_RECEIVE_BPS = 15.23e9 / 6.0e-3           # server receive 6.0 ms (opening the IPC payload)
 GPU_VERIFY_BPS = 15.23e9 / 12.8e-3               # server verify 12.8 ms, bf16 (finiteness)
 GPU_VERIFY_CHECKSUM_BPS = 15.23e9 / 30.0e-3      # server verify 30.0 ms with --checksum
@@ -68,6 +70,7 @@ class Rates:
     network: float           # one NIC across nodes (CPU netns: the node's veth)
     nics_per_node: int       # NICs a node's traffic spreads over
     pack: float
+    convert: float           # megatron -> HF tensors on the sender (one copy)
     quantize: float
     checksum: float          # sender checksum (0: none sent)
     verify: float            # server verify (0: the server does not verify, e.g. SGLang)
@@ -116,6 +119,7 @@ class Sender:
     gather_local: float = 0.0    # bytes from peers on its node
     gather_remote: float = 0.0   # bytes from peers on other nodes
     quantize_in: float = 0.0     # model-dtype bytes it quantizes
+    held: float = 0.0            # model-dtype bytes of everything it sends (converted to HF tensors)
     payload: float = 0.0         # bytes it sends
 
 
@@ -202,10 +206,12 @@ def broadcast_senders(stages: list[StageBytes], lay: Layout, shape: str, fp8: bo
             for e in range(1, lay.ep):                   # every other EP rank's experts, to the sender
                 _peer_bytes(lead, lay, first + e * lay.etp, per_ep * elem)
             lead.quantize_in = (dense_fp8 + st.experts) * elem if fp8 else 0.0
+            lead.held = (dense_fp8 + st.experts + dense_plain) * elem
             lead.payload = _served(dense_fp8 + st.experts, dense_plain, fp8, elem)
             senders.append(lead)
             continue
         lead.quantize_in = (dense_fp8 + per_ep) * elem if fp8 else 0.0
+        lead.held = (dense_fp8 + per_ep + dense_plain) * elem
         lead.payload = _served(dense_fp8 + per_ep, dense_plain, fp8, elem)
         senders.append(lead)
         for e in range(1, lay.ep):                       # each EP rank's ETP0 sends its own experts
@@ -213,6 +219,7 @@ def broadcast_senders(stages: list[StageBytes], lay: Layout, shape: str, fp8: bo
             for t in range(1, lay.etp):
                 _peer_bytes(r, lay, r.rank + t, per_ep / lay.etp * elem)
             r.quantize_in = per_ep * elem if fp8 else 0.0
+            r.held = per_ep * elem
             r.payload = _served(per_ep, 0.0, fp8, elem)
             senders.append(r)
     return senders
@@ -236,6 +243,7 @@ def ipc_senders(stages: list[StageBytes], lay: Layout, fp8: bool, elem: int) -> 
             else:
                 _peer_bytes(snd, lay, t * block + pos, whole)
         snd.quantize_in = sum(st.projections + st.experts for st in stages) * elem if fp8 else 0.0
+        snd.held = sum((st.tp_sharded + st.replicated + st.experts) * elem for st in stages)
         snd.payload = sum(_served(st.projections + st.experts, st.tp_sharded - st.projections + st.replicated, fp8, elem)
                           for st in stages)
         out.append(snd)
@@ -287,6 +295,7 @@ def estimate(stages: list[StageBytes], lay: Layout, rates: Rates, *, transport: 
     phases = [gather]
     if fp8:
         phases.append(slowest("quantize", lambda s: s.quantize_in / rates.quantize, lambda s: s.quantize_in, "sender GPU"))
+    phases.append(slowest("convert", lambda s: s.held / rates.convert, lambda s: s.held, "sender GPU"))
     pack_rate = (1 / rates.pack + (1 / rates.checksum if rates.checksum else 0.0))
     phases.append(slowest("pack", lambda s: s.payload * pack_rate, lambda s: s.payload, "sender GPU"))
     if transport == "distributed":
@@ -314,7 +323,7 @@ def gpu_rates(cfg: Any, fp8: bool, checksum: bool, engine_verifies: bool) -> Rat
     if engine_verifies:
         verify = GPU_VERIFY_FP8_BPS if fp8 else (GPU_VERIFY_CHECKSUM_BPS if checksum else GPU_VERIFY_BPS)
     return Rates(nvlink=c.nvlink_gbps * GBPS, network=c.network_gbps * GBPS, nics_per_node=max(c.gpus_per_node, 1),
-                 pack=GPU_PACK_BPS, quantize=GPU_QUANTIZE_BPS, checksum=GPU_CHECKSUM_BPS if checksum else 0.0,
+                 pack=GPU_PACK_BPS, convert=GPU_PACK_BPS, quantize=GPU_QUANTIZE_BPS, checksum=GPU_CHECKSUM_BPS if checksum else 0.0,
                  verify=verify, write=GPU_WRITE_BPS, ipc_receive=GPU_IPC_RECEIVE_BPS,
                  bucket_overhead_s=GPU_BUCKET_OVERHEAD_S)
 
