@@ -148,6 +148,8 @@ def test_network_setting_is_bytes_per_second_and_plan_json_has_the_refit(capsys)
     assert [p["name"] for p in cur["phases"]] == ["gather", "quantize", "convert", "pack", "send", "apply", "buckets"]
     assert cur["senders"] == 12 and par["senders"] == 96 and par["seconds"] < cur["seconds"]
     assert refit["slowest_link"].startswith("send: network of node")
+    assert refit["parallel_senders_saves_s"] == pytest.approx(cur["seconds"] - par["seconds"])
+    assert refit["remainder_phase"] == "send"
     # half the NIC bandwidth: the network-bound send phase takes twice as long
     assert plan_main([DSV3, "cluster.network_gbps=25", "--json"]) == 0
     slow = json.loads(capsys.readouterr().out)["refit"]["current"]
@@ -156,3 +158,4 @@ def test_network_setting_is_bytes_per_second_and_plan_json_has_the_refit(capsys)
     assert plan_main([DSV3]) == 0
     text = capsys.readouterr().out
     assert "Refit (one weight push" in text and "candidate (every EP rank sends its own experts)" in text
+    assert "the candidate saves" in text and "longest phase is send" in text

@@ -84,6 +84,10 @@ def format_refit(refit: Optional[RefitPlan]) -> list[str]:
         out.append(f"    {label} ({est.label}): {est.seconds:.2f} s with {est.senders} sender(s), "
                    f"{est.payload_bytes / 1e9:.1f} GB packed "
                    f"= {parts}; slowest link {est.slowest_link} ({est.slowest_link_seconds:.2f} s)")
+    cut = refit.cut()
+    if cut:
+        saves, rest = cut
+        out.append(f"    the candidate saves {saves:.2f} s; its longest phase is {rest.name} ({rest.seconds:.2f} s, {rest.link})")
     for n in refit.notes:
         out.append(f"    note: {n}")
     return out

@@ -323,7 +323,8 @@ def gpu_rates(cfg: Any, fp8: bool, checksum: bool, engine_verifies: bool) -> Rat
     if engine_verifies:
         verify = GPU_VERIFY_FP8_BPS if fp8 else (GPU_VERIFY_CHECKSUM_BPS if checksum else GPU_VERIFY_BPS)
     return Rates(nvlink=c.nvlink_gbps * GBPS, network=c.network_gbps * GBPS, nics_per_node=max(c.gpus_per_node, 1),
-                 pack=GPU_PACK_BPS, convert=GPU_PACK_BPS, quantize=GPU_QUANTIZE_BPS, checksum=GPU_CHECKSUM_BPS if checksum else 0.0,
+                 pack=GPU_PACK_BPS, convert=GPU_PACK_BPS, quantize=GPU_QUANTIZE_BPS,
+                 checksum=GPU_CHECKSUM_BPS if checksum else 0.0,
                  verify=verify, write=GPU_WRITE_BPS, ipc_receive=GPU_IPC_RECEIVE_BPS,
                  bucket_overhead_s=GPU_BUCKET_OVERHEAD_S)
 
@@ -337,8 +338,18 @@ class RefitPlan:
     parallel_senders: Optional[RefitEstimate]
     notes: list[str] = field(default_factory=list)
 
+    def cut(self) -> Optional[tuple[float, PhaseTime]]:
+        """(seconds the candidate saves, the candidate's longest phase: what keeps the remainder)."""
+        if self.current is None or self.parallel_senders is None:
+            return None
+        return self.current.seconds - self.parallel_senders.seconds, max(self.parallel_senders.phases,
+                                                                         key=lambda p: p.seconds)
+
     def to_json(self) -> dict:
+        cut = self.cut()
         return {"transport": self.transport, "notes": self.notes,
+                "parallel_senders_saves_s": cut[0] if cut else None,
+                "remainder_phase": cut[1].name if cut else None,
                 "current": self.current.to_json() if self.current else None,
                 "parallel_senders": self.parallel_senders.to_json() if self.parallel_senders else None,
                 "seconds": self.current.seconds if self.current else None,
