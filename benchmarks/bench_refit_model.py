@@ -10,8 +10,9 @@ before to a barrier after (best of ``--reps`` after a warm-up push).
 
 The model is not given this machine's speed: every rate it uses is measured in the same run,
 before the pushes, by a plain operation -- the veth (a gloo broadcast from node 0 to a process on
-node 1), the in-node link (gloo send/recv between two ranks of node 0), a copy, the checksum,
-the server's verify (checksum + fp32 sum of the bytes), an HTTP round trip to the server. So a
+node 1), the in-node link (gloo sends of quarter-bucket units in every pair of node 0's ranks at
+once, as a layout's groups transfer together), a copy, the checksum, the server's verify
+(checksum + fp32 sum of the bytes), an HTTP round trip to the server. So a
 prediction off by much is a wrong structure (phases, bytes, which link the senders share), not a
 slow machine. Needs root (network namespaces).
 """
