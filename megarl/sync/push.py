@@ -471,31 +471,34 @@ def local_payloads(b: Bucket, server_tp: Sequence[int], tensor_format: Optional[
     return [[wire.dumps_b64(obj) for _ in range(tp)] for tp in server_tp]
 
 
-def is_sender_rank() -> bool:
+def is_sender_rank(expert_senders: bool = False) -> bool:
     """Whether this megatron rank sends weights: its pipeline stage's sender (tp = dp = cp = 0 of
-    the stage; `megarl.sync.stage`), one per stage, experts of the stage's EP ranks included."""
-    from .stage import is_stage_sender
+    the stage; `megarl.sync.stage`), one per stage, experts of the stage's EP ranks included; with
+    ``expert_senders`` also each other EP rank's ETP0/EDP0 rank (its own experts)."""
+    from .stage import is_expert_sender, is_stage_sender
 
-    return is_stage_sender()
+    return is_stage_sender() or (expert_senders and is_expert_sender())
 
 
-def sender_group_name(prefix: str = "megarl_weights") -> str:
-    """The update group of this rank's pipeline stage (at most one group per stage)."""
+def sender_group_name(prefix: str = "megarl_weights", expert_senders: bool = False) -> str:
+    """The update group of this rank's pipeline stage (at most one group per stage; with
+    ``expert_senders`` one per stage and expert-parallel rank)."""
     from .stage import stage_group_name
 
-    return stage_group_name(prefix)
+    return stage_group_name(prefix, expert_senders)
 
 
 def push_megatron(chunks, hf_config, pusher: Optional[WeightPusher], weight_version: Optional[str] = None,
-                  bucket_mb: Optional[float] = None) -> PushStats:
+                  bucket_mb: Optional[float] = None, expert_senders: bool = False) -> PushStats:
     """Collective over the trainer's ranks: every rank iterates its stage's stream
     (`megarl.sync.stage.iter_stage_weights`: TP/EP all-gathers and expert transfers in lockstep);
     the stage sender (the rank with a pusher) sends what it yields, the others yield nothing.
-    `bucket_mb` (ranks without a pusher) sizes the expert transfer units like the sender's."""
+    `bucket_mb` (ranks without a pusher) sizes the expert transfer units like the sender's.
+    ``expert_senders``: every EP rank's ETP0/EDP0 rank has a pusher and sends its own experts."""
     from .stage import iter_stage_weights
 
     bucket_bytes = pusher.bucket_bytes if pusher is not None else int((bucket_mb or 256) * (1 << 20))
-    it = iter_stage_weights(chunks, bucket_bytes)
+    it = iter_stage_weights(chunks, bucket_bytes, expert_senders=expert_senders)
     if pusher is None:
         for _ in it:
             pass

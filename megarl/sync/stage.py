@@ -21,6 +21,13 @@ etp = ep = edp = 0, so the stage sender is expert-parallel rank 0 of the EP grou
 ETP0/EDP0 ranks of the stage form (``megatron.core.parallel_state``: tp-cp-ep-dp-pp order).
 ``check_stage_layout`` verifies it at the first push and names the stage when it does not hold.
 
+**Expert senders** (``expert_senders=True``, the candidate the refit model in
+``megarl/planning/refit.py`` prices): each expert-parallel rank's ETP0/EDP0 rank sends its own
+experts through an update group of its own (``megarl_weights_pp<stage>_ep<rank>``) instead of
+handing them to the stage sender; the stage sender sends the dense weights and its own experts.
+No expert transfer, and quantization spreads over the EP ranks; the price is one update group per
+stage and EP rank on every server.
+
 Deadlock freedom: every rank first walks the dense weights (TP all-gathers only), then the
 experts (ETP all-gathers, and point-to-point sends to the sender). A rank blocked in a send waits
 only for the sender to reach it in the round; the sender waits only for that send; neither waits
@@ -57,8 +64,18 @@ def is_stage_sender() -> bool:
     return mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
-def stage_group_name(prefix: str = GROUP_PREFIX) -> str:
-    """The update group of this rank's stage: one per stage, the same name on every push."""
+def is_expert_sender() -> bool:
+    """Whether this rank sends its own experts under ``expert_senders``: ETP0/EDP0 of an
+    expert-parallel rank other than 0 (EP rank 0's experts go with the stage sender)."""
+    ep, ep_rank, etp_rank, edp_rank = _expert_ranks()
+    return ep > 1 and ep_rank > 0 and etp_rank == 0 and edp_rank == 0
+
+
+def stage_group_name(prefix: str = GROUP_PREFIX, expert_senders: bool = False) -> str:
+    """The update group of this rank's stage: one per stage, the same name on every push (with
+    ``expert_senders`` an expert sender's own group, one per stage and EP rank)."""
+    if expert_senders and is_expert_sender():
+        return f"{prefix}_pp{stage_index()}_ep{_expert_ranks()[1]}"
     return f"{prefix}_pp{stage_index()}"
 
 
@@ -81,10 +98,12 @@ def check_stage_layout() -> None:
             f"gathered to another rank (megatron rank order other than tp-cp-ep-dp-pp?)")
 
 
-def iter_stage_weights(chunks, bucket_bytes: int, unit_bytes: Optional[int] = None
+def iter_stage_weights(chunks, bucket_bytes: int, unit_bytes: Optional[int] = None, expert_senders: bool = False
                        ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Every HF tensor of this rank's pipeline stage, yielded on the stage sender only (other ranks
     yield nothing but must iterate: they take part in the all-gathers and send their experts).
+    ``expert_senders``: the stage sender yields the dense weights and its own experts, every other
+    expert sender (:func:`is_expert_sender`) its own experts, no expert is transferred.
 
     A collective over the actor's ranks: call it on every rank, in the same order as other
     collectives. Names and tensors are those of ``megarl.models.iter_hf_weights``."""
@@ -95,6 +114,9 @@ def iter_stage_weights(chunks, bucket_bytes: int, unit_bytes: Optional[int] = No
     check_stage_layout()
     yield from iter_hf_weights(chunks, only="dense")
     experts = iter_hf_weights(chunks, only="experts")
+    if expert_senders:                # each ETP0/EDP0 rank yields its own experts (iter_hf_weights)
+        yield from experts
+        return
     ep, ep_rank, etp_rank, edp_rank = _expert_ranks()
     num_experts = int(getattr(unwrap(chunks[0]).config, "num_moe_experts", None) or 0)
     if ep <= 1 or not num_experts:
