@@ -19,6 +19,7 @@ CORE = [
     "aiohttp==3.14.5",
     "numpy>=1.26",
     "psutil>=5.9",  # megatron dist_checkpointing writer processes need it
+    "py-spy>=0.4.2",  # the watchdog reads a stopped rank's stack with it (megarl/workers/stack_dump.py)
 ]
 
 EXTRAS = {

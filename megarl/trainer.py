@@ -50,6 +50,7 @@ from megarl.rollout.sample import token_batch
 from megarl.rollout.source import make_source
 from megarl.rollout.teacher import ServedTeacher
 from megarl.sync.driver import WeightSync
+from megarl.watchdog import Watchdog
 from megarl.wire.versions import version_tag
 from megarl.workers.model_source import load_tokenizer, resolve_hf_path
 from megarl.workers.residency import Residency, offload_switches
@@ -103,6 +104,9 @@ class Trainer:
         self.served_teacher: Optional[ServedTeacher] = None   # teacher.mode served (megatron: groups["teacher"])
         log = cfg.logging
         self.profiler = phase_profiler(log.profile_steps, log.profile_phases, Path(log.profile_dir or self.out / "profile"))
+        # phase deadlines: a hung phase names its rank, dumps every stack and exits for a requeue (watchdog.py)
+        self.watchdog = Watchdog(cfg.watchdog, self.out / "watchdog", checkpoint=self._checkpoint_after_hang,
+                                 close=self.close)
 
     # ------------------------------------------------------------------ set-up
     def setup_data(self) -> None:
@@ -141,6 +145,7 @@ class Trainer:
         self.servers = servers = RolloutServers(cfg, self.served_dir, self.out / "logs", placement=placement.servers(),
                                                 env=self.mps.env_for("rollout") if self.mps else None)
         self.groups = start_roles(cfg, placement)
+        self.watchdog.arm(self.groups)
         if cfg.teacher.enabled and cfg.teacher.mode == "served":
             self.served_teacher = ServedTeacher(cfg.teacher.server_urls, cfg.teacher.request_batch,
                                                 served_teacher_key(cfg), cfg.rollout.request_timeout_s,
@@ -164,7 +169,8 @@ class Trainer:
             note(f"resumed from {resume} at step {self.state.step}")
         self.first_step = self.state.step
         self.residency.hold("sync", "actor", "push")
-        self.weights.push(version_tag(self.state.step))
+        with self.watchdog.phase("sync", self.state.step):
+            self.weights.push(version_tag(self.state.step))
         self.residency.release_all("rollout")
         if self.source.off_policy:
             self.source.set_version(self.state.step, taken_batches=self.state.step)
@@ -184,7 +190,8 @@ class Trainer:
     # ------------------------------------------------------------------ one RL step
     def step(self, step: int) -> dict[str, float]:
         a = self.cfg.algorithm
-        timer = PhaseTimer(functools.partial(self.profiler.phase, step + 1) if self.profiler else None)
+        timer = PhaseTimer(self.watchdog.around(step + 1, functools.partial(self.profiler.phase, step + 1)
+                                                if self.profiler else None))
         manager = self.rollout.manager
         with timer("rollout"):
             restarted = manager.restarted
@@ -329,12 +336,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation, checkpoints, export
     def evaluate(self) -> dict[str, float]:
-        return self.rollout.evaluate(self.eval_records)
+        with self.watchdog.phase("eval", self.state.step):
+            return self.rollout.evaluate(self.eval_records)
 
     def save_checkpoint(self) -> Path:
-        path = self.checkpoints.save(self.state.step)
+        with self.watchdog.phase("checkpoint", self.state.step):
+            path = self.checkpoints.save(self.state.step)
         note(f"checkpoint {path}")
         return path
+
+    def _checkpoint_after_hang(self, phase: str) -> Path:
+        """The watchdog's checkpoint after a hang in a phase that leaves the ranks idle (rollout,
+        release, eval): the last finished step, a hung rollout's batch given back to the source so
+        that the resume redoes the step."""
+        if phase != "eval":
+            self.source.rewind_batch()
+        return self.checkpoints.save(self.state.step)
 
     def export_hf(self) -> Path:
         out = export_hf_folder(self.groups["actor"], self.model_dir, self.out / "hf_export")   # LoRA: merged
@@ -374,6 +391,7 @@ class Trainer:
                 results["export"] = str(self.export_hf())
             return results
         finally:
+            self.watchdog.settle()   # after a hang the watchdog ends the process, with the requeue code
             self.close()
 
     def _log_eval(self, when: str) -> dict[str, float]:
@@ -407,6 +425,7 @@ class Trainer:
 
     def close(self) -> None:
         """Stop everything that was started."""
+        self.watchdog.stop()
         for part in (self.source, self.logger, self.weights, self.served_teacher):
             if part is not None:
                 part.close()

@@ -6,7 +6,8 @@
 #   megarl_ray_up      Ray head on the first node, one Ray worker per other node (srun steps),
 #                      then wait until every node has joined
 #   megarl_run CMD...  run the driver on the head node in the background, forwarding
-#                      SIGTERM/SIGINT/SIGUSR1, and return its exit code
+#                      SIGTERM/SIGINT/SIGUSR1, requeue the job on the watchdog's exit code 75
+#                      (megarl_requeue_on), and return the driver's exit code
 #   megarl_ray_down    SIGTERM to the Ray steps (each `ray start --block` stops its own node),
 #                      installed as an EXIT trap, so it runs on success, failure and `scancel`
 #
@@ -273,5 +274,22 @@ megarl_run() {
   done
   trap - TERM INT USR1
   megarl_log "driver exited with $rc"
+  megarl_requeue_on "$rc"
   return "$rc"
+}
+
+# megarl_requeue_on RC: exit code 75 is the watchdog's (megarl/watchdog.py::REQUEUE_EXIT: a phase
+# passed its deadline; stacks and the hung rank in OUTPUT_DIR/watchdog/). The job goes back to the
+# queue and resumes from its last checkpoint (checkpoint.resume=auto), at most MEGARL_MAX_REQUEUES
+# times (default 3; SLURM counts them in SLURM_RESTART_COUNT), so a hang that comes back every time
+# ends the job instead of looping. Needs a requeueable job (#SBATCH --requeue in the train scripts).
+megarl_requeue_on() {
+  local rc=$1 max=${MEGARL_MAX_REQUEUES:-3} done=${SLURM_RESTART_COUNT:-0}
+  [[ "$rc" == 75 && -n "${SLURM_JOB_ID:-}" ]] || return 0
+  if ((done >= max)); then
+    megarl_log "watchdog exit ($rc), job already requeued $done time(s) (MEGARL_MAX_REQUEUES=$max): not again"
+    return 0
+  fi
+  megarl_log "watchdog exit ($rc): requeueing job $SLURM_JOB_ID ($((done + 1))/$max)"
+  scontrol requeue "$SLURM_JOB_ID" || megarl_log "scontrol requeue $SLURM_JOB_ID failed"
 }

@@ -190,6 +190,9 @@ class ClusterConfig:
         "trainer's kernels are scheduled first and the rollout fills what is left (one_step_off/async)")
     host_bandwidth_gbps: float = opt(55.0, "pinned host<->device copy bandwidth per GPU (GB/s) for the plan's "
                                      "offload/onload seconds; 55 measured on an H200 (PCIe Gen5 x16)")
+    collective_timeout_s: float = opt(1800.0, "timeout of every process group megarl creates for its Megatron ranks "
+                                      "(a collective that waits longer fails, naming its group); above the "
+                                      "watchdog's deadlines, so that the watchdog names a hung rank first")
     nvlink_gbps: float = opt(450.0, "in-node GPU-to-GPU bandwidth per GPU, one direction, in GB/s (bytes), for the "
                              "plan's refit seconds; 450 = NVLink 4 (H100/H200: 900 GB/s both directions)")
     network_gbps: float = opt(50.0, "cross-node bandwidth per GPU (one NIC), in GB/s (bytes), for the plan's refit "
@@ -475,6 +478,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    enabled: bool = opt(True, "a deadline on every phase of a step; past it every rank's stack goes to "
+                        "OUTPUT_DIR/watchdog/, one line names role, rank, host and phase, and the run exits "
+                        "75 (launch/slurm requeues it)")
+    factor: float = opt(4.0, "a phase's deadline: factor x its longest time so far in this run")
+    first_step_s: float = opt(1500.0, "deadline of a phase that has not finished once yet in this run (first "
+                              "step: warm-up, first checkpoint write)")
+    min_s: float = opt(300.0, "no history-derived deadline is shorter than this")
+    phase_s: dict[str, float] = opt({}, "fixed deadlines in seconds for named phases (rollout, release, "
+                                    "old_logprobs, ref_logprobs, teacher_logprobs, values, train, sync, "
+                                    "checkpoint, eval), history ignored")
+
+
+@dataclass
 class LoggingConfig:
     sinks: list[str] = opt(["tensorboard"], "where per-step metrics go, same names in each: tensorboard, wandb "
                            "(offline unless logging.wandb_mode says online), mlflow (local file store unless "
@@ -526,6 +543,8 @@ class RunConfig:
     sync: SyncConfig = section(SyncConfig, "trainer -> rollout weight sync")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "checkpoints and resume")
     logging: LoggingConfig = section(LoggingConfig, "tensorboard and console")
+    watchdog: WatchdogConfig = section(WatchdogConfig, "phase deadlines: a hung rank is named, its stacks "
+                                       "dumped, the run requeued")
     trainer: TrainerConfig = section(TrainerConfig, "loop length and evaluation")
 
     @property

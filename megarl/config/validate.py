@@ -631,6 +631,9 @@ def collect_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
     _check_rest(cfg, problems)
     _check_agent(cfg, problems)
     _check_lora(cfg, problems)
+    from megarl.config.watchdog import watchdog_problems
+
+    problems.extend(watchdog_problems(cfg))
     from megarl.config.teacher import teacher_problems
 
     problems.extend(teacher_problems(cfg))

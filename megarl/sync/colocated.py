@@ -16,6 +16,7 @@ global order that is the same on all ranks -- so every rank cuts the same bucket
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -105,12 +106,13 @@ class IpcFanIn:
     rank because `new_group` is collective): a `tensor_payloads` function for `WeightPusher`
     that gathers every member's payload to the group's first rank."""
 
-    def __init__(self, groups: Sequence[Sequence[int]]):
+    def __init__(self, groups: Sequence[Sequence[int]], timeout_s: float = 600.0):
         rank = dist.get_rank()
         self.group = None
         self.members: Tuple[int, ...] = ()
         for members in groups:
-            g = dist.new_group(ranks=list(members), backend="gloo")
+            # explicit: new_group's own default is torch's 30 min, not the push's deadline
+            g = dist.new_group(ranks=list(members), backend="gloo", timeout=timedelta(seconds=timeout_s))
             if rank in members:
                 self.group, self.members = g, tuple(members)
         self.server: Optional[int] = next((i for i, m in enumerate(groups) if rank in m), None)

@@ -113,7 +113,7 @@ class RankSender:
         from .colocated import IpcFanIn, iter_hf_weights_everywhere
 
         if self.fan is None:
-            self.fan = IpcFanIn(target.ipc_groups)
+            self.fan = IpcFanIn(target.ipc_groups, target.timeout_s)
         fan = self.fan
 
         def pusher_for(server: Optional[int]) -> WeightPusher:

@@ -19,7 +19,6 @@ from megarl.algos import LossSettings
 from megarl.config import max_sequence_len
 from megarl.data.batch import TokenBatch
 from megarl.data.packing import ShardPlan, StratifiedMinibatches, plan_ranges, plan_shards, stratified_minibatches
-from megarl.parallel.dist import DEFAULT_TIMEOUT_S
 from megarl.wire.addresses import node_address
 from megarl.wire.process_group import bound_store
 from megarl.workers.dispatch import make_shards, unshard
@@ -40,7 +39,7 @@ class _RayRank(MegatronWorker):
         import dataclasses
 
         address = node_address()
-        self.store = bound_store(address, self.spec.world_size, DEFAULT_TIMEOUT_S)
+        self.store = bound_store(address, self.spec.world_size, self.cfg.cluster.collective_timeout_s)
         self.spec = dataclasses.replace(self.spec, master_addr=address, master_port=self.store.port)
         return address, self.store.port
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megarl.models.builder import built_layers, unwrap
-from megarl.parallel.dist import DEFAULT_TIMEOUT_S, hosts_rendezvous_store
+from megarl.parallel.dist import hosts_rendezvous_store
 from megarl.algos import LossSettings, PolicyLossConfig, entropy_bonus, get_policy_loss, kl_loss, value_loss
 from megarl.data.batch import TokenBatch
 from megarl.sync.rank import PushTarget, RankSender
@@ -110,7 +110,7 @@ class MegatronWorker:
         # no launcher holding the store)
         return torch.distributed.TCPStore(spec.master_addr, spec.master_port, spec.world_size,
                                           is_master=hosts_rendezvous_store(spec.rank), wait_for_workers=False,
-                                          timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+                                          timeout=datetime.timedelta(seconds=self.cfg.cluster.collective_timeout_s))
 
     def setup(self) -> dict[str, Any]:
         from megarl.parallel import apply_cpu_shim, init_distributed, init_model_parallel
@@ -124,7 +124,8 @@ class MegatronWorker:
         else:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if not torch.distributed.is_initialized():
-            init_distributed(store=self._rendezvous_store())
+            # every group of this rank (megatron's too: init_model_parallel) gets the run's timeout
+            init_distributed(store=self._rendezvous_store(), timeout_s=self.cfg.cluster.collective_timeout_s)
         from megatron.core import parallel_state as mpu
 
         # Backend 'local' hosts several one-rank roles in one process: they share one layout.
@@ -500,6 +501,14 @@ class MegatronWorker:
     def routing_stats(self) -> dict[int, list[float]]:
         """MoE: this rank's per-layer router agreement counters since the last call."""
         return collect_routing_stats(self.chunks)
+
+    def arm_watchdog(self, folder: str) -> Any:
+        """Dump this rank's stacks into ``folder`` on the watchdog's signal and say where the rank runs
+        (pid, host, Ray node): asked at start-up, since a hung rank answers no call
+        (``megarl/workers/stack_dump.py``, ``megarl/watchdog.py``)."""
+        from megarl.workers.stack_dump import arm
+
+        return arm(folder, self.spec.role, self.spec.rank)
 
     def probe(self, fn: Callable, *args, **kwargs):
         """Run ``fn(worker, *args)`` on this rank and return its result: a diagnostic hook for
