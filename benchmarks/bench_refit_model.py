@@ -1,11 +1,12 @@
 """The refit model (megarl/planning/refit.py) against real pushes across two fake nodes (one JSON line).
 
-    sudo python benchmarks/bench_refit_model.py [--layouts tp1,tp2,pp2,ep2,tp2pp2ep2] [--reps 3]
+    sudo python benchmarks/bench_refit_model.py [--layouts tp1,tp2,pp2,ep2,ep2x,tp2pp2ep2] [--reps 3]
 
 Node 0 (a network namespace, tests/netns_cluster.py) runs four Megatron ranks on gloo; node 1 runs
 an embedded server (TP1). Each layout pushes the same small Qwen3-MoE through megarl's own path
 (``push_megatron``: one sender per pipeline stage, TP all-gathers and expert transfers to it, a
-gloo broadcast over the veth, the server's verify and apply) and is timed on rank 0 from a barrier
+gloo broadcast over the veth, the server's verify and apply; ``ep2x``: each EP rank sends its own
+experts through its own update group) and is timed on rank 0 from a barrier
 before to a barrier after (best of ``--reps`` after a warm-up push).
 
 The model is not given this machine's speed: every rate it uses is measured in the same run,
@@ -29,7 +30,9 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2), "tp2pp2ep2": (2, 2, 2)}
+# name: (tp, pp, ep, expert senders); "x": every EP rank sends its own experts (the model's candidate)
+LAYOUTS = {"tp1": (1, 1, 1, False), "tp2": (2, 1, 1, False), "pp2": (1, 2, 1, False), "ep2": (1, 1, 2, False),
+           "ep2x": (1, 1, 2, True), "tp2pp2ep2": (2, 2, 2, False)}
 MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, head_dim=64, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2,
              tie_word_embeddings=False)
@@ -119,9 +122,8 @@ def _ranks(rank: int, world: int, hf_dir: str, url: str, layouts: list[str], rep
 
     from megarl.models import build_model, load_hf_weights
     from megarl.parallel import apply_cpu_shim, init_model_parallel
-    from megarl.sync.push import WeightPusher, push_megatron
+    from megarl.sync.push import WeightPusher, is_sender_rank, push_megatron, sender_group_name
     from megarl.sync.session import weight_update_session
-    from megarl.sync.stage import is_stage_sender, stage_group_name
 
     torch.set_num_threads(1)
     apply_cpu_shim()
@@ -142,21 +144,22 @@ def _ranks(rank: int, world: int, hf_dir: str, url: str, layouts: list[str], rep
     out["in_node"] = PROBE_BYTES / _best(pair, reps)            # bytes each receiving rank takes per second
     cfg = AutoConfig.from_pretrained(hf_dir)
     for name in layouts:
-        tp, pp, ep = LAYOUTS[name]
+        tp, pp, ep, experts = LAYOUTS[name]
         init_model_parallel(tp=tp, pp=pp, ep=ep, etp=1)
         chunks = build_model(cfg)
         load_hf_weights(chunks, hf_dir)
         pusher = None
-        if is_stage_sender():
+        if is_sender_rank(expert_senders=experts):
             pusher = WeightPusher([url], transport="distributed", backend="gloo", bucket_mb=BUCKET_MB,
-                                  group_name=stage_group_name(f"bench_{name}"))
+                                  group_name=sender_group_name(f"bench_{name}", expert_senders=experts))
             pusher.connect()
         seconds, cpu, stats = [], [], None
         for i in range(reps + 1):
             with weight_update_session([url]) if rank == 0 else contextlib.nullcontext():
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
-                st = push_megatron(chunks, cfg, pusher, weight_version=f"{name}-{i}", bucket_mb=BUCKET_MB)
+                st = push_megatron(chunks, cfg, pusher, weight_version=f"{name}-{i}", bucket_mb=BUCKET_MB,
+                                   expert_senders=experts)
                 c1 = time.process_time()
                 dist.barrier()
                 seconds.append(time.perf_counter() - t0)
@@ -195,7 +198,7 @@ def predict(hf_dir: str, measured: dict[str, Any], name: str) -> dict[str, Any]:
 
     hf = json.load(open(os.path.join(hf_dir, "config.json")))
     arch = ModelArch(**arch_from_hf(hf))
-    tp, pp, ep = LAYOUTS[name]
+    tp, pp, ep, experts = LAYOUTS[name]
     stages = stage_bytes(arch, stage_layers(arch.num_layers, ParallelConfig(tp=tp, pp=pp, ep=ep)))
     lay = Layout(tp=tp, pp=pp, ep=ep, etp=1, world=4, ranks_per_node=4, server_tp=1, servers=1,
                  server_first_node=1, server_ranks_per_node=1)
@@ -204,7 +207,7 @@ def predict(hf_dir: str, measured: dict[str, Any], name: str) -> dict[str, Any]:
                   quantize=0.0, checksum=loc["checksum"], verify=loc["verify"], write=loc["copy"], ipc_receive=0.0,
                   bucket_overhead_s=measured["rtt"])
     kw = dict(transport="distributed", fp8=False, elem=4, bucket_bytes=BUCKET_MB << 20)
-    est = estimate(stages, lay, rates, shape="stage", **kw)
+    est = estimate(stages, lay, rates, shape="expert" if experts else "stage", **kw)
     cand = estimate(stages, lay, rates, shape="expert", **kw) if ep > 1 else est
     got = measured["ranks"][name]
     return {"layout": name, "senders": est.senders, "predicted_s": round(est.seconds, 4),
