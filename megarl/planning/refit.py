@@ -389,6 +389,11 @@ def plan_refit(cfg: Any, fp8: bool, server_tp: int, servers: int) -> RefitPlan:
     if cfg.rollout.engine == "sglang":
         notes.append("apply: SGLang's own load rate is not measured; the embedded engine's write rate stands in "
                      "(SGLang does not verify)")
+    from megarl.config.colocation import adapter_push
+
+    if adapter_push(cfg):
+        notes.append("actor.lora.push: adapter -- each push loads LoRA adapters only; the seconds above are a full "
+                     "(merged) push, e.g. a restarted server's")
     if any(is_moe_layer(cfg.model.arch, i) for i in range(cfg.model.arch.num_layers)) and p.ep == 1:
         notes.append("ep = 1: the expert-sender candidate is the current shape")
     return RefitPlan(transport, current, parallel, notes)
