@@ -23,7 +23,8 @@ Senders run in parallel, so each phase costs its slowest sender. Two shapes are 
 ``stage`` -- what ``megarl.sync`` does: one sender per pipeline stage gathers its TP shards and
 every expert-parallel rank's experts, and ``expert`` -- the candidate where each expert-parallel
 rank sends its own experts (the stage sender keeps the dense weights), so the expert gather goes
-away and quantization is spread over the EP ranks.
+away and quantization is spread over the EP ranks (in the push as an opt-in:
+``push_megatron(..., expert_senders=True)``; not a run setting yet).
 
 Bytes come from ``planning/params.py`` (the plan's own counts); the block-FP8 byte count is the
 one the rollout memory plan uses. Rates are settings (``cluster.nvlink_gbps``,
