@@ -339,12 +339,13 @@ def _inspect_on_node(node_id: str, procs: list[RankProcess], wait_s: float) -> l
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False))
         return ray.get(task.remote(procs, wait_s), timeout=wait_s + 90)
     except Exception as err:  # noqa: BLE001 - the node may be what hung: say so per rank
-        return [RankStack(p, "unknown", f"(no Python stack: node {node_id[:12]} did not answer: "
-                          f"{type(err).__name__}: {err})", "none") for p in procs]
+        why = f"(no Python stack: node {node_id[:12]} did not answer: {type(err).__name__}: {err})"
+        return [RankStack(p, "unknown (its node did not answer)", why, "none") for p in procs]
 
 
 def _bounded(fn: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
-    """``fn()`` on a daemon thread for at most ``timeout_s``: (True, result) or (False, why)."""
+    """``fn()`` on another thread for at most ``timeout_s``: (True, result) or (False, why). A call
+    still running then is left behind; the process ends right after."""
     pool = cf.ThreadPoolExecutor(1, thread_name_prefix="megarl-watchdog-call")
     try:
         return True, pool.submit(fn).result(timeout_s)

@@ -133,6 +133,18 @@ def test_stacks_of_a_live_rank_by_its_signal_and_of_a_stopped_rank_by_py_spy(tmp
     assert proc_state(stopped.pid) == "gone"
 
 
+def test_ranks_sharing_a_process_share_its_one_stack_file(tmp_path):
+    """Backend local: one process holds a rank of each role; each points at the file its one
+    handler writes, so each gets the process's stack from its signal."""
+    from megarl.workers.stack_dump import arm
+
+    actor, ref = arm(str(tmp_path), "actor", 0), arm(str(tmp_path), "ref", 0)
+    assert actor.stack_file == ref.stack_file and actor.pid == ref.pid == os.getpid()
+    found = inspect_ranks([actor, ref], wait_s=30)
+    assert [s.source for s in found] == ["faulthandler", "faulthandler"], found
+    assert all("test_ranks_sharing_a_process" in s.stack for s in found)
+
+
 # ----------------------------------------------------------------------------------- SLURM requeue
 
 def test_slurm_requeues_the_job_on_the_watchdog_exit_code_only(tmp_path):

@@ -57,21 +57,27 @@ class RankStack:
 
     @property
     def stopped(self) -> bool:
-        """Stopped, traced-stopped, dead or reaped: a rank that cannot take part in a collective."""
-        return self.state[:1] in ("T", "t", "Z", "X") or self.state == "gone"
+        """Stopped, traced-stopped, dead, reaped, or on a node that does not answer: a rank that
+        cannot take part in a collective."""
+        return self.state[:1] in ("T", "t", "Z", "X") or self.state == "gone" or self.state.startswith("unknown")
 
 
 def arm(folder: str, role: str, rank: int) -> RankProcess:
     """Register this process's stack dump on :data:`STACK_SIGNAL` into ``folder/ROLE_rankR_pidP.txt``
-    (appended: each dump adds all threads' stacks) and say where this rank runs."""
-    path = Path(folder) / f"{role}_rank{rank}_pid{os.getpid()}.txt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    old = _ARMED.pop("file", None)
-    out = open(path, "a", buffering=1)
-    faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)
-    _ARMED["file"] = out
-    if old is not None:
-        old.close()
+    (appended: each dump adds all threads' stacks) and say where this rank runs. A process that hosts
+    several ranks (backend ``local``: one rank of each role) keeps the first file: one handler per
+    process, so every rank of it points at the file that handler writes."""
+    armed = _ARMED.get("file")
+    if armed is not None and Path(armed.name).parent == Path(folder):
+        path = Path(armed.name)
+    else:
+        path = Path(folder) / f"{role}_rank{rank}_pid{os.getpid()}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(path, "a", buffering=1)
+        faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)
+        _ARMED["file"] = out
+        if armed is not None:
+            armed.close()
     return RankProcess(role, rank, os.getpid(), socket.gethostname(), _ray_node_id(), str(path))
 
 
