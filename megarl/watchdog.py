@@ -43,6 +43,7 @@ from megarl.workers.stack_dump import RankProcess, RankStack, inspect_ranks
 
 REQUEUE_EXIT = 75   # EX_TEMPFAIL: "try again later" -- launch/slurm/common.sh requeues the job on it
 IDLE_RANK_PHASES = ("rollout", "release", "eval")   # phases in which no Megatron rank is in a call
+CLOSE_S = 30.0   # for the run's own close after a hang (servers, Ray); a part stuck in the hang is left to the exit
 __all__ = ["Deadlines", "Watchdog", "REQUEUE_EXIT", "PHASES", "hang_line"]
 
 
@@ -281,7 +282,7 @@ class Watchdog:
         except ImportError:
             pass
         if self.close is not None:
-            _bounded(self.close, 60.0)
+            _bounded(self.close, CLOSE_S)
         if self.end_children:
             _end_children()
 
