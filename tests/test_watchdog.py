@@ -179,9 +179,11 @@ def model(tmp_path_factory) -> Path:
 SAMPLES_PER_STEP = 8   # batch.prompts_per_step 2 x the recipe's rollout.n_per_prompt 4
 
 
-@pytest.mark.parametrize("layout, stop_rank, live_rank", [("tp", 1, 0), ("pp", 0, 1)])
+@pytest.mark.parametrize("layout, stop_rank, live_rank, via_ray", [("tp", 1, 0, "0"), ("pp", 0, 1, "1")])
 def test_a_stopped_rank_is_named_with_its_phase_and_every_rank_stack_and_the_run_requeues(model, tmp_path, layout,
-                                                                                         stop_rank, live_rank):
+                                                                                         stop_rank, live_rank, via_ray):
+    """PP2 reads the stacks as for ranks on other nodes: a Ray task pinned to the ranks' node
+    (``MEGARL_WATCHDOG_VIA_RAY=1``); TP2 from the driver, the ranks' own node."""
     out = tmp_path / "run"
     ranks = out / "watchdog" / "ranks"
     cmd = [sys.executable, "-m", "megarl", "train", str(DEFAULT), *tiny_overrides(
@@ -190,7 +192,8 @@ def test_a_stopped_rank_is_named_with_its_phase_and_every_rank_stack_and_the_run
         "data.num_eval=4", "reward.function=tests.helpers.hang:stop_rank_after_calls",
         "watchdog.factor=3", "watchdog.min_s=20", "watchdog.first_step_s=600", "cluster.collective_timeout_s=900")]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), MEGARL_TEST_STOP_DIR=str(ranks),
-               MEGARL_TEST_STOP_RANK=f"actor_rank{stop_rank}_", MEGARL_TEST_STOP_AFTER=str(SAMPLES_PER_STEP))
+               MEGARL_TEST_STOP_RANK=f"actor_rank{stop_rank}_", MEGARL_TEST_STOP_AFTER=str(SAMPLES_PER_STEP),
+               MEGARL_WATCHDOG_VIA_RAY=via_ray)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     ended = time.time()
     log = proc.stdout + proc.stderr
@@ -209,7 +212,10 @@ def test_a_stopped_rank_is_named_with_its_phase_and_every_rank_stack_and_the_run
     text = stacks.read_text()
     sections = dict(re.findall(r"^== (actor rank \d) on host .*?\n(.*?)(?=^== |\Z)", text, re.S | re.M))
     assert set(sections) == {"actor rank 0", "actor rank 1"}, text[:3000]
-    assert "[stack from py-spy]" in text and "Thread" in sections[f"actor rank {stop_rank}"]
+    assert "[stack from py-spy, read by pid" in text and "Thread" in sections[f"actor rank {stop_rank}"]
+    driver = re.search(r"^== driver on host .* \(pid (\d+)\)", text, re.M).group(1)
+    readers = set(re.findall(r"^== actor rank .*, read by pid (\d+)\]", text, re.M))
+    assert (readers == {driver}) == (via_ray == "0"), (readers, driver)   # via Ray: a task on the ranks' node
     assert "compute_logprobs" in sections[f"actor rank {live_rank}"], sections[f"actor rank {live_rank}"]
     report = json.loads((out / "watchdog" / "hang.json").read_text())
     assert report["stopped"]["rank"] == stop_rank and report["phase"] == "old_logprobs"

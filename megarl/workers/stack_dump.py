@@ -54,6 +54,7 @@ class RankStack:
     state: str            # "R (running)", "S (sleeping)", "T (stopped)", "gone", ...
     stack: str            # the threads' stacks, or "(no Python stack: why)"
     source: str           # faulthandler | py-spy | none
+    reader: int = dataclasses.field(default_factory=os.getpid)   # the process that read it (driver or node task)
 
     @property
     def stopped(self) -> bool:
