@@ -22,10 +22,9 @@ from typing import Any, Optional
 import torch
 
 from megarl.algos import LossSettings, get_advantage_estimator, kl_reward_penalty, make_kl_controller
-from megarl.algos.distill import distill_metrics, mix_advantages, subtract_batch_mean
+from megarl.algos.distill import distilled_advantages
 from megarl.algos.fidelity import LogprobBound, LogprobMismatch, logprob_bound, rollout_logprob_check
 from megarl.algos.metrics import batch_summary
-from megarl.algos.registry import get_distill_advantage
 from megarl.checkpoint.hf_export import export_hf_folder, export_peft_adapter
 from megarl.checkpoint.manager import CheckpointManager
 from megarl.config import RunConfig
@@ -303,15 +302,11 @@ class Trainer:
         return self.groups["teacher"].forward("compute_logprobs", batch, False)["logprobs"]
 
     def distill(self, batch: TokenBatch, task: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """``algorithm.distill``: the advantages with the teacher's signal mixed in, and its metrics.
-        The student's log-probabilities are the step's old ones (what the PPO ratio divides by)."""
+        """``algorithm.distill`` over the batch's old and teacher log-probabilities (algos.distill)."""
         d, fields = self.cfg.algorithm.distill, batch.token_fields
-        student, teacher = batch.padded(fields["old_logprobs"]), batch.padded(fields["teacher_logprobs"])
-        signal = get_distill_advantage(d.advantage)(student, teacher, mask)
-        if d.baseline == "batch_mean":
-            signal = subtract_batch_mean(signal, mask)
-        mixed = mix_advantages(task, signal, mask, coef=d.coef, reward_weight=d.reward_weight)
-        return mixed, distill_metrics(student, teacher, mask)
+        return distilled_advantages(task, batch.padded(fields["old_logprobs"]), batch.padded(fields["teacher_logprobs"]),
+                                    mask, advantage=d.advantage, baseline=d.baseline, coef=d.coef,
+                                    reward_weight=d.reward_weight)
 
     def train(self, batch: TokenBatch, mask: torch.Tensor, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes over the batch's mini-batches: the actor, then the critic, on the

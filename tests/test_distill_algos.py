@@ -9,7 +9,7 @@ import torch
 
 from megarl.algos import (PolicyLossConfig, distill_metrics, get_distill_advantage, get_policy_loss,
                           mix_advantages, register_distill_advantage, reverse_kl_advantages)
-from megarl.algos.distill import subtract_batch_mean
+from megarl.algos.distill import distilled_advantages, subtract_batch_mean
 
 NAN = float("nan")
 
@@ -41,6 +41,20 @@ def test_batch_mean_baseline_by_hand():
     mean = (0.5 - 1.0 + 2.0) / 3
     assert torch.allclose(subtract_batch_mean(adv, mask),
                           torch.tensor([[0.5 - mean, 0.0, -1.0 - mean], [2.0 - mean, 0.0, 0.0]]))
+
+
+def test_distilled_advantages_compose_signal_baseline_and_mix_by_hand():
+    student = torch.tensor([[-1.0, -2.0, NAN]])
+    teacher = torch.tensor([[-0.5, -3.0, NAN]])
+    task = torch.tensor([[1.0, 1.0, NAN]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    # signal +0.5, -1.0; batch mean -0.25 -> +0.75, -0.75; mixed 0.5 * 1 + 2 * signal
+    adv, metrics = distilled_advantages(task, student, teacher, mask, baseline="batch_mean", coef=2.0,
+                                        reward_weight=0.5)
+    assert adv.tolist() == [[0.5 + 1.5, 0.5 - 1.5, 0.0]]
+    assert metrics["distill/reverse_kl"] == pytest.approx((-0.5 + 1.0) / 2)
+    plain, _ = distilled_advantages(task, student, teacher, mask, coef=1.0, reward_weight=0.0)
+    assert plain.tolist() == [[0.5, -1.0, 0.0]]
 
 
 def test_metrics_by_hand():

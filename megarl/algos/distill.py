@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .masked import as_bool_mask, masked_mean, sanitize
-from .registry import register_distill_advantage
+from .registry import get_distill_advantage, register_distill_advantage
 
 
 @register_distill_advantage("reverse_kl")
@@ -88,3 +88,20 @@ def distill_metrics(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Te
             "distill/reverse_kl_k3": float(masked_mean(torch.expm1(r) - r, m)),
             "distill/teacher_logprob_mean": float(masked_mean(t, m)),
             "distill/student_logprob_mean": float(masked_mean(s, m))}
+
+
+@torch.no_grad()
+def distilled_advantages(task: Tensor, student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, *,
+                         advantage: str = "reverse_kl", baseline: str = "none", coef: float = 1.0,
+                         reward_weight: float = 1.0) -> tuple[Tensor, Dict[str, float]]:
+    """A step's advantages with the teacher's signal mixed in, and the distillation metrics.
+
+    The whole composition of ``algorithm.distill`` in one pure function: the registered signal
+    ``advantage`` of the student's and the teacher's log-probabilities of the sampled tokens,
+    minus its batch mean when ``baseline == "batch_mean"``, then ``reward_weight * task + coef *
+    signal``. The student's log-probabilities are the step's old ones (what the PPO ratio divides by)."""
+    signal = get_distill_advantage(advantage)(student_logprobs, teacher_logprobs, mask)
+    if baseline == "batch_mean":
+        signal = subtract_batch_mean(signal, mask)
+    mixed = mix_advantages(task, signal, mask, coef=coef, reward_weight=reward_weight)
+    return mixed, distill_metrics(student_logprobs, teacher_logprobs, mask)
