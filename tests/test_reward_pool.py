@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from megarl.rewards import RewardPool, build_reward_fn
-from tests.helpers.rewards import OVERLAP, overlapping_length_reward, slow_length_reward
+from tests.helpers.rewards import OVERLAP, hangs_on_marked_records, overlapping_length_reward, slow_length_reward
 
 
 def test_thread_pool_overlaps_a_slow_function_and_keeps_order():
@@ -37,3 +37,38 @@ def test_rule_rewards_pickle_for_process_workers():
 
     fn = build_reward_fn(RewardConfig(kind="rule", rule="exact"))
     assert pickle.loads(pickle.dumps(fn)) is not None
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_hanging_reward_function_fails_its_sample_and_the_batch_goes_on(executor):
+    """Two samples hang forever: they come back as failures with reason timeout (never a 0), the
+    others are scored, and the pool serves the next batch (the hung worker was dropped)."""
+    from megarl.rewards.failures import Failure
+
+    texts = ["a", "bb", "ccc", "dddd", "eeeee"]
+    records = [0, "hang", 2, "hang", 4]
+    with RewardPool(hangs_on_marked_records, workers=2, executor=executor, timeout_s=1.0) as pool:
+        scores = pool.score(texts, records)
+        assert [s if not isinstance(s, Failure) else s.reason for s in scores] == [1.0, "timeout", 3.0, "timeout", 5.0]
+        assert "reward.timeout_s=1" in scores[1].message
+        assert pool.score(["xy", "z"], [0, 1]) == [2.0, 1.0]
+
+
+def test_a_process_left_with_an_abandoned_hung_thread_still_exits():
+    """Threads cannot be stopped; the interpreter must not wait for the abandoned one at exit."""
+    import subprocess
+    import sys
+
+    code = ("from megarl.rewards import RewardPool\n"
+            "from tests.helpers.rewards import hangs_on_marked_records as f\n"
+            "p = RewardPool(f, workers=2, executor='thread', timeout_s=0.5)\n"
+            "print(p.score(['a', 'b'], ['hang', 1])[1])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1.0"
+    assert "abandoned" in done.stderr
+
+
+def test_a_nonpositive_deadline_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="reward.timeout_s"):
+        RewardPool(slow_length_reward, timeout_s=0)

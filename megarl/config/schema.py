@@ -434,6 +434,10 @@ class RewardConfig:
     retries: int = opt(0, "more tries of a sample whose reward failed (a function that raised, a judge request "
                        "that timed out or failed); then the sample is marked failed: no advantage, no loss, "
                        "never a 0")
+    timeout_s: Optional[float] = opt(300.0, "deadline of one sample's reward function, from when a worker takes "
+                                     "it; past it the sample fails (reason timeout), never a 0. Threads cannot "
+                                     "be stopped and are abandoned; reward.executor process kills the worker. "
+                                     "null = no deadline; reward.workers 0 has none")
     max_failed_steps: int = opt(3, "consecutive steps in which every sample failed before the run stops "
                                 "(RewardsUnavailable); such a step trains nothing (0 = never stop)")
     judge: JudgeConfig = section(JudgeConfig, "LLM-as-judge reward (kind: judge)")

@@ -280,7 +280,7 @@ def reward_pool(cfg: Any) -> Any:
     r = cfg.reward
     if r.kind == "judge":
         return build_judge(cfg, Path(cfg.output_dir) / "logs")
-    return RewardPool(build_reward_fn(r), r.workers, r.executor, r.retries)
+    return RewardPool(build_reward_fn(r), r.workers, r.executor, r.retries, r.timeout_s)
 
 
 def _groups(samples: list[Sample]) -> list[list[Sample]]:

@@ -30,3 +30,14 @@ def overlapping_length_reward(text: str, record) -> float:
 def verifier_down(text: str, record) -> float:
     """A reward function whose verifier is unreachable: every call raises."""
     raise ConnectionError("verifier at 10.0.0.7:8000 refused the connection")
+
+
+def hangs_on_marked_records(text: str, record) -> float:
+    """A reward function that never returns for records marked ``"hang"`` (a verifier in an endless
+    loop) and scores the rest by length."""
+    import time
+
+    if record == "hang":
+        while True:
+            time.sleep(1.0)
+    return float(len(text))
