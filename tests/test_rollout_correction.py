@@ -221,3 +221,24 @@ def test_fp8_rollout_run_flags_the_mismatch(tmp_path):
         assert s["actor/rollout_kl_k3"] > 0 and s["actor/rollout_chi2"] != 0, s
         assert 0 < s["actor/rollout_is_masked_frac"] < 1, s
         assert s["actor/rollout_ratio_min"] < 1 < s["actor/rollout_ratio_max"], s
+
+
+@pytest.mark.e2e
+def test_stale_policy_run_flags_the_mismatch(tmp_path):
+    """``one_step_off``: batch 1 was sampled by version 0 while the trainer already holds version 1
+    (lr 1e-3 on the tiny model moves it), so KL(rollout || train) jumps from step 0's numerical
+    noise (fp32 server and trainer agree to ~1e-6) and the truncation (on by default off-policy)
+    touches tokens."""
+    from megarl.trainer import Trainer
+    from tests.helpers.runs import tiny_model, tiny_run_config
+
+    cfg = tiny_run_config(tiny_model(tmp_path), tmp_path / "run", "rollout.mode=one_step_off",
+                          "placement.mode=disaggregated", "trainer.total_steps=2",
+                          "trainer.eval_before_after=false", "checkpoint.export_hf=false")
+    steps = Trainer(cfg).run()["steps"]
+    assert cfg.algorithm.rollout_correction.enabled is True   # the off-policy default
+    fresh, stale = steps
+    assert (fresh["offpolicy/staleness_max"], stale["offpolicy/staleness_max"]) == (0.0, 1.0)
+    assert stale["actor/rollout_kl_k3"] > max(100 * fresh["actor/rollout_kl_k3"], 1e-6), (fresh, stale)
+    assert stale["actor/rollout_ratio_max"] - stale["actor/rollout_ratio_min"] > \
+        100 * (fresh["actor/rollout_ratio_max"] - fresh["actor/rollout_ratio_min"]), (fresh, stale)
