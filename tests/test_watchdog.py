@@ -168,6 +168,18 @@ def test_slurm_requeues_the_job_on_the_watchdog_exit_code_only(tmp_path):
     assert run(REQUEUE_EXIT, 2) == ""                  # MEGARL_MAX_REQUEUES used up
     assert run(1, 0) == "" and run(0, 0) == ""
 
+    # SIGUSR1 before the time limit: the driver checkpoints and exits 0; the job goes back to the queue
+    calls.unlink(missing_ok=True)
+    ready = tmp_path / "driver_ready"   # USR1 only once the driver handles it (its default action kills)
+    driver = (f"import pathlib, signal, sys, time; signal.signal(signal.SIGUSR1, lambda *a: sys.exit(0)); "
+              f"pathlib.Path(\"{ready}\").touch(); time.sleep(120)")
+    script = (f"source {ROOT}/launch/slurm/common.sh; (while [ ! -f {ready} ]; do sleep 0.1; done; kill -USR1 $$) & "
+              f"megarl_run {sys.executable} -c '{driver}'; echo rc=$?")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4711", SLURM_RESTART_COUNT="9")
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=100)
+    assert out.stdout.strip().endswith("rc=0"), (out.stdout, out.stderr)
+    assert calls.read_text() == "requeue 4711\n"   # no cap: every time-limit stop made progress
+
 
 # ------------------------------------------------------------------------ a stopped rank in a real run
 

@@ -7,6 +7,7 @@
 #                      then wait until every node has joined
 #   megarl_run CMD...  run the driver on the head node in the background, forwarding
 #                      SIGTERM/SIGINT/SIGUSR1, requeue the job on the watchdog's exit code 75
+#                      and after a time-limit stop (SIGUSR1, exit 0)
 #                      (megarl_requeue_on), and return the driver's exit code
 #   megarl_ray_down    SIGTERM to the Ray steps (each `ray start --block` stops its own node),
 #                      installed as an EXIT trap, so it runs on success, failure and `scancel`
@@ -265,7 +266,9 @@ megarl_run() {
   # SIGUSR1 (sent by `#SBATCH --signal=B:USR1@300` before the time limit) goes on to the driver:
   # `megarl train` checkpoints after the current step and exits 0. MEGARL_FORWARD_USR1=0 keeps it
   # (for MEGARL_CMD commands that do not handle USR1: Python's default action for it is to exit).
-  trap 'megarl_log "SIGUSR1: time limit near"; [[ "${MEGARL_FORWARD_USR1:-1}" == 1 ]] && kill -USR1 $MEGARL_DRIVER 2>/dev/null' USR1
+  # After such a stop (exit 0) the job is requeued to go on from that checkpoint (megarl_requeue_on).
+  MEGARL_TIME_LIMIT_SEEN=0
+  trap 'megarl_log "SIGUSR1: time limit near"; MEGARL_TIME_LIMIT_SEEN=1; [[ "${MEGARL_FORWARD_USR1:-1}" == 1 ]] && kill -USR1 $MEGARL_DRIVER 2>/dev/null' USR1
   local rc
   while true; do
     wait "$MEGARL_DRIVER" && rc=0 || rc=$?
@@ -274,7 +277,7 @@ megarl_run() {
   done
   trap - TERM INT USR1
   megarl_log "driver exited with $rc"
-  megarl_requeue_on "$rc"
+  megarl_requeue_on "$rc" "$MEGARL_TIME_LIMIT_SEEN"
   return "$rc"
 }
 
@@ -283,9 +286,18 @@ megarl_run() {
 # queue and resumes from its last checkpoint (checkpoint.resume=auto), at most MEGARL_MAX_REQUEUES
 # times (default 3; SLURM counts them in SLURM_RESTART_COUNT), so a hang that comes back every time
 # ends the job instead of looping. Needs a requeueable job (#SBATCH --requeue in the train scripts).
+# With TIME_LIMIT=1 (the driver stopped at SIGUSR1, before the time limit) an exit 0 is requeued too,
+# without a cap: each such job makes progress, and a requeued run that has already finished ends
+# at once without being requeued again.
 megarl_requeue_on() {
-  local rc=$1 max=${MEGARL_MAX_REQUEUES:-3} done=${SLURM_RESTART_COUNT:-0}
-  [[ "$rc" == 75 && -n "${SLURM_JOB_ID:-}" ]] || return 0
+  local rc=$1 time_limit=${2:-0} max=${MEGARL_MAX_REQUEUES:-3} done=${SLURM_RESTART_COUNT:-0}
+  [[ -n "${SLURM_JOB_ID:-}" ]] || return 0
+  if [[ "$rc" == 0 && "$time_limit" == 1 ]]; then
+    megarl_log "stopped at the time limit: requeueing job $SLURM_JOB_ID to go on from its checkpoint"
+    scontrol requeue "$SLURM_JOB_ID" || megarl_log "scontrol requeue $SLURM_JOB_ID failed"
+    return 0
+  fi
+  [[ "$rc" == 75 ]] || return 0
   if ((done >= max)); then
     megarl_log "watchdog exit ($rc), job already requeued $done time(s) (MEGARL_MAX_REQUEUES=$max): not again"
     return 0
