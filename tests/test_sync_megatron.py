@@ -12,7 +12,7 @@ from tests.helpers.servers import ServerProcess, make_tiny_hf_model
 PROMPT = [3, 14, 15, 92, 65, 35]
 
 
-def _trainer(rank, world, hf_dir, url, tp, ep):
+def _trainer(rank, world, hf_dir, url, tp, ep, expert_senders=False):
     import torch.distributed as dist
     from megarl.models import build_model, forward_logits, load_hf_weights
     from megarl.parallel import apply_cpu_shim, init_model_parallel
@@ -48,12 +48,14 @@ def _trainer(rank, world, hf_dir, url, tp, ep):
 
     from megarl.sync.session import weight_update_session
 
-    pusher = WeightPusher([url], bucket_mb=0.02, group_name=sender_group_name()) if is_sender_rank() else None
-    pusher and pusher.connect()
+    pusher = None
+    if is_sender_rank(expert_senders=expert_senders):
+        pusher = WeightPusher([url], bucket_mb=0.02, group_name=sender_group_name(expert_senders=expert_senders))
+        pusher.connect()
     # the "driver" (rank 0) opens one session on the server around every sender's push
     with weight_update_session([url]) if rank == 0 else _nothing():
         dist.barrier()
-        stats = push_megatron(chunks, cfg, pusher, weight_version="step1")
+        stats = push_megatron(chunks, cfg, pusher, weight_version="step1", expert_senders=expert_senders)
         dist.barrier()
     if pusher:
         pusher.close()
@@ -62,7 +64,7 @@ def _trainer(rank, world, hf_dir, url, tp, ep):
     dist.broadcast_object_list(obj, src=0)
     after = (trainer_lp(obj[0].output_ids) - torch.tensor(obj[0].logprobs)).abs().max().item()
     return {"before": before, "after": after, "stats": stats.as_dict(), "sender": pusher is not None,
-            "version": obj[0].weight_version}
+            "version": obj[0].weight_version, "group": pusher.group_name if pusher else None}
 
 
 def _nothing():

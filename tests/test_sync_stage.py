@@ -23,18 +23,22 @@ def _digest(t: torch.Tensor) -> str:
 LAYOUTS = {"tp2-ep2-dp2": (2, 1, 2, 1), "pp2-ep2": (1, 2, 2, 1), "tp2-ep2-etp2-dp2": (2, 1, 2, 2)}
 
 
-def _all_layouts(rank, world, hf_dir):
+def _all_layouts(rank, world, hf_dir, expert_senders=False):
     """One set of 4 processes for every layout (starting processes costs more than the layouts)."""
-    return {name: _streams(rank, world, hf_dir, *layout) for name, layout in LAYOUTS.items()}
+    return {name: _streams(rank, world, hf_dir, *layout, expert_senders) for name, layout in LAYOUTS.items()}
 
 
-def _streams(rank, world, hf_dir, tp, pp, ep, etp):
+def _streams(rank, world, hf_dir, tp, pp, ep, etp, expert_senders=False):
+    """What each rank streams at one layout, in the one-sender-per-stage shape or with every expert-
+    parallel rank sending its own experts (``expert_senders``), and the union of the ranks' weights."""
     import torch.distributed as dist
     from transformers import AutoConfig
 
     from megarl.models import build_model, iter_hf_weights, load_hf_weights
     from megarl.parallel import apply_cpu_shim, init_model_parallel
+    from megarl.sync.push import is_sender_rank, sender_group_name
     from megarl.sync.stage import is_stage_sender, iter_stage_weights, stage_group_name, stage_index
+    from megatron.core import parallel_state as mpu
 
     apply_cpu_shim()
     init_model_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
@@ -46,11 +50,15 @@ def _streams(rank, world, hf_dir, tp, pp, ep, etp):
         for p in chunks[0].parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.01)
     old = {n: _digest(t) for n, t in iter_hf_weights(chunks, cfg)}      # the per-rank senders' union
-    streamed = [(n, _digest(t)) for n, t in iter_stage_weights(chunks, bucket_bytes=4 * UNIT, unit_bytes=UNIT)]
+    streamed = [(n, _digest(t)) for n, t in iter_stage_weights(chunks, bucket_bytes=4 * UNIT, unit_bytes=UNIT,
+                                                                expert_senders=expert_senders)]
     union = [None] * world
     dist.all_gather_object(union, old)
-    return {"rank": rank, "sender": is_stage_sender(), "stage": stage_index(), "group": stage_group_name(),
-            "streamed": streamed, "union": {k: v for part in union for k, v in part.items()}}
+    sender = is_sender_rank(expert_senders=True) if expert_senders else is_stage_sender()
+    group = sender_group_name(expert_senders=True) if expert_senders else stage_group_name()
+    return {"rank": rank, "sender": sender, "stage_sender": is_stage_sender(), "stage": stage_index(), "group": group,
+            "ep_rank": mpu.get_expert_model_parallel_rank(), "streamed": streamed,
+            "union": {k: v for part in union for k, v in part.items()}}
 
 
 @pytest.fixture(scope="module")
