@@ -72,3 +72,12 @@ def test_a_process_left_with_an_abandoned_hung_thread_still_exits():
 def test_a_nonpositive_deadline_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="reward.timeout_s"):
         RewardPool(slow_length_reward, timeout_s=0)
+
+
+def test_the_run_config_deadline_reaches_the_pool(tmp_path):
+    from megarl.config import load_config
+    from megarl.rollout.pipeline import reward_pool
+    from tests.helpers.runs import DEFAULT
+
+    cfg = load_config(DEFAULT, [f"output_dir={tmp_path}", "reward.kind=rule", "reward.rule=exact", "reward.timeout_s=7"])
+    assert reward_pool(cfg).timeout_s == 7.0

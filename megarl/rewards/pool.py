@@ -131,11 +131,13 @@ class RewardPool:
         token_of: dict[int, int] = {}
         futures: dict[int, cf.Future] = {}
         owner: dict[int, cf.Executor] = {}   # the pool each sample runs in
+        start_queues: dict[int, Any] = {}    # every pool's start queue this batch used, retired ones too
 
         def submit(i: int) -> None:
             token_of[i] = next(self._tokens)
             futures[i] = self._submit(token_of[i], *items[i])
             owner[i] = self._pool
+            start_queues.setdefault(id(self._starts), self._starts)
 
         for i in range(len(items)):
             submit(i)
@@ -145,8 +147,8 @@ class RewardPool:
         hung = 0
         while futures:
             cf.wait(list(futures.values()), timeout=_POLL_S, return_when=cf.FIRST_COMPLETED)
-            for starts in {id(p): p for p in [self._starts] + [getattr(r, "_megarl_starts") for r in retired]}.values():
-                while starts is not None and not starts.empty():
+            for starts in start_queues.values():
+                while not starts.empty():
                     started[starts.get()] = time.monotonic()
             now = time.monotonic()
             for i, fut in list(futures.items()):
@@ -164,7 +166,6 @@ class RewardPool:
                     out[i] = Failure("timeout", f"reward function still running after reward.timeout_s="
                                                 f"{self.timeout_s:g} s")
                     if owner[i] is self._pool:
-                        owner[i]._megarl_starts = self._starts   # type: ignore[attr-defined]
                         retired.append(owner[i])
                         self._pool = None
                         owner[i].shutdown(wait=False, cancel_futures=True)
