@@ -77,3 +77,14 @@ def netns_cluster():
     finally:
         for box in made:
             box.stop()
+
+
+def pytest_unconfigure(config):
+    """A test run that has printed its summary must also end: something a test left running (a
+    hung worker a pool joins at exit, a non-daemon thread) would otherwise hold the process open
+    until CI's limit without a word. Past 120 s of exit, every thread's stack is printed and the
+    process ends with status 1."""
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(120, exit=True, file=sys.__stderr__)

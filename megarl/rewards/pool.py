@@ -143,7 +143,7 @@ class RewardPool:
             submit(i)
         out: list[Optional[Score]] = [None] * len(items)
         started: dict[int, float] = {}   # token -> when its start was seen
-        retired: list[cf.Executor] = []
+        retired: list[tuple[cf.Executor, list]] = []   # (pool, its worker processes)
         hung = 0
         while futures:
             cf.wait(list(futures.values()), timeout=_POLL_S, return_when=cf.FIRST_COMPLETED)
@@ -166,11 +166,12 @@ class RewardPool:
                     out[i] = Failure("timeout", f"reward function still running after reward.timeout_s="
                                                 f"{self.timeout_s:g} s")
                     if owner[i] is self._pool:
-                        retired.append(owner[i])
+                        # the processes are taken first: shutdown(wait=False) lets go of the pool's list
+                        retired.append((owner[i], _worker_processes(owner[i])))
                         self._pool = None
                         owner[i].shutdown(wait=False, cancel_futures=True)
-        for pool in retired:
-            _drop(pool)
+        for pool, processes in retired:
+            _drop(pool, processes)
         if hung and self.executor == "thread":
             log.warning("%d reward function call(s) still running past reward.timeout_s in threads, which cannot "
                         "be stopped; they are abandoned (reward.executor: process kills them)", hung)
@@ -253,12 +254,20 @@ def _score_announced(starts: Any, token: int, fn: RewardFn, text: str, record: A
     return score_one(fn, text, record, retries)
 
 
-def _drop(pool: cf.Executor) -> None:
-    """End a retired pool whose other work is done: kill its processes (one is hung), or let go of
-    its daemon threads (a hung one is left behind and does not hold the exit)."""
+def _worker_processes(pool: cf.Executor) -> list:
+    """A process pool's worker processes (none for threads)."""
+    return list((getattr(pool, "_processes", None) or {}).values())
+
+
+def _drop(pool: cf.Executor, processes: list) -> None:
+    """End a retired pool whose other work is done: kill its processes (one is hung; the
+    interpreter's exit joins a process pool's manager thread, which waits for every worker), or let
+    go of its daemon threads (a hung one is left behind and does not hold the exit)."""
     if isinstance(pool, cf.ProcessPoolExecutor):
-        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        for proc in processes:
             proc.kill()
+        for proc in processes:
+            proc.join(timeout=10)
         pool.shutdown(wait=True, cancel_futures=True)
         return
     pool.shutdown(wait=False, cancel_futures=True)   # daemon threads: a hung one does not hold the exit
