@@ -29,6 +29,8 @@ DELEGATED = {
     "serve": ("megarl.engine.cli:serve_main", "run the embedded rollout server (SGLang HTTP API)"),
     "plan": ("megarl.planning.cli:plan_main", "memory plan per role and GPU; exits 1 if the recipe does not fit"),
     "eval": ("megarl.evaluation:eval_main", "held-out accuracy/reward of a model on a recipe's eval split"),
+    "ledger": ("megarl.rollout.ledger:ledger_main", "which prompts a run trained on across resumes; "
+                                                    "exits 1 if one was repeated or skipped"),
     "data": ("megarl.data.prepare:data_main", "prepare downloaded datasets (gsm8k, math, dapo-math-17k, any "
                                               "JSONL/parquet) as megarl's chat JSONL with a held-out split"),
 }

@@ -22,6 +22,7 @@ TIERS = ("unit", "integration", "e2e")
 UNIT_FILES = {
     "test_algos_advantages.py", "test_algos_kl_filters.py", "test_algos_losses.py", "test_architecture.py",
     "test_client_fields.py", "test_coalesce.py", "test_config.py", "test_data_rewards.py", "test_reward_pool.py",
+    "test_ledger.py",
     "test_distill_algos.py",
     "test_rollout_source.py", "test_sampling.py", "test_sync_buckets.py",
 }

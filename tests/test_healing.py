@@ -148,7 +148,7 @@ def _run_with_fault(model, out: Path, fault: str, *overrides: str) -> tuple[dict
     cfg = tiny_run_config(model, out, "trainer.total_steps=2", "trainer.eval_before_after=false", "checkpoint.export_hf=false",
                           "rollout.n_per_prompt=2", "batch.global_batch_size=8", "rollout.sampling.max_new_tokens=8",
                           *overrides)
-    facts: dict = {}
+    facts: dict = {"prompts_per_step": cfg.batch.prompts_per_step}
 
     class Faulty(Trainer):
         def fault_when_busy(self, pid: int) -> None:
@@ -224,6 +224,11 @@ def test_restarts_used_up_write_a_checkpoint_then_fail(model, tmp_path):
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["step"] == 1 and state["loader"] == facts["loader_at_step_1"]
     assert (ckpt / "actor").is_dir()
+    # the prompt ledger holds step 0 only: step 1's prompts go back to the loader and are drawn again
+    from megarl.rollout.ledger import LEDGER_FILE, read_ledger
+
+    account = read_ledger(tmp_path / "run" / LEDGER_FILE)
+    assert sorted(account.steps) == [0] and len(account.steps[0]["trained"]) == facts["prompts_per_step"], account
 
 
 # ------------------------------------------------------------------ the driver dies

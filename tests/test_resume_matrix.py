@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from megarl.rollout.ledger import LEDGER_FILE, read_ledger
 from megarl.trainer import Trainer
 from tests.helpers.runs import tiny_model, tiny_run_config
 
@@ -54,7 +55,8 @@ def uninterrupted(model, tmp_path_factory):
         if name not in runs:
             out = tmp_path_factory.mktemp(f"full-{name}")
             result = Trainer(tiny_run_config(model, out, *COMMON, *BASELINES[name])).run()
-            runs[name] = (result["steps"], export_digests(Path(result["export"])))
+            runs[name] = (result["steps"], export_digests(Path(result["export"])),
+                          read_ledger(out / LEDGER_FILE).steps)
         return runs[name]
     return get
 
@@ -70,7 +72,7 @@ def comparable(metrics: dict[str, float]) -> dict[str, float]:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_resumed_run_equals_the_uninterrupted_one(variant, model, uninterrupted, tmp_path):
     overrides, baseline = VARIANTS[variant]
-    full_steps, full_export = uninterrupted(baseline)
+    full_steps, full_export, full_ledger = uninterrupted(baseline)
     first = Trainer(tiny_run_config(model, tmp_path, *COMMON, *overrides, "trainer.total_steps=1")).run()
     assert len(first["steps"]) == 1 and (tmp_path / "checkpoints" / "step_000001").is_dir()
     resumed = Trainer(tiny_run_config(model, tmp_path, *COMMON, *overrides, "checkpoint.resume=auto")).run()
@@ -81,3 +83,6 @@ def test_resumed_run_equals_the_uninterrupted_one(variant, model, uninterrupted,
         differ = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
         assert not differ, sorted(differ.items())
     assert export_digests(Path(resumed["export"])) == full_export
+    # the prompt ledger of the two runs together: each step's prompts those of the run that never stopped
+    account = read_ledger(tmp_path / LEDGER_FILE)
+    assert account.runs == 2 and account.steps == full_ledger, (account.steps, full_ledger)

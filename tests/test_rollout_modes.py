@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from megarl.rollout.ledger import read_ledger
 from megarl.trainer import Trainer
 from tests.helpers.runs import DEFAULT, ROOT, tiny_model, tiny_overrides, tiny_run_config
 
@@ -196,22 +197,6 @@ def test_async_abort_continues_requests_under_the_new_weights(model, tmp_path):
 # async (retract): SIGKILL after a checkpoint, exact resume
 # ---------------------------------------------------------------------------------------------
 
-def ledger_history(ledger: Path, resumed_at: int) -> tuple[dict[int, list[int]], list[int], list[int], int]:
-    """(prompts trained per step, discarded, pending at the end, runs) from the prompt ledger, where
-    the killed run's batches from ``resumed_at`` on were redone by the resumed run (later run wins)."""
-    lines = [json.loads(x) for x in ledger.read_text().splitlines()]
-    runs = list(dict.fromkeys(e["run"] for e in lines))
-    trained: dict[int, list[int]] = {}
-    discarded: list[int] = []
-    for e in lines:
-        if "step" in e and (e["run"] == runs[-1] or e["step"] < resumed_at):
-            assert e["step"] not in trained or e["run"] == runs[-1], f"step {e['step']} taken twice in one run"
-            trained[e["step"]] = e["consumed"]
-            discarded += e["discarded"]
-    pending = [i for e in lines if e["run"] == runs[-1] and "pending_at_exit" in e for i in e["pending_at_exit"]]
-    return trained, discarded, pending, len(runs)
-
-
 def test_async_run_killed_with_sigkill_resumes_without_losing_or_repeating_prompts(model, tmp_path):
     out = tmp_path / "killed"
     common = ("rollout.mode=async", "rollout.max_staleness=1", "rollout.interrupt=retract", "trainer.total_steps=4",
@@ -240,9 +225,11 @@ def test_async_run_killed_with_sigkill_resumes_without_losing_or_repeating_promp
     assert len(steps) == 2                    # steps 2 and 3, from the checkpoint of step 2
     for k, m in zip((2, 3), steps):
         check_offpolicy_step(k, m, bound=1)
-    trained, discarded, pending, runs = ledger_history(ledger, resumed_at=2)
-    assert runs == 2 and sorted(trained) == [0, 1, 2, 3] and all(len(v) == 4 for v in trained.values())
-    drawn = [i for v in trained.values() for i in v] + discarded + pending
+    account = read_ledger(ledger)   # the killed run's lines from step 2 on are superseded by the resumed run's
+    assert account.runs == 2 and sorted(account.steps) == [0, 1, 2, 3]
+    assert all(len(v["trained"]) == 4 for v in account.steps.values())
+    assert account.problems(len(resumed.train_records)) == [], "a prompt trained on (or discarded) twice"
+    drawn = account.drawn + account.pending
     assert len(drawn) == len(set(drawn)), "a prompt was trained on (or discarded) twice"
     # nothing lost: what was drawn is exactly a prefix of the loader's order
     from megarl.data import PromptLoader

@@ -28,6 +28,7 @@ from megarl.algos.offpolicy import staleness_stats, staleness_weights
 from megarl.data.loader import PromptLoader
 from megarl.data.records import PromptRecord
 from megarl.rollout.client import LoopThread
+from megarl.rollout.ledger import PromptLedger
 from megarl.rollout.sample import Sample
 from megarl.rollout.source import GroupJob, OffPolicySource
 
@@ -85,7 +86,7 @@ def make_source(mode: str, io: LoopThread, fleet: Fleet, max_staleness: int, sta
     source = OffPolicySource(mode=mode, rollout=fleet, loader=loader, records={r.index: r for r in recs},
                              encode=lambda rec: [1, 2, 3], n=N, groups_per_batch=P, max_staleness=max_staleness,
                              interrupt=interrupt, stale=stale, group_seed=lambda step: step, call_servers=fleet.call_servers,
-                             run=io.run, submit=io.submit, take_timeout_s=60, ledger=ledger)
+                             run=io.run, submit=io.submit, take_timeout_s=60, ledger=PromptLedger(ledger))
     return source, recs
 
 
@@ -111,7 +112,7 @@ def loader_stream(records: int, count: int) -> list[int]:
 def prompt_accounting(ledger: Path) -> tuple[list[int], list[int], list[int]]:
     """(trained on, discarded, pending at exit) prompt indices from a run's ledger."""
     lines = [json.loads(x) for x in ledger.read_text().splitlines()]
-    trained = [i for e in lines if "step" in e for i in e["consumed"]]
+    trained = [i for e in lines if "step" in e for i in e["trained"]]
     discarded = [i for e in lines if "step" in e for i in e["discarded"]]
     pending = [i for e in lines if "pending_at_exit" in e for i in e["pending_at_exit"]]
     return trained, discarded, pending

@@ -37,8 +37,6 @@ import concurrent.futures
 import contextlib
 import copy
 import functools
-import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,6 +50,7 @@ from megarl.data import PromptLoader
 from megarl.rewards.failures import Failure
 from megarl.rollout.buffer import Group, GroupBuffer, SourceClosed
 from megarl.rollout.failures import valid_rewards
+from megarl.rollout.ledger import PromptLedger
 from megarl.rollout.manager import sample_seed
 from megarl.rollout.partial import generate_resumable
 from megarl.rollout.routed_experts import joined_routes, routes_from_state, routes_state
@@ -87,15 +86,20 @@ class SyncSource:
 
     mode, off_policy = "sync", False
 
-    def __init__(self, pipeline: Any, loader: Any):
+    def __init__(self, pipeline: Any, loader: Any, ledger: Optional[PromptLedger] = None):
         self.pipeline, self.loader = pipeline, loader
+        self.ledger = ledger or PromptLedger(None)
         self._loader_before: Optional[dict] = None
 
     def next_batch(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         self._loader_before = copy.deepcopy(self.loader.state_dict())
         before = self.pipeline.manager.retried
-        samples, metrics = self.pipeline.collect(self.loader, step)
+        drawing = _DrawnRecords(self.loader)
+        samples, metrics = self.pipeline.collect(drawing, step)
         metrics["rollout/retried_requests"] = self.pipeline.manager.retried - before  # after a failure or timeout
+        trained = list(dict.fromkeys(s.record.index for s in samples))
+        kept = set(trained)
+        self.ledger.record_step(step, trained, [i for i in drawing.indices if i not in kept], self.loader.epoch)
         return samples, metrics
 
     @contextlib.contextmanager
@@ -117,6 +121,19 @@ class SyncSource:
 
     def close(self) -> None:
         pass
+
+
+class _DrawnRecords:
+    """The loader as ``collect`` sees it, noting every record it hands out (for the ledger)."""
+
+    def __init__(self, loader: Any):
+        self.loader = loader
+        self.indices: list[int] = []
+
+    def next_batch(self) -> list[Any]:
+        records = self.loader.next_batch()
+        self.indices += [r.index for r in records]
+        return records
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,7 +203,7 @@ class OffPolicySource:
                  max_staleness: int, interrupt: str, stale: str, group_seed: Callable[[int], int],
                  call_servers: Callable[..., Any], run: Callable[[Awaitable[Any]], Any],
                  submit: Callable[[Awaitable[Any]], concurrent.futures.Future],
-                 dynamic_sampling_rounds: Optional[int] = None, ledger: Optional[Path] = None,
+                 dynamic_sampling_rounds: Optional[int] = None, ledger: Optional[PromptLedger] = None,
                  take_timeout_s: Optional[float] = None, stale_weight: float = 0.0):
         if mode not in ("one_step_off", "async"):
             raise ValueError(f"rollout.mode {mode!r} is not an off-policy mode")
@@ -202,9 +219,8 @@ class OffPolicySource:
         self.group_seed = group_seed
         self.call_servers, self.run, self.submit = call_servers, run, submit
         self.ds_give_up = dynamic_sampling_rounds * groups_per_batch if dynamic_sampling_rounds else None
-        self.ledger = ledger
+        self.ledger = ledger or PromptLedger(None)
         self.take_timeout_s = take_timeout_s
-        self.run_id = f"{os.getpid()}-{time.time():.0f}"
         self._reissue: list[Group] = []
         self._producer: Optional[concurrent.futures.Future] = None
         self._wake: Optional[asyncio.Event] = None
@@ -315,8 +331,7 @@ class OffPolicySource:
                    "rollout/resumed_requests": resumed - self._resumed_seen,
                    "rollout/buffer_ready_groups": ready, "rollout/inflight_groups": inflight}
         self._retried_seen, self._resumed_seen = retried, resumed
-        self._write_ledger({"step": step, "consumed": [g.record_index for g in got.groups],
-                            "discarded": got.discarded})
+        self.ledger.record_step(step, [g.record_index for g in got.groups], got.discarded, self.loader.epoch)
         return samples, metrics
 
     @contextlib.contextmanager
@@ -429,17 +444,7 @@ class OffPolicySource:
                 pass
         if hasattr(self.rollout, "close"):
             self.rollout.close()
-        self._write_ledger({"pending_at_exit": pending})
-
-    def _write_ledger(self, entry: dict[str, Any]) -> None:
-        """One line per batch taken (which prompts it trained on, which were discarded) and one at
-        exit (which were drawn but not trained on): the run's prompt accounting, across resumes."""
-        if self.ledger is None:
-            return
-        self.ledger.parent.mkdir(parents=True, exist_ok=True)
-        with self.ledger.open("a") as f:
-            f.write(json.dumps({"run": self.run_id, **entry}) + "\n")
-            f.flush()
+        self.ledger.record_exit(pending)   # drawn, not trained: in the checkpoint, trained first on resume
 
 
 def _encode_sample(s: Sample) -> dict[str, Any]:
@@ -453,10 +458,10 @@ def _encode_sample(s: Sample) -> dict[str, Any]:
 def make_source(cfg: Any, pipeline: Any, records: list[Any], loader: Any, ledger: Optional[Path] = None) -> Any:
     """The run's source (``rollout.mode``): sync over ``loader``, or an off-policy producer that
     draws one prompt at a time from its own loader over ``records`` with the pipeline's group
-    rollout (single-turn or agent)."""
+    rollout (single-turn or agent). ``ledger``: the prompt ledger's file (``megarl/rollout/ledger.py``)."""
     r = cfg.rollout
     if r.mode == "sync":
-        return SyncSource(pipeline, loader)
+        return SyncSource(pipeline, loader, PromptLedger(ledger))
     ds = cfg.algorithm.dynamic_sampling
     manager = pipeline.manager
     return OffPolicySource(
@@ -465,7 +470,8 @@ def make_source(cfg: Any, pipeline: Any, records: list[Any], loader: Any, ledger
         groups_per_batch=cfg.batch.prompts_per_step, max_staleness=r.max_staleness, interrupt=r.interrupt,
         stale=r.stale_samples, group_seed=lambda step: pipeline.seed_base(step, 0), call_servers=manager.call_all,
         run=manager.io.run, submit=manager.io.submit,
-        dynamic_sampling_rounds=ds.max_rounds if ds.enabled else None, ledger=ledger, stale_weight=r.stale_weight)
+        dynamic_sampling_rounds=ds.max_rounds if ds.enabled else None, ledger=PromptLedger(ledger),
+        stale_weight=r.stale_weight)
 
 
 __all__ = ["make_source", "MODES", "INTERRUPTS", "RolloutSource", "SyncSource", "OffPolicySource", "SingleTurnRollout", "GroupJob",
