@@ -21,7 +21,7 @@ import traceback
 from typing import Callable, Sequence
 
 from megarl.config import dump_config, field_help, load_config, validate_config
-from megarl.errors import USER_EXIT, user_error_line
+from megarl.errors import USER_EXIT, RunStopped, user_error_line
 
 # Subcommands implemented in their own modules: name -> "module:function(argv) -> int".
 DELEGATED = {
@@ -151,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"megarl {command}: not available yet in this version", file=sys.stderr)
             return USER_EXIT
         return int(func(rest) or 0)
+    except RunStopped as stop:   # SIGTERM: the run ended at a phase boundary, with the requeue code
+        print(f"megarl {command}: {stop}", file=sys.stderr)
+        return stop.exit_code
     except Exception as err:  # noqa: BLE001 - the one place errors reach the user
         line = user_error_line(err)
         if line is None:

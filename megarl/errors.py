@@ -33,6 +33,15 @@ class UserError(Exception):
     ``except ValueError`` handlers still catch them."""
 
 
+class RunStopped(Exception):
+    """The run stopped on a signal before its end (SIGTERM: a SLURM preemption or ``scancel``) at a
+    phase boundary; ``exit_code`` is what the process exits with (the launcher requeues on it)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def failure_reason(exc: BaseException) -> Optional[str]:
     """The reason an exception declares for a sample without a reward, or None. An exception class
     with a string class attribute ``reason`` (``rewards.failures.RewardFailed``,

@@ -9,6 +9,7 @@ declared here. This module only decides what happens in which order.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -33,6 +34,7 @@ from megarl.config.teacher import served_teacher_key
 from megarl.data import PromptLoader, load_split
 from megarl.data.batch import LOSS_MASK, TokenBatch
 from megarl.data.packing import denominators
+from megarl.errors import RunStopped
 from megarl.metrics_log import MetricsLogger, PhaseTimer, note
 from megarl.metrics_sinks import build_sinks
 from megarl.models.routing_replay import agreement_metrics
@@ -49,7 +51,7 @@ from megarl.rollout.sample import token_batch
 from megarl.rollout.source import make_source
 from megarl.rollout.teacher import ServedTeacher
 from megarl.sync.driver import WeightSync
-from megarl.watchdog import Watchdog
+from megarl.watchdog import REQUEUE_EXIT, Watchdog
 from megarl.wire.versions import version_tag
 from megarl.workers.model_source import load_tokenizer, resolve_hf_path
 from megarl.workers.residency import Residency, offload_switches
@@ -98,6 +100,7 @@ class Trainer:
         self.logger: Optional[MetricsLogger] = None
         self.residency = Residency({}, {}, cuda=False)   # what each role keeps on the GPU, phase by phase
         self.stop_requested = False
+        self.preempted = False      # SIGTERM: stop at the next phase boundary
         self.mps: Optional[MpsSession] = None          # CUDA MPS daemon of a one-GPU disaggregated run
         self.failed_batches = FailedBatches(cfg.reward.max_failed_steps)   # batches without any reward, in a row
         self.served_teacher: Optional[ServedTeacher] = None   # teacher.mode served (megatron: groups["teacher"])
@@ -189,8 +192,8 @@ class Trainer:
     # ------------------------------------------------------------------ one RL step
     def step(self, step: int) -> dict[str, float]:
         a = self.cfg.algorithm
-        timer = PhaseTimer(self.watchdog.around(step + 1, functools.partial(self.profiler.phase, step + 1)
-                                                if self.profiler else None))
+        timer = PhaseTimer(self._preemptible(step, self.watchdog.around(
+            step + 1, functools.partial(self.profiler.phase, step + 1) if self.profiler else None)))
         manager = self.rollout.manager
         with timer("rollout"):
             restarted = manager.restarted
@@ -360,17 +363,21 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         results: dict[str, Any] = {"steps": []}
+        handlers = {}
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGUSR1, self._on_time_limit)
+            handlers = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, self._on_time_limit),
+                        signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_preemption)}
         try:
             self.setup()
             if cfg.trainer.eval_before_after and self.state.step == 0:
                 results["eval_before"] = self._log_eval("before")
             while self.state.step < cfg.trainer.total_steps:
+                self._stop_if_preempted("the next step")
                 metrics = self._step_or_checkpoint(self.state.step)
                 self.state.step += 1
                 results["steps"].append(metrics)
                 self.logger.log(self.state.step, metrics, console=self.state.step % cfg.logging.log_interval == 0)
+                self._stop_if_preempted("the step's eval and checkpoint")
                 if cfg.trainer.eval_interval and self.state.step % cfg.trainer.eval_interval == 0:
                     self.logger.log(self.state.step, self.evaluate())
                 if cfg.checkpoint.interval and self.state.step % cfg.checkpoint.interval == 0:
@@ -388,6 +395,8 @@ class Trainer:
         finally:
             self.watchdog.settle()   # after a hang the watchdog ends the process, with the requeue code
             self.close()
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
 
     def _log_eval(self, when: str) -> dict[str, float]:
         found = self.evaluate()
@@ -406,6 +415,31 @@ class Trainer:
         step, write a checkpoint and stop, so the requeued job resumes where this one ended."""
         note("SIGUSR1: checkpoint after this step, then stop")
         self.stop_requested = True
+
+    def _on_preemption(self, signum: int, frame: Any) -> None:
+        """SIGTERM (a SLURM preemption, ``scancel``; SIGKILL follows after the cluster's grace
+        time): the phase running now -- a weight push, a checkpoint write -- finishes, no new one
+        starts, and the run ends with the requeue exit code. The resume starts from the newest
+        checkpoint; the prompt ledger shows no prompt lost or repeated."""
+        if not self.preempted:
+            note("SIGTERM: stopping at the next phase boundary (the running phase finishes)")
+        self.preempted = True
+
+    def _stop_if_preempted(self, before: str) -> None:
+        if self.preempted:
+            newest = self.checkpoints.find("auto") if self.checkpoints is not None else None
+            raise RunStopped(f"stopped by SIGTERM after step {self.state.step}, before {before}; "
+                             + (f"checkpoint.resume=auto resumes from {newest}" if newest else "no checkpoint yet")
+                             + f" (exit code {REQUEUE_EXIT}: launch/slurm requeues the job)", REQUEUE_EXIT)
+
+    def _preemptible(self, step: int, around: Any) -> Any:
+        """A ``PhaseTimer`` hook that stops a preempted run before each phase of ``step`` starts."""
+        @contextlib.contextmanager
+        def phase(name: str) -> Any:
+            self._stop_if_preempted(f"step {step + 1}'s {name} phase")
+            with around(name) if around else contextlib.nullcontext():
+                yield
+        return phase
 
     def _step_or_checkpoint(self, step: int) -> dict[str, float]:
         """One step; when a rollout server is lost for good, a checkpoint of the last finished step

@@ -29,7 +29,7 @@ UNIT_FILES = {
 E2E_FILES = {
     "test_agent_train.py", "test_cluster_box.py", "test_cluster_train.py", "test_healing.py", "test_reward_model.py",
     "test_rollout_modes.py", "test_slurm.py", "test_trainer.py", "test_trainer_moe.py", "test_lora_train.py",
-    "test_distill_train.py",
+    "test_distill_train.py", "test_checkpoint_faults.py",
 }
 
 

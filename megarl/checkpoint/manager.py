@@ -14,14 +14,19 @@ the trainer is built, instead of being listed again at every save and load.
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from megarl.checkpoint.atomic import replace_dir
+from megarl.errors import UserError
 
 STATE_FILE = "trainer_state.json"
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+_FULL_BYTES = 16 << 20   # a file system with less free than this after a failed save is full
 
 
 class Stateful(Protocol):
@@ -42,6 +47,11 @@ class NotACheckpoint(FileNotFoundError):
     """``checkpoint.resume`` names a folder that is not a megarl checkpoint."""
 
 
+class CheckpointNotWritten(UserError, OSError):
+    """A checkpoint could not be written (a full disk, a quota, a lost mount): the partial folder
+    is removed and the previous checkpoint stays the newest; the message names both and the cause."""
+
+
 class CheckpointManager:
     def __init__(self, root: Path, keep_last: int = 0):
         self.root = Path(root)
@@ -60,10 +70,8 @@ class CheckpointManager:
         checkpoint is whole or absent), then prune old ones. Returns its folder."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".tmp_step_{step:06d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for name, group in self.roles.items():
-            group.call("save_checkpoint", str(tmp / name))
+        for stale in self.root.glob(".tmp_step_*"):   # left by a run killed while writing: never valid
+            shutil.rmtree(stale, ignore_errors=True)
         state: dict[str, Any] = {}
         for name, part in self.parts.items():
             piece = part.state_dict()
@@ -71,7 +79,21 @@ class CheckpointManager:
             if clash:
                 raise ValueError(f"checkpoint part {name!r} writes keys another part wrote: {sorted(clash)}")
             state.update(piece)
-        (tmp / STATE_FILE).write_text(json.dumps(state))
+        try:
+            tmp.mkdir(parents=True)
+            for name, group in self.roles.items():
+                group.call("save_checkpoint", str(tmp / name))
+            (tmp / STATE_FILE).write_text(json.dumps(state))   # last: a folder without it is no checkpoint
+        except Exception as err:
+            cause = _storage_cause(err, self.root)   # read before the partial folder gives its space back
+            shutil.rmtree(tmp, ignore_errors=True)
+            if cause is None:
+                raise
+            previous = latest_checkpoint(self.root)
+            raise CheckpointNotWritten(
+                f"checkpoint of step {step} not written to {final}: {cause}; "
+                + (f"the newest checkpoint is still {previous}" if previous else "there is no earlier checkpoint")
+            ) from err
         replace_dir(tmp, final)
         prune_checkpoints(self.root, self.keep_last)
         return final
@@ -96,6 +118,33 @@ class CheckpointManager:
         return state
 
 
+def _storage_cause(err: BaseException, root: Path) -> Optional[str]:
+    """What the storage did, in one line, if the failed save was the storage's fault (full disk,
+    quota, read-only or lost file system), else None. A rank's error comes back wrapped (its text
+    kept), and some writers lose the errno on the way (torch's C++ writer says only "iostream
+    error"), so an almost full file system under ``root`` counts too."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _STORAGE_ERRNOS:
+            return f"{current.strerror} ({current.filename or root})"
+        current = getattr(current, "cause", None) or current.__cause__ or current.__context__
+    lines = [x.strip() for x in str(err).splitlines() if x.strip()]
+    for code in _STORAGE_ERRNOS:
+        for line in reversed(lines):
+            if os.strerror(code) in line:
+                return line
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError as gone:   # the file system itself went away
+        return f"{root}: {gone.strerror}"
+    if free < _FULL_BYTES:
+        said = lines[-1] if lines else type(err).__name__
+        return f"{os.strerror(errno.ENOSPC)} ({free // 1024} KiB free under {root}; the writer said: {said})"
+    return None
+
+
 def prune_checkpoints(ckpt_dir: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` checkpoints (``keep_last`` 0: keep every one);
     returns what was deleted. The newest is never deleted: it was just written."""
@@ -108,6 +157,8 @@ def prune_checkpoints(ckpt_dir: Path, keep_last: int) -> list[Path]:
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
+    """The newest whole checkpoint (a ``step_*`` folder with its state file; the rename that puts
+    a folder there happens after the file is written, so an older layout without it is skipped)."""
     ckpt_dir = Path(ckpt_dir)
-    found = sorted(ckpt_dir.glob("step_*")) if ckpt_dir.is_dir() else []
+    found = sorted(p for p in ckpt_dir.glob("step_*") if (p / STATE_FILE).is_file()) if ckpt_dir.is_dir() else []
     return found[-1] if found else None
