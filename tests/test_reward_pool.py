@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from megarl.rewards import RewardPool, build_reward_fn
-from tests.helpers.rewards import OVERLAP, hangs_on_marked_records, overlapping_length_reward, slow_length_reward
+from tests.helpers.rewards import OVERLAP, hangs_on_marked_records, hangs_once, overlapping_length_reward, slow_length_reward
 
 
 def test_thread_pool_overlaps_a_slow_function_and_keeps_order():
@@ -71,6 +71,19 @@ def test_a_process_whose_reward_call_hung_still_exits(executor):
     assert done.stdout.strip() == "1.0"
     if executor == "thread":
         assert "abandoned" in done.stderr
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_transient_hang_is_tried_again_within_the_retries(executor, tmp_path):
+    """reward.retries covers a call past its deadline too: tried again in a fresh pool, it scores;
+    without retries the sample fails with reason timeout."""
+    from megarl.rewards.failures import Failure
+
+    with RewardPool(hangs_once, workers=2, executor=executor, timeout_s=1.0, retries=1) as pool:
+        assert pool.score(["ab", "cde", "f"], [0, {"once": str(tmp_path / "a")}, 2]) == [2.0, 3.0, 1.0]
+    with RewardPool(hangs_once, workers=2, executor=executor, timeout_s=1.0, retries=0) as pool:
+        scores = pool.score(["ab", "cde"], [0, {"once": str(tmp_path / "b")}])
+        assert scores[0] == 2.0 and isinstance(scores[1], Failure) and scores[1].reason == "timeout"
 
 
 def test_a_nonpositive_deadline_is_refused_naming_the_field():

@@ -431,9 +431,9 @@ class RewardConfig:
     executor: Literal["thread", "process"] = opt("thread", "thread: any function, parallel while it waits (I/O, "
                                                  "subprocess, sandbox); process: CPU-bound Python scorers "
                                                  "(function and records must pickle)")
-    retries: int = opt(0, "more tries of a sample whose reward failed (a function that raised, a judge request "
-                       "that timed out or failed); then the sample is marked failed: no advantage, no loss, "
-                       "never a 0")
+    retries: int = opt(0, "more tries of a sample whose reward failed (a function that raised or ran past "
+                       "reward.timeout_s, a judge request that timed out or failed); then the sample is marked "
+                       "failed: no advantage, no loss, never a 0")
     timeout_s: Optional[float] = opt(300.0, "deadline of one sample's reward function, from when a worker takes "
                                      "it; past it the sample fails (reason timeout), never a 0. Threads cannot "
                                      "be stopped and are abandoned; reward.executor process kills the worker. "

@@ -124,7 +124,8 @@ class RewardPool:
         """One task per sample; a sample running longer than ``timeout_s`` since its worker started
         it (announced on the pool's start queue, seen within ``_POLL_S``) fails with reason ``timeout``.
 
-        A hung call holds its worker, so the first timeout retires the pool: the samples it has not
+        A sample past its deadline is tried again (in a fresh pool) up to ``retries`` times, then
+        fails. A hung call holds its worker, so a timeout retires the pool: the samples it has not
         started go to a fresh pool, its running ones finish where they are, and once the batch
         is in the retired pool's processes are killed (threads are left behind: Python cannot stop
         them)."""
@@ -144,6 +145,7 @@ class RewardPool:
         out: list[Optional[Score]] = [None] * len(items)
         started: dict[int, float] = {}   # token -> when its start was seen
         retired: list[tuple[cf.Executor, list]] = []   # (pool, its worker processes)
+        timeouts: dict[int, int] = {}   # sample -> times it ran past the deadline
         hung = 0
         while futures:
             cf.wait(list(futures.values()), timeout=_POLL_S, return_when=cf.FIRST_COMPLETED)
@@ -163,13 +165,18 @@ class RewardPool:
                 elif token_of[i] in started and now - started[token_of[i]] > self.timeout_s:
                     del futures[i]
                     hung += 1
-                    out[i] = Failure("timeout", f"reward function still running after reward.timeout_s="
-                                                f"{self.timeout_s:g} s")
                     if owner[i] is self._pool:
                         # the processes are taken first: shutdown(wait=False) lets go of the pool's list
                         retired.append((owner[i], _worker_processes(owner[i])))
                         self._pool = None
                         owner[i].shutdown(wait=False, cancel_futures=True)
+                    timeouts[i] = timeouts.get(i, 0) + 1
+                    if timeouts[i] <= self.retries:   # a transient hang: tried again in a fresh pool
+                        submit(i)
+                    else:
+                        out[i] = Failure("timeout", f"reward function still running after reward.timeout_s="
+                                                    f"{self.timeout_s:g} s" + (f" ({timeouts[i]} tries)"
+                                                                               if timeouts[i] > 1 else ""))
         for pool, processes in retired:
             _drop(pool, processes)
         if hung and self.executor == "thread":

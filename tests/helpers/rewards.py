@@ -41,3 +41,19 @@ def hangs_on_marked_records(text: str, record) -> float:
         while True:
             time.sleep(1.0)
     return float(len(text))
+
+
+def hangs_once(text: str, record) -> float:
+    """A transient hang: for a record ``{"once": PATH}`` the first call (the one that creates PATH)
+    never returns, later calls score by length; other records score at once."""
+    import os
+    import time
+
+    if isinstance(record, dict) and "once" in record:
+        try:
+            os.close(os.open(record["once"], os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return float(len(text))
+        while True:
+            time.sleep(1.0)
+    return float(len(text))
