@@ -10,12 +10,13 @@ sink is chosen (they are optional: ``pip install wandb mlflow-skinny``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol
 
-SINKS = ("tensorboard", "wandb", "mlflow")
+SINKS = ("tensorboard", "jsonl", "wandb", "mlflow")
 
 
 class Sink(Protocol):
@@ -38,6 +39,24 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class JsonlSink:
+    """``OUTPUT_DIR/metrics.jsonl``: one line per logged step, ``{"step": S, "name": value, ...}``,
+    appended across resumes (a resumed run's line of a step it redid comes after the first run's).
+    Floats are written exactly (``repr``), so two runs can be compared bit for bit without a
+    tracking server; ``benchmarks/soak.py`` does."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.file.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
 
 
 class WandbSink:
@@ -120,6 +139,8 @@ def build_sinks(cfg: Any, out_dir: Path) -> list[Sink]:
     for kind in lg.sinks:
         if kind == "tensorboard":
             sinks.append(TensorBoardSink(Path(lg.tensorboard_dir or out_dir / "tensorboard")))
+        elif kind == "jsonl":
+            sinks.append(JsonlSink(out_dir / "metrics.jsonl"))
         elif kind == "wandb":
             sinks.append(WandbSink(Path(lg.wandb_dir or out_dir), lg.project, cfg.name, lg.wandb_mode,
                                    dataclasses.asdict(cfg)))

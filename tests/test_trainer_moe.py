@@ -2,6 +2,7 @@
 metrics, and the same metrics read back from TensorBoard, W&B (offline) and MLflow (file store)."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -23,7 +24,7 @@ def moe_model(tmp_path_factory) -> Path:
 def test_routing_replay_end_to_end_with_every_sink(moe_model, tmp_path):
     out = tmp_path / "r3"
     cfg = tiny_run_config(moe_model, out, *COMMON, "trainer.total_steps=2", "algorithm.routing_replay=rollout",
-                          "logging.sinks=[tensorboard,wandb,mlflow]")
+                          "logging.sinks=[tensorboard,jsonl,wandb,mlflow]")
     steps = Trainer(cfg).run()["steps"]
     assert len(steps) == 2
     for m in steps:
@@ -46,6 +47,9 @@ def test_routing_replay_end_to_end_with_every_sink(moe_model, tmp_path):
             for step, m in enumerate(steps, start=1):
                 assert got[key][step] == pytest.approx(m[key], rel=1e-6, abs=1e-6), (name, key, step)
     assert set(sinks["mlflow"]) == set(sinks["wandb"]) == set(sinks["tensorboard"])
+    # the jsonl sink: every logged value exactly as the trainer returned it
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in x.items() if k != "step"} for x in lines if x["step"] in (1, 2)] == steps
 
 
 def test_routing_agreement_without_replay_ep2_on_ray(moe_model, tmp_path):

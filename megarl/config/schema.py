@@ -497,7 +497,8 @@ class WatchdogConfig:
 
 @dataclass
 class LoggingConfig:
-    sinks: list[str] = opt(["tensorboard"], "where per-step metrics go, same names in each: tensorboard, wandb "
+    sinks: list[str] = opt(["tensorboard"], "where per-step metrics go, same names in each: tensorboard, jsonl "
+                           "(OUTPUT_DIR/metrics.jsonl, floats exact), wandb "
                            "(offline unless logging.wandb_mode says online), mlflow (local file store unless "
                            "logging.mlflow_uri says otherwise)")
     tensorboard_dir: Optional[str] = opt(None, "event files (default: OUTPUT_DIR/tensorboard)")

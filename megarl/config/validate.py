@@ -540,9 +540,9 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
     odd = sorted(set(cfg.logging.profile_phases) - set(PROFILED_PHASES))
     if odd:
         problems.append(f"logging.profile_phases: unknown phase(s) {odd}; choose from {', '.join(PROFILED_PHASES)}")
-    unknown = sorted(set(cfg.logging.sinks) - {"tensorboard", "wandb", "mlflow"})
+    unknown = sorted(set(cfg.logging.sinks) - {"tensorboard", "jsonl", "wandb", "mlflow"})
     if unknown:
-        problems.append(f"logging.sinks: unknown sink(s) {unknown}; choose from tensorboard, wandb, mlflow")
+        problems.append(f"logging.sinks: unknown sink(s) {unknown}; choose from tensorboard, jsonl, wandb, mlflow")
     if cfg.checkpoint.keep_last < 0:
         problems.append(f"checkpoint.keep_last: must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_last}")
 
