@@ -460,6 +460,20 @@ class AgentConfig:
                                    "each turn also stops at rollout.sampling.max_new_tokens")
     tool_timeout_s: float = opt(10.0, "deadline of one tool call; past it the trajectory is truncated (counted)")
     tool_workers: int = opt(16, "threads running tool calls")
+    entrypoint: Optional[str] = opt(None, "bring your own agent: package.module:function or path/to/file.py:function, "
+                                    "called once per trajectory as function(base_url=, api_key=, record=) with an "
+                                    "OpenAI-compatible gateway in front of the rollout servers (docs/byo-agent.md); "
+                                    "returns the reward, or None to score the last call's text with reward.*. "
+                                    "Replaces agent.env")
+    trajectory_timeout_s: float = opt(600.0, "entrypoint: deadline of one trajectory from its agent's start; past "
+                                      "it the sample fails (agent_timeout), never a 0")
+    concurrency: int = opt(64, "entrypoint: agent functions running at once (threads)")
+    segments: Literal["all", "last"] = opt("all", "entrypoint: when the agent rewrote its history mid-trajectory "
+                                           "(a new segment), train every segment as a sample with the "
+                                           "trajectory's reward (all) or only the last one (last)")
+    gateway_host: str = opt("127.0.0.1", "entrypoint: address the gateway binds (agents on this host only by "
+                            "default; each trajectory has its own key either way)")
+    gateway_port: int = opt(0, "entrypoint: gateway port (0 = a free one)")
 
 
 @dataclass

@@ -685,11 +685,16 @@ def _check_adapter_push(cfg: RunConfig, problems: list[str]) -> None:
 def _check_agent(cfg: RunConfig, problems: list[str]) -> None:
     a = cfg.agent
     if not a.enabled:
+        if a.entrypoint is not None:
+            problems.append(f"agent.entrypoint: {a.entrypoint!r} is set but agent.enabled is false; set "
+                            f"agent.enabled=true")
         return
     from megarl.envs.parsers import PARSERS
     from megarl.envs.registry import BUILTIN
 
-    if a.env not in BUILTIN and ":" not in a.env and "." not in a.env:
+    if a.entrypoint is not None:
+        _check_entrypoint(cfg, problems)
+    elif a.env not in BUILTIN and ":" not in a.env and "." not in a.env:
         problems.append(f"agent.env: unknown environment {a.env!r} (built-ins: {sorted(BUILTIN)}, or module:Class)")
     if a.tool_parser not in PARSERS and ":" not in a.tool_parser:
         problems.append(f"agent.tool_parser: unknown parser {a.tool_parser!r} (built-ins: {sorted(PARSERS)}, "
@@ -712,6 +717,23 @@ def _check_agent(cfg: RunConfig, problems: list[str]) -> None:
     _check_sandbox_mounts(cfg, problems)
     if a.env == "search" and "corpus" not in a.env_args:
         problems.append("agent.env_args.corpus: the search environment needs a corpus (JSONL file or list of passages)")
+
+
+def _check_entrypoint(cfg: RunConfig, problems: list[str]) -> None:
+    """A bring-your-own agent: an importable callable, and limits that can be met."""
+    from megarl.envs.entrypoint import EntrypointError, load_entrypoint
+
+    a = cfg.agent
+    try:
+        load_entrypoint(a.entrypoint)
+    except EntrypointError as e:
+        problems.append(str(e))
+    if a.trajectory_timeout_s <= 0:
+        problems.append(f"agent.trajectory_timeout_s must be positive, got {a.trajectory_timeout_s}")
+    if a.concurrency < 1:
+        problems.append(f"agent.concurrency must be at least 1, got {a.concurrency}")
+    if not 0 <= a.gateway_port < 65536:
+        problems.append(f"agent.gateway_port must be in [0, 65535], got {a.gateway_port}")
 
 
 def sandbox_mounts(env_args: dict[str, Any]) -> list[str]:

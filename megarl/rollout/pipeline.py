@@ -29,6 +29,8 @@ from megarl.metrics_log import note
 from megarl.rewards import RewardPool, build_reward_fn
 from megarl.rewards.failures import Failure, checked_score
 from megarl.rollout.agent import AgentRollout, AgentSettings
+from megarl.rollout.byo_agent import ByoAgentRollout, ByoSettings
+from megarl.rollout.call_session import CallLimits
 from megarl.rollout.failures import valid_rewards
 from megarl.rollout.healing import ServerHealer
 from megarl.rollout.judge import build_judge
@@ -124,10 +126,21 @@ class RolloutPipeline:
     # ------------------------------------------------------------------ group rollouts
     def _agent_rollout(self, keep_versions: bool):
         a = self.cfg.agent
+        if a.entrypoint is not None:   # bring your own agent: the user's function behind the gateway
+            return self._byo_rollout(keep_versions)
         settings = AgentSettings(a.env, dict(a.env_args), a.tool_parser, a.max_turns, a.max_response_tokens,
                                  a.tool_timeout_s, a.tool_workers, keep_versions, self.moe_routing,
                                  self.replay_routes, self.cfg.rollout.max_prompt_len)
         return AgentRollout(self.manager, self.sampling(greedy=False), self.tokenizer, settings)
+
+    def _byo_rollout(self, keep_versions: bool) -> ByoAgentRollout:
+        a, r = self.cfg.agent, self.cfg.rollout
+        limits = CallLimits(a.max_turns, a.max_response_tokens, r.sampling.max_new_tokens, r.max_prompt_len)
+        settings = ByoSettings(a.entrypoint, a.tool_parser, limits, a.trajectory_timeout_s, a.concurrency, a.segments,
+                               keep_versions, a.gateway_host, a.gateway_port)
+        pool = self.scorer.pool
+        return ByoAgentRollout(self.manager, self.sampling(greedy=False), self.tokenizer, settings,
+                               pool.score if pool is not None else None)
 
     def group_rollout(self) -> Any:
         """The coroutine an off-policy source runs per group: the agent loop, or the n resumable

@@ -1,0 +1,297 @@
+"""Bring your own agent: agents written with the real ``openai`` package (2.8.0) call megarl's
+gateway in front of the embedded server running SmolLM2-135M-Instruct, and megarl records their
+trajectories token for token.
+
+What is held to what:
+
+* every call's prompt ids and sampled ids are the ones the server saw and returned (the
+  session's log of server requests, not the recorder's own bookkeeping), each sampled token's
+  logprob is the server's, and the loss mask is 1 exactly on them;
+* a model turn whose re-rendering by the chat template differs from its sampled ids (SmolLM2's
+  template cannot show ``tool_calls``, so the gateway writes them into the content; a sampled
+  sequence that is not the tokenizer's own encoding of its text) stays as sampled: naive
+  re-tokenization of the conversation would differ, the recorded sequence does not;
+* a rewritten history starts a new segment; unknown keys get ``openai.AuthenticationError``; a
+  cut call is an ``openai.APIError`` subclass within seconds; an agent's exception or deadline is a
+  failed sample, never a 0.
+
+Scripted managers (the server's answers given, everything else real) are used where the point is
+an exact token sequence or a failure the real server would not produce on demand.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import openai
+import pytest
+
+from megarl.data.records import PromptRecord
+from megarl.rollout.byo_agent import ByoAgentRollout, ByoSettings
+from megarl.rollout.call_session import CallLimits
+from megarl.rollout.call_trajectory import ChatRender
+from megarl.rollout.client import GenerateOutput, LoopThread
+from tests.helpers import byo_agents
+
+EOS = 2          # <|im_end|>
+SAMPLING = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [EOS]}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
+
+    return AutoTokenizer.from_pretrained(str(smollm2_hf_dir()))
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The embedded server on SmolLM2-135M-Instruct and a rollout manager in front of it."""
+    from megarl.checkpoint.smollm2 import smollm2_hf_dir
+    from megarl.rollout.manager import RolloutManager
+    from tests.helpers.servers import ServerProcess
+
+    with ServerProcess(str(smollm2_hf_dir()), threads=2) as server:
+        manager = RolloutManager([server.url], request_retries=0)
+        try:
+            yield manager
+        finally:
+            manager.close()
+
+
+def make_rollout(manager, tok, entrypoint: str, parser: str = "hermes", timeout_s: float = 120.0,
+                 score=None, segments: str = "all", limits: CallLimits = CallLimits(3, 200, 12, 512)):
+    settings = ByoSettings(f"tests.helpers.byo_agents:{entrypoint}", parser, limits, timeout_s, 8, segments)
+    return ByoAgentRollout(manager, SAMPLING, tok, settings, score)
+
+
+def records(*questions: str, **metadata) -> list[PromptRecord]:
+    return [PromptRecord(q, answer="19", index=i, metadata=dict(metadata)) for i, q in enumerate(questions)]
+
+
+def assert_server_tokens(samples, sessions) -> None:
+    """Each recorded call is in one segment as the server saw it: its input is the segment so far,
+    its sampled ids and logprobs follow verbatim with mask 1; nothing else has mask 1."""
+    by_traj = {}
+    for s in samples:
+        by_traj.setdefault(id(s.record), []).append(s)
+    for session in sessions:
+        segs = session.trajectory.trained("all")
+        covered = {id(seg): 0 for seg in segs}
+        for inp, out, lps in session.server_ids:
+            seg = next(seg for seg in segs if (seg.prompt_ids + seg.ids)[:len(inp) + len(out)] == inp + out)
+            pos = len(inp) - len(seg.prompt_ids)
+            assert seg.ids[pos:pos + len(out)] == out
+            assert seg.logprobs[pos:pos + len(out)] == lps
+            assert seg.mask[pos:pos + len(out)] == [1] * len(out)
+            covered[id(seg)] += len(out)
+        for seg in segs:
+            assert sum(seg.mask) == covered[id(seg)]
+            assert all(lp == 0.0 for lp, m in zip(seg.logprobs, seg.mask) if not m)
+
+
+# ---------------------------------------------------------------------------------------------- real server
+def test_openai_tool_agent_multi_turn_keeps_the_servers_tokens(served, tok):
+    """An unchanged openai agent, three calls per trajectory with tool calls and tool results; the
+    gateway's parser is ``mostly_call`` so that SmolLM2's turns are tool calls three times in four."""
+    rollout = make_rollout(served, tok, "tool_agent", parser="tests.helpers.agent:mostly_call")
+    try:
+        samples = rollout.generate(records("Calculate 12 + 7."), 2, seed_base=3)
+        sessions = list(rollout.sessions)
+    finally:
+        rollout.close()
+    assert len(samples) == 2 and not any(s.failed for s in samples)
+    assert_server_tokens(samples, sessions)
+    render = ChatRender(tok)
+    spliced = calls = 0
+    for session in sessions:
+        (seg,) = session.trajectory.segments
+        assert len(session.server_ids) == 3 and seg.calls == 3                # one sequence of three calls
+        assert session.joins[0] == "new" and set(session.joins[1:]) <= {"extends", "splice"}
+        seen = byo_agents.SEEN[session.key]
+        made = sum(len(r.get("tool_calls", [])) for r in seen["replies"])
+        calls += made
+        assert seg.tool_calls == made
+        # the agent's conversation, rendered and tokenized whole (what a naive recorder trains on)
+        msgs = seen["messages"]
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        naive = render.encode(render.render(msgs[:last], byo_agents.TOOLS))
+        if "splice" in session.joins:
+            spliced += 1
+            assert naive != session.server_ids[-1][0]          # re-tokenized history != what the model sampled
+        env = tok.decode([t for t, m in zip(seg.ids, seg.mask) if not m])
+        if made:
+            assert "<|im_start|>tool\n" in env                  # tool results went in as template tokens
+    assert spliced >= 1 and calls >= 1
+    assert sorted(s.reward for s in samples) == sorted(float(sum(len(r.get("tool_calls", [])) for r in
+                                                                 byo_agents.SEEN[x.key]["replies"])) for x in sessions)
+
+
+def test_rewritten_history_starts_a_new_segment(served, tok):
+    got = []
+    rollout = make_rollout(served, tok, "rewriting_agent",
+                           score=lambda texts, recs: got.extend(texts) or [0.25] * len(texts))
+    try:
+        samples = rollout.generate(records("Calculate 2 + 2."), 1, seed_base=9)
+        session = rollout.sessions[0]
+    finally:
+        rollout.close()
+    assert session.joins[0] == "new" and session.joins[1] in ("extends", "splice") and session.joins[2] == "new"
+    assert [seg.calls for seg in session.trajectory.segments] == [2, 1]
+    assert len(samples) == 2 and [s.info["segment"] for s in samples] == [0, 1]
+    assert all(s.reward == 0.25 and not s.failed for s in samples)     # None: the reward function scored it once
+    assert got == [samples[-1].text]
+    assert_server_tokens(samples, [session])
+
+
+def test_unknown_key_is_401_and_closed_key_408(served, tok):
+    rollout = make_rollout(served, tok, "tool_agent")
+    try:
+        url = served.io.run(rollout.gateway.start())
+        assert url.startswith("http://127.0.0.1:")
+        client = openai.OpenAI(base_url=url, api_key="megarl-not-a-key", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as err:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+        key = rollout.gateway.open(_Ended())      # a key, then its trajectory ends
+        rollout.gateway.close(key, "the agent returned")
+        late = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+        t = time.time()
+        with pytest.raises(openai.APIStatusError) as err:
+            late.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert err.value.status_code == 408 and time.time() - t < 5
+    finally:
+        rollout.close()
+
+
+class _Ended:
+    def close(self, why: str) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- scripted server
+class ScriptedManager:
+    """Stands in for ``RolloutManager``: answers trajectory ``job_index``'s calls from its script
+    (ids, finish reason) or raises the scripted error; logs every request."""
+
+    def __init__(self, scripts: dict[int, list]):
+        self.io = LoopThread()
+        self.scripts = {k: list(v) for k, v in scripts.items()}
+        self.log: list[tuple[list[int], list[int]]] = []
+
+    async def generate_one(self, input_ids, params, job_index=0, **kw):
+        turn = self.scripts[job_index].pop(0)
+        if isinstance(turn, BaseException):
+            raise turn
+        ids, finish = turn
+        ids = ids[: params["max_new_tokens"]]
+        self.log.append((list(input_ids), list(ids)))
+        return GenerateOutput(ids, [-0.5 - 0.01 * i for i in range(len(ids))], finish,
+                              meta_info={"weight_version": "init"})
+
+    def close(self):
+        self.io.close()
+
+
+def char_split(tok, text: str) -> list[int]:
+    """Ids that decode to ``text`` but are not the tokenizer's encoding of it."""
+    return [i for ch in text for i in tok.encode(ch, add_special_tokens=False)]
+
+
+def test_non_canonical_tool_call_keeps_the_sampled_ids(tok):
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 + 7"}}</tool_call>'
+    turn1, turn2 = char_split(tok, call) + [EOS], char_split(tok, "The answer is 19.") + [EOS]
+    for ids in (turn1, turn2):   # the drift: decode -> encode is not these ids
+        assert tok.encode(tok.decode(ids, skip_special_tokens=True), add_special_tokens=False) != ids[:-1]
+    manager = ScriptedManager({0: [(turn1, "stop"), (turn2, "stop"), (turn2, "stop")]})
+    limits = CallLimits(3, 400, 400, 1024)
+    rollout = ByoAgentRollout(manager, dict(SAMPLING, max_new_tokens=400), tok,
+                              ByoSettings("tests.helpers.byo_agents:tool_agent", "hermes", limits, 60.0, 4), None)
+    try:
+        samples = rollout.generate(records("Calculate 12 + 7.", max_tokens=400), 1, seed_base=1)
+        session = rollout.sessions[0]
+    finally:
+        rollout.close()
+        manager.close()
+    seen = byo_agents.SEEN[session.key]
+    first = seen["replies"][0]
+    assert first["tool_calls"][0]["function"]["name"] == "calculator"         # OpenAI tool_calls, via the package
+    assert json.loads(first["tool_calls"][0]["function"]["arguments"]) == {"expression": "12 + 7"}
+    assert first.get("content") in (None, "")
+    (smp,) = samples
+    assert smp.reward == 1.0 and session.joins == ["new", "splice", "splice"]
+    (p1, o1), (p2, o2), (p3, o3) = manager.log
+    assert o1 == turn1 and p2[:len(p1) + len(o1)] == p1 + turn1            # the sampled ids, not re-encoded
+    tail = tok.decode(p2[len(p1) + len(o1):])
+    assert tail == "\n<|im_start|>tool\n19<|im_end|>\n<|im_start|>assistant\n"   # ChatML by hand
+    assert smp.prompt_ids == p1 and smp.response_ids == (p3 + o3)[len(p1):]
+    assert [i for i, m in zip(smp.response_ids, smp.loss_mask) if m] == turn1 + turn2 + turn2
+    assert_server_tokens(samples, [session])
+
+
+def test_cut_calls_raise_openai_errors_and_fail_the_sample(tok):
+    from megarl.rollout.manager import NoServerLeft
+
+    manager = ScriptedManager({0: [NoServerLeft("no rollout server left")],
+                               1: [([5, 6, EOS], "abort")]})
+    rollout = ByoAgentRollout(manager, SAMPLING, tok, ByoSettings("tests.helpers.byo_agents:tool_agent", "hermes",
+                                                                   CallLimits(3, 200, 12, 512), 30.0, 4), None)
+    t = time.time()
+    try:
+        samples = rollout.generate(records("a", "b"), 1)
+    finally:
+        rollout.close()
+        manager.close()
+    assert time.time() - t < 20
+    for s in samples:
+        assert s.failed and s.failure.reason == "agent_error" and s.reward != s.reward   # nan, never 0
+        assert "InternalServerError" in s.failure.message and "rollout_unavailable" in s.failure.message
+
+
+def test_agent_exception_deadline_and_async_agents(tok):
+    scripts = {0: [([5, EOS], "stop")], 1: [([5, EOS], "stop")], 2: [([7, 8, EOS], "stop")]}
+    out = {}
+    for job, name, timeout in ((0, "raising_agent", 30.0), (1, "slow_agent", 1.0), (2, "async_agent", 30.0)):
+        manager = ScriptedManager({0: scripts[job]})
+        rollout = ByoAgentRollout(manager, SAMPLING, tok, ByoSettings(f"tests.helpers.byo_agents:{name}", "hermes",
+                                                                       CallLimits(3, 200, 12, 512), timeout, 4), None)
+        t = time.time()
+        try:
+            out[name] = (rollout.generate(records(f"q{job}"), 1)[0], time.time() - t)
+            if name == "slow_agent":   # the abandoned agent's late call: refused with 408 (trajectory over)
+                rollout.pool.shutdown(wait=True)
+        finally:
+            rollout.close()
+            manager.close()
+    raised, _ = out["raising_agent"]
+    assert raised.failed and raised.failure.reason == "agent_error" and "KeyError" in raised.failure.message
+    slow, took = out["slow_agent"]
+    assert slow.failed and slow.failure.reason == "agent_timeout" and took < 3.0
+    late = next(v["late_error"] for v in byo_agents.SEEN.values() if "late_error" in v)
+    assert isinstance(late, openai.APIStatusError) and late.status_code == 408
+    done, _ = out["async_agent"]
+    assert not done.failed and done.reward == 0.5 and done.response_ids == [7, 8, EOS]
+
+
+def test_entrypoint_validation_is_one_line_naming_the_field(tmp_path):
+    from megarl.config import ConfigError, load_config
+    from tests.helpers.runs import ROOT
+
+    recipe = ROOT / "recipes" / "smollm2-135m-grpo-byo-agent-cpu.yaml"
+    load_config(recipe, [])      # the recipe's own entrypoint (a file path) is valid
+    cases = (("nosuch.module:run", "cannot import 'nosuch.module'"),
+             ("tests.helpers.byo_agents:nothing", "has no attribute 'nothing'"),
+             ("tests.helpers.byo_agents:SEEN", "not a callable"),
+             ("no_colon", "must be package.module:function"),
+             (str(tmp_path / "missing.py") + ":run", "cannot import"),
+             ("tests.helpers.byo_agents:tool_agent agent.enabled=false", "agent.enabled is false"))
+    for value, words in cases:
+        with pytest.raises(ConfigError) as err:
+            load_config(recipe, [f"agent.entrypoint={v}" if i == 0 else v for i, v in enumerate(value.split(" "))])
+        problems = [p for p in err.value.problems if p.startswith("agent.entrypoint:")]
+        assert len(problems) == 1 and words in problems[0] and "\n" not in problems[0], err.value.problems
