@@ -40,6 +40,9 @@ EXTRAS = {
         "peft==0.21.2",
         "accelerate==1.16.0",
         "math-verify==0.9.0",   # reward.rule math_verify, graded against the package itself
+        # bring-your-own agents: the tests' agents are written with the real OpenAI client, calling
+        # the gateway (tests/test_gateway.py, the byo-agent recipe's example agent)
+        "openai==2.8.0",
         # the documentation site (docs/, mkdocs.yml): tests/test_docs.py builds it with --strict
         "mkdocs==1.6.1",
         "mkdocs-material==9.8.2",

@@ -7,7 +7,8 @@ One object answers everything the loop needs from rollout servers:
   carry a signal (the group filter is ``algos.filters.group_has_signal``, the one used by the
   off-policy sources too);
 * :meth:`RolloutPipeline.group_rollout` -- the per-group coroutine an off-policy source runs
-  (single-turn: ``SingleTurnRollout``; agent: ``AgentRollout``), built from the same settings;
+  (single-turn: ``SingleTurnRollout``; agent: ``AgentRollout``, or ``ByoAgentRollout`` for a
+  user's own agent behind the OpenAI-compatible gateway), built from the same settings;
 * greedy jobs that need the servers: :meth:`evaluate` (held-out accuracy) and
   :meth:`greedy_baseline` (ReMax), run inside the rollout phase, before servers release memory.
 
