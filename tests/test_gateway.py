@@ -234,6 +234,26 @@ def test_non_canonical_tool_call_keeps_the_sampled_ids(tok):
     assert_server_tokens(samples, [session])
 
 
+def test_text_completions_join_by_text_and_refusals(tok):
+    turn1 = char_split(tok, " 19 is it")      # non-canonical: a text splice keeps it
+    manager = ScriptedManager({0: [(turn1, "length"), ([11, 12], "length")]})
+    rollout = ByoAgentRollout(manager, SAMPLING, tok, ByoSettings("tests.helpers.byo_agents:text_agent", "hermes",
+                                                                   CallLimits(4, 200, 12, 512), 30.0, 4), None)
+    try:
+        (smp,) = rollout.generate(records("12 + 7?"), 1)
+        session = rollout.sessions[0]
+    finally:
+        rollout.close()
+        manager.close()
+    seen = byo_agents.SEEN[session.key]
+    assert seen["first"] == " 19 is it" and seen["refused"] == ["stream", "n"] and seen["models"] == ["megarl-policy"]
+    assert session.joins == ["new", "splice"] and not smp.failed and smp.reward == 1.0
+    (p1, o1), (p2, o2) = manager.log
+    assert p2[:len(p1) + len(o1)] == p1 + turn1
+    assert tok.decode(p2[len(p1) + len(o1):]) == "\nObservation: ok\nA:"
+    assert [i for i, m in zip(smp.response_ids, smp.loss_mask) if m] == turn1 + [11, 12]
+
+
 def test_cut_calls_raise_openai_errors_and_fail_the_sample(tok):
     from megarl.rollout.manager import NoServerLeft
 
@@ -295,3 +315,20 @@ def test_entrypoint_validation_is_one_line_naming_the_field(tmp_path):
             load_config(recipe, [f"agent.entrypoint={v}" if i == 0 else v for i, v in enumerate(value.split(" "))])
         problems = [p for p in err.value.problems if p.startswith("agent.entrypoint:")]
         assert len(problems) == 1 and words in problems[0] and "\n" not in problems[0], err.value.problems
+
+
+def test_off_policy_calls_continue_after_an_abort(tok):
+    """Off-policy runs (keep_versions): a call a weight update aborted is continued from its own
+    tokens (partial rollouts), one recorded call with every token's weight version."""
+    manager = ScriptedManager({0: [([5], "abort"), ([7, EOS], "stop")]})     # the agent asks for 3 tokens
+    settings = ByoSettings("tests.helpers.byo_agents:async_agent", "hermes", CallLimits(3, 200, 12, 512), 30.0, 4,
+                           keep_versions=True)
+    rollout = ByoAgentRollout(manager, SAMPLING, tok, settings, None)
+    try:
+        (smp,) = rollout.generate(records("q"), 1)
+    finally:
+        rollout.close()
+        manager.close()
+    (p1, o1), (p2, o2) = manager.log
+    assert p2 == p1 + [5] and smp.response_ids == [5, 7, EOS] and smp.loss_mask == [1, 1, 1]
+    assert smp.versions == [0, 0, 0] and smp.reward == 0.5 and not smp.failed

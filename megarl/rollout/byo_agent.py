@@ -129,7 +129,8 @@ class ByoAgentRollout:
         trained = session.trajectory.trained(segments or s.segments)
         if not trained and failure is None:
             failure = Failure("no_calls", "the agent made no completion call")
-        samples = [self._sample(record, seg, session, i, len(trained)) for i, seg in enumerate(trained)]
+        last = max(trained, key=lambda seg: seg.serial) if trained else None   # the segment of the last call
+        samples = [self._sample(record, seg, session, i, len(trained), seg is last) for i, seg in enumerate(trained)]
         if not samples:
             samples = [self._empty_sample(record, session)]
         for smp in samples:
@@ -140,11 +141,13 @@ class ByoAgentRollout:
                 smp.reward = float(reward) if reward is not None else 0.0
         return samples
 
-    def _sample(self, record: Any, seg: Any, session: CallSession, i: int, n: int) -> Sample:
+    def _sample(self, record: Any, seg: Any, session: CallSession, i: int, n: int, last: bool) -> Sample:
+        """One trained segment; ``last``: it holds the trajectory's last call (its text is what a
+        reward function scores, a truncation is its)."""
         info = {"turns": seg.calls, "tool_calls": seg.tool_calls, "tool_errors": seg.tool_errors, "call_errors": 0,
-                "tool_timeouts": 0, "truncated": session.truncated if i == n - 1 else "",
-                "env_tokens": seg.template_tokens, "segment": i, "segments": n}
-        finish = "length" if session.truncated and i == n - 1 else seg.finish_reason
+                "tool_timeouts": 0, "truncated": session.truncated if last else "",
+                "env_tokens": seg.template_tokens, "segment": i, "segments": n, "last_call": last}
+        finish = "length" if session.truncated and last else seg.finish_reason
         return Sample(record, 0, list(seg.prompt_ids), list(seg.ids), list(seg.logprobs), finish, text=seg.text,
                       versions=list(seg.versions) if self.s.keep_versions else [], loss_mask=list(seg.mask), info=info)
 
@@ -172,8 +175,9 @@ class ByoAgentRollout:
                     smp.fail(Failure("no_reward", "the agent returned None and the run has no reward function"))
             return
         loop = asyncio.get_running_loop()
-        scores = await loop.run_in_executor(self._scorer, self.score, [t[-1].text for t in todo],
-                                            [t[-1].record for t in todo])
+        finals = [next((smp for smp in t if smp.info.get("last_call")), t[-1]) for t in todo]
+        scores = await loop.run_in_executor(self._scorer, self.score, [smp.text for smp in finals],
+                                            [smp.record for smp in finals])
         for t, score in zip(todo, scores):
             score = checked_score(score)
             for smp in t:

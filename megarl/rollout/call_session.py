@@ -123,6 +123,24 @@ class CallSession:
                            f"first prompt (agent.max_response_tokens)")
         new_tokens = min(lim.max_new_tokens, budget, max_tokens or lim.max_new_tokens)
         self.trajectory.begin(plan)
+        recorded = False
+        try:
+            sent = await self._generate_until_closed(prompt, new_tokens)
+            text = self.render.tok.decode(sent.output_ids, skip_special_tokens=True)
+            self.trajectory.record(plan, sent.output_ids, sent.logprobs, sent.versions, sent.finish_reason, text)
+            recorded = True
+        finally:
+            if not recorded:        # cut, refused, cancelled: nothing of the call enters the trajectory
+                self.trajectory.abandon(plan)
+        self.server_ids.append((list(prompt), list(sent.output_ids), list(sent.logprobs)))
+        self.joins.append(plan.how)
+        if sent.finish_reason == "length" and not self.truncated and budget <= new_tokens:
+            self.truncated = "token_budget"
+        return sent, text
+
+    async def _generate_until_closed(self, prompt: list[int], new_tokens: int) -> Sent:
+        """One generation, ended early (408) when the trajectory closes or its deadline passes;
+        server failures become 400 (refused) or 503 (cut)."""
         seed = None if self.seed is None else (self.seed + self.trajectory.calls * TURN_SEED_STRIDE) & 0x7FFFFFFF
         task = asyncio.ensure_future(self._generate(prompt, dict(self.sampling, max_new_tokens=new_tokens), seed))
         closing = asyncio.ensure_future(self._closing.wait())
@@ -131,21 +149,17 @@ class CallSession:
             done, _ = await asyncio.wait({task, closing}, timeout=max(remaining, 0.0),
                                          return_when=asyncio.FIRST_COMPLETED)
             if task not in done:
-                task.cancel()
                 self.close(self.closed or "its deadline, agent.trajectory_timeout_s, passed")
                 self._check_open()
-            sent = task.result()
-        except WireError:
-            self.trajectory.abandon(plan)
-            raise
+            return task.result()
         except RequestFailed as err:
-            self.trajectory.abandon(plan)
             if err.status < 500:       # the server refused the request itself (e.g. longer than its context)
                 raise WireError(400, f"the rollout server refused the call: {err.message}", code="server_refused") from err
             self.cut = str(err)
             raise WireError(503, f"the rollout server failed: {err}", "server_error", "rollout_unavailable") from err
+        except (WireError, asyncio.CancelledError):
+            raise
         except Exception as err:  # noqa: BLE001 - no server left, a request that kept failing: cut, not hung
-            self.trajectory.abandon(plan)
             self.cut = f"{type(err).__name__}: {err}"
             raise WireError(503, f"the call could not be generated: {self.cut}", "server_error",
                             "rollout_unavailable") from err
@@ -153,13 +167,6 @@ class CallSession:
             closing.cancel()
             if not task.done():
                 task.cancel()
-        text = self.render.tok.decode(sent.output_ids, skip_special_tokens=True)
-        self.server_ids.append((list(prompt), list(sent.output_ids), list(sent.logprobs)))
-        self.joins.append(plan.how)
-        self.trajectory.record(plan, sent.output_ids, sent.logprobs, sent.versions, sent.finish_reason, text)
-        if sent.finish_reason == "length" and not self.truncated and budget <= new_tokens:
-            self.truncated = "token_budget"
-        return sent, text
 
     def _truncate(self, why: str, message: str) -> None:
         self.truncated = self.truncated or why

@@ -104,3 +104,22 @@ async def async_agent(base_url: str, api_key: str, record: dict) -> float:
                                          max_tokens=3)
     await client.close()
     return 0.5
+
+
+def text_agent(base_url: str, api_key: str, record: dict) -> float:
+    """``/v1/completions``: a prompt, then the prompt + the completion + an observation; also the
+    refusals (streaming, n > 1) the package raises as ``BadRequestError``."""
+    import openai
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    prompt = f"Q: {record['prompt']}\nA:"
+    first = client.completions.create(model="policy", prompt=prompt, max_tokens=12).choices[0].text
+    client.completions.create(model="policy", prompt=prompt + first + "\nObservation: ok\nA:", max_tokens=8)
+    refused = []
+    for kw in ({"stream": True}, {"n": 2}):
+        try:
+            client.completions.create(model="policy", prompt=prompt, max_tokens=2, **kw)
+        except openai.BadRequestError as e:
+            refused.append(e.param)
+    _note(api_key, first=first, refused=refused, models=[m.id for m in client.models.list().data])
+    return 1.0
