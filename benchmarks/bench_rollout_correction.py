@@ -18,6 +18,7 @@ ratio to ``none``'s.
 
     python benchmarks/bench_rollout_correction.py --device cuda --steps 20 --seeds 1,2,3 --parallel 4
     python benchmarks/bench_rollout_correction.py --device cpu --steps 2 --seeds 1 --eval-interval 1   # smoke
+    python benchmarks/bench_rollout_correction.py --write-data .whl/corr_data --seeds 1,2,3   # for a GPU box
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ def run_one(args: argparse.Namespace, model: str, fp8: Path, mode: str, seed: in
                  f"model.dtype={'bfloat16' if gpu else 'float32'}", *MODES[mode], *args.set]
     if gpu:
         overrides.append(f"rollout.mem_fraction={0.6 / max(1, args.parallel):.3f}")
+    if args.data_dir is not None:   # the recipe's prompts written on a host with reasoning-gym (--write-data)
+        folder = args.data_dir / f"seed{seed}"
+        overrides += ["data.source=jsonl", f"data.path={folder / 'train.jsonl'}", f"data.eval_path={folder / 'eval.jsonl'}"]
     log = args.work / f"{mode}_seed{seed}.log"
     found = args.work / f"{mode}_seed{seed}.jsonl"
     t0 = time.time()
@@ -112,6 +116,21 @@ def summarize(runs: dict[tuple[str, int], dict[str, Any]], modes: list[str], see
     return out
 
 
+def write_data(folder: Path, seeds: list[int]) -> None:
+    """The recipe's reasoning-gym train and held-out prompts for each seed as JSONL (prompt,
+    answer), for machines without reasoning-gym (the rule reward needs only the answer)."""
+    from megarl.config import load_config
+    from megarl.data import load_split
+
+    for seed in seeds:
+        cfg = load_config(RECIPE, [f"seed={seed}"])
+        out = folder / f"seed{seed}"
+        out.mkdir(parents=True, exist_ok=True)
+        for split, name in (("train", "train.jsonl"), ("eval", "eval.jsonl")):
+            rows = [{"prompt": r.prompt, "answer": r.answer} for r in load_split(cfg.data, cfg.seed, split)]
+            (out / name).write_text("".join(json.dumps(x) + "\n" for x in rows))
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         sys.path.insert(0, str(ROOT))
@@ -127,8 +146,14 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/megarl_bench_correction"))
     ap.add_argument("--fp8", type=Path, default=None, help="where the FP8 copy goes (default: WORK/fp8_copy)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more recipe overrides")
+    ap.add_argument("--data-dir", type=Path, default=None,
+                    help="prompts written by --write-data (SEED/train.jsonl, eval.jsonl) instead of reasoning-gym")
+    ap.add_argument("--write-data", type=Path, default=None, metavar="DIR",
+                    help="write the recipe's prompts for --seeds to DIR and exit (on a host with reasoning-gym)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    if args.write_data is not None:
+        return write_data(args.write_data, [int(s) for s in args.seeds.split(",")])
     from megarl.checkpoint.fp8_convert import convert_hf_to_fp8
     from megarl.workers.model_source import resolve_hf_path
 

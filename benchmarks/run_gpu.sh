@@ -76,7 +76,7 @@ fp8e2e) # GRPO on real SmolLM2 rolling out from its FP8 copy (after smollm2), bf
           --work /tmp/b_fp8 --set rollout.model_path=/tmp/smol_fp8 --set checkpoint.final=false ;;
 corrections) # rollout corrections on the FP8-rollout recipe, real SmolLM2 (after smollm2): 4 modes x 3 seeds, 6 runs at once
              run 570 python3 benchmarks/bench_rollout_correction.py --model $SMOLLM2_HF --device cuda --steps ${CORR_STEPS:-20} \
-               --seeds 1,2,3 --parallel 6 --work $OUT/b_corr --fp8 /tmp/b_corr_fp8 ;;
+               --seeds 1,2,3 --parallel 6 --work $OUT/b_corr --fp8 /tmp/b_corr_fp8 --data-dir .whl/corr_data ;;
 fp8rollout) run 400 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batch 1,128 --prompt 32 --new 128 --no-hf --fp8 ;;
 fp8sync) run 400 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --fp8 ;;
 fp8gemm) run 200 python3 benchmarks/bench_fp8_gemm.py --shape qwen2.5-1.5b --tokens 1,128,4096 ;;
