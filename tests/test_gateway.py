@@ -203,7 +203,8 @@ def char_split(tok, text: str) -> list[int]:
     return [i for ch in text for i in tok.encode(ch, add_special_tokens=False)]
 
 
-def test_non_canonical_tool_call_keeps_the_sampled_ids(tok):
+@pytest.mark.parametrize("agent", ["tool_agent", "stream_tool_agent"])
+def test_non_canonical_tool_call_keeps_the_sampled_ids(tok, agent):
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 + 7"}}</tool_call>'
     turn1, turn2 = char_split(tok, call) + [EOS], char_split(tok, "The answer is 19.") + [EOS]
     for ids in (turn1, turn2):   # the drift: decode -> encode is not these ids
@@ -211,7 +212,7 @@ def test_non_canonical_tool_call_keeps_the_sampled_ids(tok):
     manager = ScriptedManager({0: [(turn1, "stop"), (turn2, "stop"), (turn2, "stop")]})
     limits = CallLimits(3, 400, 400, 1024)
     rollout = ByoAgentRollout(manager, dict(SAMPLING, max_new_tokens=400), tok,
-                              ByoSettings("tests.helpers.byo_agents:tool_agent", "hermes", limits, 60.0, 4), None)
+                              ByoSettings(f"tests.helpers.byo_agents:{agent}", "hermes", limits, 60.0, 4), None)
     try:
         samples = rollout.generate(records("Calculate 12 + 7.", max_tokens=400), 1, seed_base=1)
         session = rollout.sessions[0]
@@ -223,6 +224,8 @@ def test_non_canonical_tool_call_keeps_the_sampled_ids(tok):
     assert first["tool_calls"][0]["function"]["name"] == "calculator"         # OpenAI tool_calls, via the package
     assert json.loads(first["tool_calls"][0]["function"]["arguments"]) == {"expression": "12 + 7"}
     assert first.get("content") in (None, "")
+    if agent == "stream_tool_agent":
+        assert seen["usage"] == [len(turn1), len(turn2), len(turn2)]      # stream_options.include_usage
     (smp,) = samples
     assert smp.reward == 1.0 and session.joins == ["new", "splice", "splice"]
     (p1, o1), (p2, o2), (p3, o3) = manager.log
@@ -236,7 +239,8 @@ def test_non_canonical_tool_call_keeps_the_sampled_ids(tok):
 
 def test_text_completions_join_by_text_and_refusals(tok):
     turn1 = char_split(tok, " 19 is it")      # non-canonical: a text splice keeps it
-    manager = ScriptedManager({0: [(turn1, "length"), ([11, 12], "length")]})
+    turn2 = tok.encode(" yes", add_special_tokens=False)
+    manager = ScriptedManager({0: [(turn1, "length"), (turn2, "length")]})
     rollout = ByoAgentRollout(manager, SAMPLING, tok, ByoSettings("tests.helpers.byo_agents:text_agent", "hermes",
                                                                    CallLimits(4, 200, 12, 512), 30.0, 4), None)
     try:
@@ -246,12 +250,13 @@ def test_text_completions_join_by_text_and_refusals(tok):
         rollout.close()
         manager.close()
     seen = byo_agents.SEEN[session.key]
-    assert seen["first"] == " 19 is it" and seen["refused"] == ["stream", "n"] and seen["models"] == ["megarl-policy"]
+    assert seen["first"] == " 19 is it" and seen["refused"] == ["n", "max_tokens"] and seen["models"] == ["megarl-policy"]
+    assert seen["streamed"] == " yes"
     assert session.joins == ["new", "splice"] and not smp.failed and smp.reward == 1.0
     (p1, o1), (p2, o2) = manager.log
     assert p2[:len(p1) + len(o1)] == p1 + turn1
     assert tok.decode(p2[len(p1) + len(o1):]) == "\nObservation: ok\nA:"
-    assert [i for i, m in zip(smp.response_ids, smp.loss_mask) if m] == turn1 + [11, 12]
+    assert [i for i, m in zip(smp.response_ids, smp.loss_mask) if m] == turn1 + turn2
 
 
 def test_cut_calls_raise_openai_errors_and_fail_the_sample(tok):

@@ -22,7 +22,8 @@ from typing import Any, Optional
 from aiohttp import web
 
 from megarl.rollout.call_session import CallSession
-from megarl.rollout.openai_wire import WireError, chat_request, error_body, model_list, text_request
+from megarl.rollout.openai_wire import (CompletionRequest, WireError, chat_request, error_body, model_list,
+                                        stream_chunks, text_request)
 
 RECENTLY_CLOSED = 4096     # ended trajectories whose late calls still get "trajectory over" (408), not 401
 
@@ -109,10 +110,23 @@ class Gateway:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise WireError(400, f"the request body is not JSON: {e}") from None
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _answer(self, request: web.Request, req: CompletionRequest, completion: dict[str, Any]) -> web.StreamResponse:
+        """The completion as JSON, or as server-sent events when the agent asked to stream."""
+        if not req.stream:
+            return web.json_response(completion)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for chunk in stream_chunks(completion, req.include_usage):
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
             session = self._session(request)
-            return web.json_response(await session.chat(chat_request(await self._body(request))))
+            req = chat_request(await self._body(request))
+            return await self._answer(request, req, await session.chat(req))
         except WireError as err:
             return error_response(err)
         except asyncio.CancelledError:
@@ -120,10 +134,11 @@ class Gateway:
         except Exception as err:  # noqa: BLE001 - a gateway bug answers 500 with its words, never a hang
             return error_response(WireError(500, f"gateway error: {type(err).__name__}: {err}", "server_error"))
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         try:
             session = self._session(request)
-            return web.json_response(await session.complete(text_request(await self._body(request))))
+            req = text_request(await self._body(request))
+            return await self._answer(request, req, await session.complete(req))
         except WireError as err:
             return error_response(err)
         except asyncio.CancelledError:

@@ -50,6 +50,8 @@ class CompletionRequest:
     tools: Optional[list[dict[str, Any]]] = None
     max_tokens: Optional[int] = None
     model: str = ""
+    stream: bool = False                                  # answered as server-sent events, after the call
+    include_usage: bool = False                           # stream_options.include_usage
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -66,13 +68,13 @@ def _int_or_none(body: dict[str, Any], *keys: str) -> Optional[int]:
 def _common(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise WireError(400, "the request body must be a JSON object")
-    if body.get("stream"):
-        raise WireError(400, "stream: true is not supported by the megarl gateway; call without streaming",
-                        param="stream")
     n = body.get("n", 1)
     if n not in (1, None):
         raise WireError(400, f"n must be 1 (one trajectory is one sequence), got {n!r}", param="n")
-    return {"max_tokens": _int_or_none(body, "max_completion_tokens", "max_tokens"), "model": str(body.get("model") or "")}
+    options = body.get("stream_options") or {}
+    return {"max_tokens": _int_or_none(body, "max_completion_tokens", "max_tokens"), "model": str(body.get("model") or ""),
+            "stream": bool(body.get("stream")), "include_usage": bool(isinstance(options, dict) and
+                                                                     options.get("include_usage"))}
 
 
 def text_of(content: Any) -> str:
@@ -183,6 +185,31 @@ def text_completion(model: str, text: str, finish: str, prompt_tokens: int, comp
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
             "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def stream_chunks(completion: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A finished completion as the chunks of a stream (``stream: true``): the whole text in one
+    delta, the tool calls in the next, then the finish reason (and the usage when asked). The
+    call is generated before the stream starts, so an error is still an ordinary error response."""
+    head = {k: completion[k] for k in ("id", "created", "model")}
+    choice = completion["choices"][0]
+    chat = completion["object"] == "chat.completion"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(body: dict[str, Any], finish: Optional[str] = None) -> dict[str, Any]:
+        part = {"index": 0, **body, "finish_reason": finish, "logprobs": None}
+        return {**head, "object": obj, "choices": [part]}
+    if chat:
+        message = choice["message"]
+        out = [chunk({"delta": {"role": "assistant", "content": message.get("content") or ""}})]
+        if message.get("tool_calls"):
+            out.append(chunk({"delta": {"tool_calls": [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]}}))
+        out.append(chunk({"delta": {}}, choice["finish_reason"]))
+    else:
+        out = [chunk({"text": choice["text"]}), chunk({"text": ""}, choice["finish_reason"])]
+    if include_usage:
+        out.append({**head, "object": obj, "choices": [], "usage": completion["usage"]})
+    return out
 
 
 def model_list(model: str) -> dict[str, Any]:

@@ -69,6 +69,39 @@ def tool_agent(base_url: str, api_key: str, record: dict, turns: int = 3) -> flo
     return float(calls)
 
 
+def stream_tool_agent(base_url: str, api_key: str, record: dict, turns: int = 3) -> float:
+    """``tool_agent`` with ``stream=True``: the reply is put together from the chunks' deltas, as
+    streaming agents do."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "system", "content": SYSTEM}] + EXAMPLE + [{"role": "user", "content": record["prompt"]}]
+    replies, calls, usage = [], 0, []
+    for _ in range(turns):
+        content, tool_calls = "", {}
+        for chunk in client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=True,
+                                                    stream_options={"include_usage": True}, max_tokens=400):
+            if chunk.usage is not None:
+                usage.append(chunk.usage.completion_tokens)
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for d in choice.delta.tool_calls or []:
+                    call = tool_calls.setdefault(d.index, {"id": d.id, "type": "function",
+                                                           "function": {"name": "", "arguments": ""}})
+                    call["function"]["name"] += d.function.name or ""
+                    call["function"]["arguments"] += d.function.arguments or ""
+        msg = {"role": "assistant", "content": content or None}
+        if tool_calls:
+            msg["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
+        replies.append(msg)
+        messages.append(msg)
+        for call in msg.get("tool_calls", []):
+            calls += 1
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": _calc(call["function"]["arguments"])})
+        if not tool_calls:
+            messages.append({"role": "user", "content": "Check it with the calculator."})
+    _note(api_key, replies=replies, messages=messages, usage=usage)
+    return float(calls)
+
+
 def rewriting_agent(base_url: str, api_key: str, record: dict) -> None:
     """Two calls, then a third whose history is summarised (the earlier turns dropped): a new segment."""
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -112,19 +145,20 @@ async def async_agent(base_url: str, api_key: str, record: dict) -> float:
 
 
 def text_agent(base_url: str, api_key: str, record: dict) -> float:
-    """``/v1/completions``: a prompt, then the prompt + the completion + an observation; also the
-    refusals (streaming, n > 1) the package raises as ``BadRequestError``."""
+    """``/v1/completions``: a prompt, then (streamed) the prompt + the completion + an observation;
+    also refusals (n > 1, max_tokens 0) the package raises as ``BadRequestError``."""
     import openai
 
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     prompt = f"Q: {record['prompt']}\nA:"
     first = client.completions.create(model="policy", prompt=prompt, max_tokens=12).choices[0].text
-    client.completions.create(model="policy", prompt=prompt + first + "\nObservation: ok\nA:", max_tokens=8)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="policy", prompt=prompt + first + "\nObservation: ok\nA:", max_tokens=8, stream=True) if c.choices)
     refused = []
-    for kw in ({"stream": True}, {"n": 2}):
+    for kw in ({"n": 2, "max_tokens": 2}, {"max_tokens": 0}):
         try:
-            client.completions.create(model="policy", prompt=prompt, max_tokens=2, **kw)
+            client.completions.create(model="policy", prompt=prompt, **kw)
         except openai.BadRequestError as e:
             refused.append(e.param)
-    _note(api_key, first=first, refused=refused, models=[m.id for m in client.models.list().data])
+    _note(api_key, first=first, streamed=streamed, refused=refused, models=[m.id for m in client.models.list().data])
     return 1.0
