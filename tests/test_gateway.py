@@ -344,3 +344,40 @@ def test_off_policy_calls_continue_after_an_abort(tok):
     (p1, o1), (p2, o2) = manager.log
     assert p2 == p1 + [5] and smp.response_ids == [5, 7, EOS] and smp.loss_mask == [1, 1, 1]
     assert smp.versions == [0, 0, 0] and smp.reward == 0.5 and not smp.failed
+
+
+def test_limits_truncate_and_the_reward_function_scores_what_was_recorded(tok):
+    """``agent.max_turns`` reached: the next call is a 400 the package raises; the agent lets it
+    propagate, yet the sample is not failed -- the limit is the model's doing -- and the reward
+    function scores the last recorded call (truncated, finish ``length``)."""
+    manager = ScriptedManager({0: [(tok.encode("Maybe 20", add_special_tokens=False) + [EOS], "stop")]})
+    scored = []
+    rollout = ByoAgentRollout(manager, SAMPLING, tok,
+                              ByoSettings("tests.helpers.byo_agents:tool_agent", "hermes", CallLimits(1, 200, 12, 512),
+                                          30.0, 4),
+                              lambda texts, recs: scored.extend(texts) or [0.75] * len(texts))
+    try:
+        (smp,) = rollout.generate(records("q"), 1)
+        session = rollout.sessions[0]
+    finally:
+        rollout.close()
+        manager.close()
+    err = byo_agents.SEEN[session.key]["error"]
+    assert isinstance(err, openai.BadRequestError) and err.code == "context_length_exceeded"
+    assert not smp.failed and smp.reward == 0.75 and scored == ["Maybe 20"]
+    assert smp.info["truncated"] == "max_turns" and smp.finish_reason == "length"
+
+
+def test_concurrent_calls_of_one_trajectory_are_separate_segments(tok):
+    manager = ScriptedManager({0: [([5, EOS], "stop"), ([6, EOS], "stop")]})
+    rollout = ByoAgentRollout(manager, SAMPLING, tok, ByoSettings("tests.helpers.byo_agents:parallel_agent", "hermes",
+                                                                   CallLimits(3, 200, 12, 512), 30.0, 4), None)
+    try:
+        samples = rollout.generate(records("q"), 1)
+        session = rollout.sessions[0]
+    finally:
+        rollout.close()
+        manager.close()
+    assert session.joins == ["new", "new"] and len(samples) == 2 and all(s.reward == 1.0 for s in samples)
+    assert sorted(s.response_ids for s in samples) == [[5, EOS], [6, EOS]]
+    assert_server_tokens(samples, [session])

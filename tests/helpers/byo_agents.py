@@ -162,3 +162,17 @@ def text_agent(base_url: str, api_key: str, record: dict) -> float:
             refused.append(e.param)
     _note(api_key, first=first, streamed=streamed, refused=refused, models=[m.id for m in client.models.list().data])
     return 1.0
+
+
+def parallel_agent(base_url: str, api_key: str, record: dict) -> float:
+    """Two sub-agents with one key, calling at the same time: each conversation is its own segment."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+
+    def sub(topic: str) -> str:
+        return client.chat.completions.create(model="policy", messages=[{"role": "user", "content": topic}],
+                                              max_tokens=4).choices[0].message.content
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(sub, ["first topic", "second topic"]))
+    return 1.0
