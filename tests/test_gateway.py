@@ -99,7 +99,7 @@ def test_openai_tool_agent_multi_turn_keeps_the_servers_tokens(served, tok):
     gateway's parser is ``mostly_call`` so that SmolLM2's turns are tool calls three times in four."""
     rollout = make_rollout(served, tok, "tool_agent", parser="tests.helpers.agent:mostly_call")
     try:
-        samples = rollout.generate(records("Calculate 12 + 7."), 2, seed_base=3)
+        samples = rollout.generate(records("Calculate 12 + 7.", max_tokens=8), 2, seed_base=3)
         sessions = list(rollout.sessions)
     finally:
         rollout.close()
@@ -343,7 +343,7 @@ def test_off_policy_calls_continue_after_an_abort(tok):
         manager.close()
     (p1, o1), (p2, o2) = manager.log
     assert p2 == p1 + [5] and smp.response_ids == [5, 7, EOS] and smp.loss_mask == [1, 1, 1]
-    assert smp.versions == [0, 0, 0] and smp.reward == 0.5 and not smp.failed
+    assert smp.versions == [0, 0, 0] and smp.reward == 0.5 and not smp.failed and rollout.resumed == 1
 
 
 def test_limits_truncate_and_the_reward_function_scores_what_was_recorded(tok):

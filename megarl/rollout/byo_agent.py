@@ -122,6 +122,7 @@ class ByoAgentRollout:
                 failure = failure_of(err, "agent_error")
         finally:
             self.gateway.close(key, "the agent returned" if fut.done() else "the deadline passed")
+            self.resumed += session.resumed      # the off-policy source's rollout/resumed_requests
         if reward is not None and failure is None:
             reward = checked_score(reward)
             if isinstance(reward, Failure):

@@ -63,6 +63,7 @@ class CallSession:
         self.cut = ""                    # the last infrastructure error a call got
         self.closed: Optional[str] = None
         self.key = ""                    # the API key the gateway gave it
+        self.resumed = 0                 # answers continued after an abort (off-policy runs)
         self._closing = asyncio.Event()
         # per recorded call: (input ids, sampled ids, logprobs) as sent to / answered by the server, and
         # how its prompt was joined (new | extends | splice) -- tests and debugging read them
@@ -176,6 +177,7 @@ class CallSession:
         send = functools.partial(self.manager.generate_one, job_index=self.job_index)
         if self.keep_versions:
             t = await generate_resumable(send, ids, params, seed)
+            self.resumed += t.resumed
             return Sent(t.output_ids, t.logprobs, t.versions, t.finish_reason)
         if seed is not None:
             params = dict(params, sampling_seed=seed)
