@@ -62,7 +62,7 @@ def served():
             manager.close()
 
 
-def make_rollout(manager, tok, entrypoint: str, parser: str = "hermes", timeout_s: float = 120.0,
+def make_rollout(manager, tok, entrypoint: str, parser: str = "hermes", timeout_s: float = 300.0,
                  score=None, segments: str = "all", limits: CallLimits = CallLimits(3, 200, 12, 512)):
     settings = ByoSettings(f"tests.helpers.byo_agents:{entrypoint}", parser, limits, timeout_s, 8, segments)
     return ByoAgentRollout(manager, SAMPLING, tok, settings, score)
@@ -106,7 +106,7 @@ def test_openai_tool_agent_multi_turn_keeps_the_servers_tokens(served, tok):
     assert len(samples) == 2 and not any(s.failed for s in samples)
     assert_server_tokens(samples, sessions)
     render = ChatRender(tok)
-    spliced = calls = 0
+    calls = 0
     for session in sessions:
         (seg,) = session.trajectory.segments
         assert len(session.server_ids) == 3 and seg.calls == 3                # one sequence of three calls
@@ -119,13 +119,22 @@ def test_openai_tool_agent_multi_turn_keeps_the_servers_tokens(served, tok):
         msgs = seen["messages"]
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
         naive = render.encode(render.render(msgs[:last], byo_agents.TOOLS))
+        for t, reply in enumerate(seen["replies"][:-1]):
+            # SmolLM2's template writes the calls into the content before <|im_end|>: a turn the model
+            # ended itself is re-rendered as other ids than it sampled (a turn cut by length is extended:
+            # the written calls follow its sampled ids as template tokens, as the server saw them next)
+            out = session.server_ids[t][1]
+            if reply.get("tool_calls") and out[-1:] == [EOS]:
+                assert session.joins[t + 1] == "splice"
+            body = out[:-1] if out[-1:] == [EOS] else out
+            if tok.encode(tok.decode(body), add_special_tokens=False) != body:   # sampled ids the tokenizer
+                assert session.joins[t + 1] == "splice"                          # would not produce: kept
         if "splice" in session.joins:
-            spliced += 1
             assert naive != session.server_ids[-1][0]          # re-tokenized history != what the model sampled
         env = tok.decode([t for t, m in zip(seg.ids, seg.mask) if not m])
         if made:
             assert "<|im_start|>tool\n" in env                  # tool results went in as template tokens
-    assert spliced >= 1 and calls >= 1
+    assert calls >= 1
     assert sorted(s.reward for s in samples) == sorted(float(sum(len(r.get("tool_calls", [])) for r in
                                                                  byo_agents.SEEN[x.key]["replies"])) for x in sessions)
 
