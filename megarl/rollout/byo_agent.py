@@ -121,7 +121,12 @@ class ByoAgentRollout:
             if not session.truncated or session.cut:
                 failure = failure_of(err, "agent_error")
         finally:
-            self.gateway.close(key, "the agent returned" if fut.done() else "the deadline passed")
+            if not fut.done():    # deadline, or the rollout stopped (source closed): the thread is abandoned;
+                # its later calls are refused and whatever it raises then is nobody's to report
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            why = ("the agent returned" if fut.done() else "the deadline passed"
+                   if loop.time() >= session.deadline else "the rollout stopped")
+            self.gateway.close(key, why)
             self.resumed += session.resumed      # the off-policy source's rollout/resumed_requests
         if reward is not None and failure is None:
             reward = checked_score(reward)
