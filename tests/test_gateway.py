@@ -20,7 +20,6 @@ an exact token sequence or a failure the real server would not produce on demand
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 

@@ -22,8 +22,8 @@ from typing import Any, Optional
 from aiohttp import web
 
 from megarl.rollout.call_session import CallSession
-from megarl.rollout.openai_wire import (CompletionRequest, WireError, chat_request, error_body, model_list,
-                                        stream_chunks, text_request)
+from megarl.rollout.openai_wire import (CompletionRequest, WireError, chat_request, model_list, stream_chunks,
+                                        text_request)
 
 RECENTLY_CLOSED = 4096     # ended trajectories whose late calls still get "trajectory over" (408), not 401
 
@@ -154,4 +154,4 @@ class Gateway:
         return web.json_response(model_list(self.model))
 
 
-__all__ = ["Gateway", "error_response", "error_body"]
+__all__ = ["Gateway", "error_response"]
