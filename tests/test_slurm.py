@@ -181,14 +181,15 @@ def test_convert_sbatch_runs_megarl_convert(cluster, tmp_path):
     assert "hf-to-megatron" in log
 
 
-def test_sbatch_trains_cpu_recipe_two_steps(cluster, tmp_path):
-    """The real thing: train.sbatch runs `megarl train` on the CPU recipe for 2 steps on the Ray
-    cluster the script started; the job completes and the run's outputs exist."""
+def test_sbatch_trains_the_cpu_recipe(cluster, tmp_path):
+    """The real thing: train.sbatch runs `megarl train` on the CPU recipe (one step: this test is
+    about the launch) on the Ray cluster the script started; the job completes and the run's final
+    checkpoint exists."""
     out = tmp_path / "run"
     env, ray_tmp = _job_env(tmp_path)
     job = cluster.sbatch(["-N", "1", "--gpus-per-node=1", f"--output={cluster.root}/job-%j.out", "launch/slurm/train.sbatch",
-                          CPU_RECIPE, "trainer.total_steps=2", f"output_dir={out}", "checkpoint.interval=0",
-                          "trainer.eval_before_after=false",
+                          CPU_RECIPE, "trainer.total_steps=1", f"output_dir={out}", "checkpoint.interval=0",
+                          "trainer.eval_before_after=false", "checkpoint.export_hf=false",
                           # the recipe's model and data, a smaller batch: this test is about the launch
                           "batch.prompts_per_step=2", "batch.global_batch_size=8", "rollout.sampling.max_new_tokens=16"],
                          env=env, cwd=ROOT)
@@ -199,6 +200,6 @@ def test_sbatch_trains_cpu_recipe_two_steps(cluster, tmp_path):
     assert "cluster.ray_address=auto" in log
     produced = sorted(p.name for p in out.iterdir() if p.name != "ray_cluster.json")
     assert produced, f"no run outputs in {out}"
-    assert "step 2/2" in log, log[-3000:]
-    assert (out / "checkpoints").is_dir() or (out / "hf_export").is_dir(), produced
+    assert "step 1/1" in log, log[-3000:]
+    assert (out / "checkpoints" / "step_000001" / "trainer_state.json").is_file(), produced
     assert _wait_gone(ray_tmp) == []
