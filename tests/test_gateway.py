@@ -389,3 +389,53 @@ def test_concurrent_calls_of_one_trajectory_are_separate_segments(tok):
     assert session.joins == ["new", "new"] and len(samples) == 2 and all(s.reward == 1.0 for s in samples)
     assert sorted(s.response_ids for s in samples) == [[5, EOS], [6, EOS]]
     assert_server_tokens(samples, [session])
+
+
+# A ChatML template in the style of Qwen's (written here): it shows ``tools`` in the system turn,
+# renders an assistant message's ``tool_calls`` itself and wraps tool results in <tool_response>.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("canonical", [True, False])
+def test_template_that_renders_tool_calls(tok, canonical):
+    """Templates that render ``tool_calls`` and ``tools`` themselves: the returned calls go back as
+    objects (arguments parsed for ``tojson``); the model's own call text is kept whether or not its
+    ids are the tokenizer's encoding (extends or splice), and the tool result is the template's."""
+    import copy
+
+    qtok = copy.deepcopy(tok)
+    qtok.chat_template = TOOL_TEMPLATE
+    assert ChatRender(qtok).renders_tool_calls and not ChatRender(tok).renders_tool_calls
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 + 7"}}\n</tool_call>'
+    turn1 = (qtok.encode(call, add_special_tokens=False) if canonical else char_split(qtok, call)) + [EOS]
+    answer = qtok.encode("19", add_special_tokens=False) + [EOS]
+    manager = ScriptedManager({0: [(turn1, "stop"), (answer, "stop"), (answer, "stop")]})
+    rollout = ByoAgentRollout(manager, dict(SAMPLING, max_new_tokens=400), qtok,
+                              ByoSettings("tests.helpers.byo_agents:tool_agent", "hermes", CallLimits(3, 600, 400, 1024),
+                                          60.0, 4), None)
+    try:
+        (smp,) = rollout.generate(records("Calculate 12 + 7.", max_tokens=400), 1)
+        session = rollout.sessions[0]
+    finally:
+        rollout.close()
+        manager.close()
+    (p1, o1), (p2, o2), _ = manager.log
+    assert "<tools>" in qtok.decode(p1) and '"name": "calculator"' in qtok.decode(p1)    # tools= rendered
+    assert session.joins[1] == ("extends" if canonical else "splice")
+    assert p2[:len(p1) + len(o1)] == p1 + turn1
+    assert qtok.decode(p2[len(p1) + len(o1):]) == ("\n<|im_start|>user\n<tool_response>\n19\n</tool_response>"
+                                                    "<|im_end|>\n<|im_start|>assistant\n")
+    assert [i for i, m in zip(smp.response_ids, smp.loss_mask) if m] == turn1 + answer + answer
+    assert smp.reward == 1.0
