@@ -112,6 +112,14 @@ def per_step(out: Path) -> dict[int, dict[str, float]]:
     return found
 
 
+def checkpoint_step(ckpt: Path) -> int:
+    """The step of the newest whole checkpoint (0: none yet)."""
+    from megarl.checkpoint.manager import latest_checkpoint
+
+    newest = latest_checkpoint(ckpt)
+    return int(newest.name.split("_")[1]) if newest is not None else 0
+
+
 def digests(folder: Path) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir()) if f.is_file()}
 
@@ -294,7 +302,7 @@ def main() -> None:
     due: Optional[float] = None
     while True:
         proc = start(command(out, ckpt, resume), args.work / "soak.log", env_soak)
-        began = steps_logged(out)
+        began = checkpoint_step(ckpt)   # where this run resumes
         while proc.poll() is None:
             done = steps_logged(out)
             if pending and done >= pending[0][0]:
