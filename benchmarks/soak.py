@@ -125,21 +125,9 @@ def digests(folder: Path) -> dict[str, str]:
 
 
 def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        for child in children.get(pid, []):
-            out.append(child)
-            todo.append(child)
-    return out
+    from tests.helpers.faults import process_tree
+
+    return sorted(process_tree(root) - {root})
 
 
 def cmdline(pid: int) -> str:
@@ -183,13 +171,9 @@ class Disk:
         self.why = done.stderr.strip()
 
     def fill(self) -> None:
-        with (self.where / "filler").open("wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-                    f.flush()
-            except OSError:
-                pass
+        from tests.helpers.faults import fill_filesystem
+
+        fill_filesystem(self.where)
 
     def empty(self) -> bool:
         filler = self.where / "filler"

@@ -8,20 +8,16 @@ from __future__ import annotations
 
 from megarl.config import load_config
 from megarl.trainer import Trainer
-from tests.helpers.runs import ARCH_FROM_CONFIG_JSON, ROOT, tiny_model
+from tests.helpers.runs import ROOT, tiny_agent_overrides, tiny_model
 
 RECIPE = ROOT / "recipes" / "smollm2-135m-calculator-cpu.yaml"
 
 
 def test_calculator_recipe_two_grpo_steps(tmp_path):
     model = tiny_model(tmp_path / "models")
-    cfg = load_config(RECIPE, [
-        f"model.hf_path={model}", f"output_dir={tmp_path / 'run'}", "trainer.total_steps=2", "data.num_train=32",
-        "data.num_eval=4", "rollout.sampling.max_new_tokens=6", "batch.prompts_per_step=2", "rollout.n_per_prompt=4",
-        "batch.global_batch_size=8", "checkpoint.resume=none", "checkpoint.interval=0", "checkpoint.export_hf=false",
-        "cluster.backend=local", "actor.optim.lr=1e-3", "trainer.eval_before_after=false",
-        "agent.tool_parser=tests.helpers.agent:mostly_call", "agent.env=tests.helpers.agent:DistinctCalcEnv",
-        "agent.max_turns=3", "agent.max_response_tokens=120"] + ARCH_FROM_CONFIG_JSON)
+    cfg = load_config(RECIPE, tiny_agent_overrides(
+        model, tmp_path / "run", "trainer.total_steps=2", "agent.env=tests.helpers.agent:DistinctCalcEnv",
+        "agent.max_turns=3"))
     results = Trainer(cfg).run()
     steps = results["steps"]
     assert len(steps) == 2

@@ -13,7 +13,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.trainer import Trainer
-from tests.helpers.runs import ARCH_FROM_CONFIG_JSON, ROOT, tiny_model
+from tests.helpers.runs import ROOT, tiny_agent_overrides, tiny_model
 
 pytestmark = pytest.mark.e2e
 RECIPE = ROOT / "recipes" / "smollm2-135m-grpo-byo-agent-cpu.yaml"
@@ -21,13 +21,9 @@ RECIPE = ROOT / "recipes" / "smollm2-135m-grpo-byo-agent-cpu.yaml"
 
 def test_byo_agent_recipe_three_grpo_steps(tmp_path):
     model = tiny_model(tmp_path / "models")
-    cfg = load_config(RECIPE, [
-        f"model.hf_path={model}", f"output_dir={tmp_path / 'run'}", "trainer.total_steps=3", "data.num_train=32",
-        "data.num_eval=4", "rollout.sampling.max_new_tokens=6", "batch.prompts_per_step=2", "rollout.n_per_prompt=4",
-        "batch.global_batch_size=8", "checkpoint.resume=none", "checkpoint.interval=0", "checkpoint.export_hf=false",
-        "cluster.backend=local", "actor.optim.lr=1e-3", "trainer.eval_before_after=false",
-        "agent.tool_parser=tests.helpers.agent:mostly_call", "agent.max_response_tokens=120",
-        "reward.kind=function", "reward.function=tests.helpers.rewards:distinct_token_reward"] + ARCH_FROM_CONFIG_JSON)
+    cfg = load_config(RECIPE, tiny_agent_overrides(
+        model, tmp_path / "run", "trainer.total_steps=3", "reward.kind=function",
+        "reward.function=tests.helpers.rewards:distinct_token_reward"))
     trainer = Trainer(cfg)
     results = trainer.run()
     steps = results["steps"]

@@ -21,6 +21,7 @@ from megarl.errors import RunStopped
 from megarl.rollout.ledger import LEDGER_FILE, read_ledger
 from megarl.trainer import Trainer
 from megarl.watchdog import REQUEUE_EXIT
+from tests.helpers.faults import fill_filesystem
 from tests.helpers.runs import DEFAULT, ROOT, tiny_model, tiny_overrides, tiny_run_config
 
 QUIET = ("checkpoint.export_hf=false", "trainer.eval_before_after=false", "logging.progress_bar=false",
@@ -121,19 +122,6 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def fill(disk: Path) -> Path:
-    """Write a file until the file system is full; returns it."""
-    filler = disk / "filler"
-    with filler.open("wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (1 << 20))
-                f.flush()
-        except OSError:
-            pass
-    return filler
-
-
 def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(model, tmp_path, small_disk):
     out = tmp_path / "run"
     ckpts = small_disk / "checkpoints"
@@ -147,7 +135,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(model, tmp_path,
 
             def saving(step: int):
                 if step == 2:
-                    filled.append(fill(small_disk))
+                    filled.append(fill_filesystem(small_disk))
                 return save(step)
             self.checkpoints.save = saving
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from megarl.rollout.healing import RolloutServerLost, ServerHealer
+from tests.helpers.faults import process_tree
 from tests.helpers.runs import ROOT, tiny_model, tiny_run_config
 
 
@@ -247,25 +248,6 @@ time.sleep(600)
 """
 
 
-def _tree(root: int) -> set[int]:
-    """``root`` and every process descended from it (from /proc; children first listed by ppid)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    seen, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid not in seen:
-            seen.add(pid)
-            todo.extend(children.get(pid, []))
-    return seen
-
-
 @pytest.mark.parametrize("engine", ["sglang"])
 def test_driver_killed_leaves_no_server_process_behind(model, tmp_path, engine):
     """A driver starts a TP2 server (SGLang's own launcher on CPU, with its scheduler processes and
@@ -293,7 +275,7 @@ def test_driver_killed_leaves_no_server_process_behind(model, tmp_path, engine):
         started = json.loads(line)
         deadline = time.time() + 300   # a hang guard: the loop ends once the children are seen
         while time.time() < deadline:   # SGLang's children: scheduler (per TP rank) and detokenizer
-            tree = _tree(started["pid"])
+            tree = process_tree(started["pid"])
             if len(tree) >= 3:
                 break
             time.sleep(0.2)

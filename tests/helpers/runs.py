@@ -29,5 +29,16 @@ def tiny_overrides(model: Path, out: Path, *overrides: str) -> list[str]:
     return base + ARCH_FROM_CONFIG_JSON + list(overrides)
 
 
+def tiny_agent_overrides(model: Path, out: Path, *overrides: str) -> list[str]:
+    """An agent recipe shrunk to the tiny model: two prompts of four short multi-turn samples, the
+    tests' tool parser (calls from a random model's turns)."""
+    return [f"model.hf_path={model}", f"output_dir={out}", "data.num_train=32", "data.num_eval=4",
+            "rollout.sampling.max_new_tokens=6", "batch.prompts_per_step=2", "rollout.n_per_prompt=4",
+            "batch.global_batch_size=8", "checkpoint.resume=none", "checkpoint.interval=0", "checkpoint.export_hf=false",
+            "cluster.backend=local", "actor.optim.lr=1e-3", "trainer.eval_before_after=false",
+            "agent.tool_parser=tests.helpers.agent:mostly_call", "agent.max_response_tokens=120",
+            *ARCH_FROM_CONFIG_JSON, *overrides]
+
+
 def tiny_run_config(model: Path, out: Path, *overrides: str):
     return load_config(DEFAULT, tiny_overrides(model, out, *overrides))
