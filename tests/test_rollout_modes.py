@@ -194,13 +194,13 @@ def test_async_abort_continues_requests_under_the_new_weights(model, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# async (retract): SIGKILL after a checkpoint, exact resume
+# async (retract) and one_step_off: SIGKILL after a checkpoint, every prompt once
 # ---------------------------------------------------------------------------------------------
 
-def test_async_run_killed_with_sigkill_resumes_without_losing_or_repeating_prompts(model, tmp_path):
+def run_killed_after_step_two_checkpoint(model: Path, tmp_path: Path, common: tuple[str, ...]) -> dict:
+    """``megarl train`` SIGKILLed (its whole process group) once step 2's batch was taken after
+    the step-2 checkpoint, so that batch is redone on resume; returns the checkpoint's source state."""
     out = tmp_path / "killed"
-    common = ("rollout.mode=async", "rollout.max_staleness=1", "rollout.interrupt=retract", "trainer.total_steps=4",
-              "checkpoint.interval=2", *SLOW_ROLLOUT, *QUIET)
     cmd = [sys.executable, "-m", "megarl", "train", str(DEFAULT), *tiny_overrides(model, out, *common)]
     log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -209,7 +209,7 @@ def test_async_run_killed_with_sigkill_resumes_without_losing_or_repeating_promp
     # a hang guard (a dead run fails at once, below): the loop ends as soon as step 2 is reached; with
     # the cores hogged and other jobs on the box the whole test took 859 s (240 s was not enough)
     deadline = time.time() + 1800
-    try:   # kill once step 2's batch was taken after the step-2 checkpoint: that batch is redone
+    try:
         while not (ckpt.is_dir() and ledger.is_file() and '"step": 2' in ledger.read_text()):
             assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
             assert time.time() < deadline, "the first run did not reach step 2"
@@ -219,26 +219,52 @@ def test_async_run_killed_with_sigkill_resumes_without_losing_or_repeating_promp
         proc.wait()
     saved = json.loads((ckpt / "trainer_state.json").read_text())["rollout_source"]
     assert saved["version"] == 2 and saved["groups"], saved   # pending groups were checkpointed
+    return saved
 
-    resumed = PushMidGeneration(tiny_run_config(model, out, *common, "checkpoint.resume=auto"))
+
+def check_each_prompt_once(out: Path, trainer: Trainer, saved: dict) -> None:
+    """The ledger of the killed and the resumed run: steps 0-3 of 4 prompts, none trained on (or
+    discarded) twice, and what was drawn is a prefix of the loader's order (nothing lost), the
+    checkpointed pending groups among it."""
+    account = read_ledger(out / "rollout_ledger.jsonl")   # the killed run's lines from step 2 on are superseded
+    assert account.runs == 2 and sorted(account.steps) == [0, 1, 2, 3]
+    assert all(len(v["trained"]) == 4 for v in account.steps.values())
+    assert account.problems(len(trainer.train_records)) == [], "a prompt trained on (or discarded) twice"
+    drawn = account.drawn + account.pending
+    assert len(drawn) == len(set(drawn)), "a prompt was trained on (or discarded) twice"
+    from megarl.data import PromptLoader
+
+    stream = PromptLoader(trainer.train_records, 1, trainer.cfg.seed, trainer.cfg.data.shuffle)
+    assert sorted(drawn) == sorted(stream.next_batch()[0].index for _ in range(len(drawn)))
+    assert {g["record_index"] for g in saved["groups"]} <= set(drawn)
+
+
+def test_async_run_killed_with_sigkill_resumes_without_losing_or_repeating_prompts(model, tmp_path):
+    common = ("rollout.mode=async", "rollout.max_staleness=1", "rollout.interrupt=retract", "trainer.total_steps=4",
+              "checkpoint.interval=2", *SLOW_ROLLOUT, *QUIET)
+    saved = run_killed_after_step_two_checkpoint(model, tmp_path, common)
+    resumed = PushMidGeneration(tiny_run_config(model, tmp_path / "killed", *common, "checkpoint.resume=auto"))
     steps = resumed.run()["steps"]
     assert len(steps) == 2                    # steps 2 and 3, from the checkpoint of step 2
     for k, m in zip((2, 3), steps):
         check_offpolicy_step(k, m, bound=1)
-    account = read_ledger(ledger)   # the killed run's lines from step 2 on are superseded by the resumed run's
-    assert account.runs == 2 and sorted(account.steps) == [0, 1, 2, 3]
-    assert all(len(v["trained"]) == 4 for v in account.steps.values())
-    assert account.problems(len(resumed.train_records)) == [], "a prompt trained on (or discarded) twice"
-    drawn = account.drawn + account.pending
-    assert len(drawn) == len(set(drawn)), "a prompt was trained on (or discarded) twice"
-    # nothing lost: what was drawn is exactly a prefix of the loader's order
-    from megarl.data import PromptLoader
-
-    stream = PromptLoader(resumed.train_records, 1, resumed.cfg.seed, resumed.cfg.data.shuffle)
-    assert sorted(drawn) == sorted(stream.next_batch()[0].index for _ in range(len(drawn)))
-    assert {g["record_index"] for g in saved["groups"]} <= set(drawn)
+    check_each_prompt_once(tmp_path / "killed", resumed, saved)
     # retract: the server kept requests across the pushes (no client resubmission) and they continued
     # under the new version
     assert resumed.pushed_mid_generation == [True, True], resumed.pushed_mid_generation
     assert all(m["rollout/resumed_requests"] == 0 for m in steps)
     assert steps[1]["offpolicy/mixed_version_frac"] > 0
+
+
+def test_one_step_off_run_killed_with_sigkill_resumes_without_losing_or_repeating_prompts(model, tmp_path):
+    """one_step_off: the batch of step 3, generated while step 2 trained, is in the step-2 checkpoint
+    (finished groups with their tokens, the rest as prompts); the resumed run trains every prompt once."""
+    common = ("rollout.mode=one_step_off", "trainer.total_steps=4", "checkpoint.interval=2",
+              "placement.mode=disaggregated", *QUIET)
+    saved = run_killed_after_step_two_checkpoint(model, tmp_path, common)
+    resumed = Trainer(tiny_run_config(model, tmp_path / "killed", *common, "checkpoint.resume=auto"))
+    steps = resumed.run()["steps"]
+    assert len(steps) == 2
+    for k, m in zip((2, 3), steps):
+        check_offpolicy_step(k, m, bound=1)
+    check_each_prompt_once(tmp_path / "killed", resumed, saved)
