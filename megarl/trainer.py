@@ -44,6 +44,7 @@ from megarl.profiling import phase_profiler
 from megarl.rollout.agent import agent_metrics
 from megarl.rollout.failures import FailedBatches, failure_metrics, valid_mask
 from megarl.rollout.healing import RolloutServerLost
+from megarl.rollout.ledger import LEDGER_FILE
 from megarl.rollout.launch import RolloutServers, rollout_dtype
 from megarl.rollout.pipeline import RolloutPipeline, build_pipeline
 from megarl.rollout.routed_experts import moe_routing_shape
@@ -187,7 +188,7 @@ class Trainer:
         return scores
 
     def make_source(self) -> Any:
-        return make_source(self.cfg, self.rollout, self.train_records, self.loader, self.out / "rollout_ledger.jsonl")
+        return make_source(self.cfg, self.rollout, self.train_records, self.loader, self.out / LEDGER_FILE)
 
     # ------------------------------------------------------------------ one RL step
     def step(self, step: int) -> dict[str, float]:
