@@ -428,7 +428,7 @@ class Trainer:
 
     def _stop_if_preempted(self, before: str) -> None:
         if self.preempted:
-            newest = self.checkpoints.find("auto") if self.checkpoints is not None else None
+            newest = self.checkpoints.find("auto")
             raise RunStopped(f"stopped by SIGTERM after step {self.state.step}, before {before}; "
                              + (f"checkpoint.resume=auto resumes from {newest}" if newest else "no checkpoint yet")
                              + f" (exit code {REQUEUE_EXIT}: launch/slurm requeues the job)", REQUEUE_EXIT)
