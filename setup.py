@@ -42,7 +42,11 @@ EXTRAS = {
         "math-verify==0.9.0",   # reward.rule math_verify, graded against the package itself
         # bring-your-own agents: the tests' agents are written with the real OpenAI client, calling
         # the gateway (tests/test_gateway.py, the byo-agent recipe's example agent)
-        "openai==2.8.0",
+        "openai==2.54.0",
+        # environment hubs trained as published (megarl/envs/hubs/): verifiers and OpenEnv, each
+        # tested against the package's own environment classes (tests/test_hub_*.py)
+        "verifiers==0.4.0",
+        "openenv-core==0.3.0",
         # the documentation site (docs/, mkdocs.yml): tests/test_docs.py builds it with --strict
         "mkdocs==1.6.1",
         "mkdocs-material==9.8.2",
@@ -50,6 +54,8 @@ EXTRAS = {
     # Agentic RL environments: BM25 retrieval for agent.env=search. The python sandbox needs
     # Debian's bubblewrap (apt-get install bubblewrap; launch/install.sh does it), not a wheel.
     "agent": ["bm25s==0.3.16"],
+    # environment hubs (agent.entrypoint: megarl.envs.hubs.<hub>:run): verifiers needs openai>=2.54
+    "hubs": ["verifiers==0.4.0", "openenv-core==0.3.0", "openai==2.54.0"],
     "sinks": ["wandb==0.31.0", "mlflow-skinny==3.18.0"],
     # reward.rule math_verify (the math recipes' grader): HF math-verify, pure Python (latex2sympy2_extended,
     # antlr4 runtime, sympy; no torch). An extra, not core: only math recipes use it, and its antlr4 pin

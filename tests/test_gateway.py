@@ -329,12 +329,41 @@ def test_entrypoint_validation_is_one_line_naming_the_field(tmp_path):
              ("tests.helpers.byo_agents:SEEN", "not a callable"),
              ("no_colon", "must be package.module:function"),
              (str(tmp_path / "missing.py") + ":run", "cannot import"),
-             ("tests.helpers.byo_agents:tool_agent agent.enabled=false", "agent.enabled is false"))
+             ("tests.helpers.byo_agents:tool_agent agent.enabled=false", "agent.enabled is false"),
+             ("tests.helpers.byo_agents:scaled_agent", "cannot take base_url, api_key, record"))
     for value, words in cases:
         with pytest.raises(ConfigError) as err:
             load_config(recipe, [f"agent.entrypoint={v}" if i == 0 else v for i, v in enumerate(value.split(" "))])
         problems = [p for p in err.value.problems if p.startswith("agent.entrypoint:")]
         assert len(problems) == 1 and words in problems[0] and "\n" not in problems[0], err.value.problems
+    # agent.entrypoint_args: bound against the function's signature before any worker starts
+    load_config(recipe, ["agent.entrypoint=tests.helpers.byo_agents:scaled_agent", "agent.entrypoint_args.scale=0.5"])
+    args_cases = ((["agent.entrypoint=tests.helpers.byo_agents:tool_agent", "agent.entrypoint_args.scale=0.5"],
+                   "cannot take base_url, api_key, record, scale"),
+                  (["agent.entrypoint=tests.helpers.byo_agents:scaled_agent", "agent.entrypoint_args.scale=1",
+                    "agent.entrypoint_args.record=x"], "given by megarl on every call"),
+                  (["agent.entrypoint=null", "agent.entrypoint_args.scale=1"], "set without agent.entrypoint"))
+    for overrides, words in args_cases:
+        with pytest.raises(ConfigError) as err:
+            load_config(recipe, overrides)
+        problems = [p for p in err.value.problems if p.startswith("agent.entrypoint_args")]
+        assert len(problems) == 1 and words in problems[0] and "\n" not in problems[0], err.value.problems
+
+
+def test_entrypoint_args_reach_every_call(tok):
+    """``agent.entrypoint_args`` from the config is what the agent function receives, per trajectory."""
+    manager = ScriptedManager({0: [([5, EOS], "stop")], 1: [([6, EOS], "stop")]})
+    settings = ByoSettings("tests.helpers.byo_agents:scaled_agent", "hermes", CallLimits(3, 200, 12, 512), 30.0, 4,
+                           entrypoint_args={"scale": 0.25, "tag": "from-config"})
+    rollout = ByoAgentRollout(manager, SAMPLING, tok, settings, None)
+    try:
+        samples = rollout.generate(records("a", "b"), 1)
+        keys = [s.key for s in rollout.sessions]
+    finally:
+        rollout.close()
+        manager.close()
+    assert [s.reward for s in samples] == [0.25, 0.25] and not any(s.failed for s in samples)
+    assert [byo_agents.SEEN[k]["tag"] for k in keys] == ["from-config"] * 2
 
 
 def test_off_policy_calls_continue_after_an_abort(tok):

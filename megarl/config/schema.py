@@ -465,6 +465,9 @@ class AgentConfig:
                                     "OpenAI-compatible gateway in front of the rollout servers (docs/byo-agent.md); "
                                     "returns the reward, or None to score the last call's text with reward.*. "
                                     "Replaces agent.env")
+    entrypoint_args: dict[str, Any] = opt({}, "entrypoint: keyword arguments passed to it on every call besides "
+                                          "base_url, api_key and record (an environment hub adapter's environment "
+                                          "and its options: docs/byo-agent.md)")
     trajectory_timeout_s: float = opt(600.0, "entrypoint: deadline of one trajectory from its agent's start; past "
                                       "it the sample fails (agent_timeout), never a 0")
     concurrency: int = opt(64, "entrypoint: agent functions running at once (threads)")

@@ -694,6 +694,8 @@ def _check_agent(cfg: RunConfig, problems: list[str]) -> None:
 
     if a.entrypoint is not None:
         _check_entrypoint(cfg, problems)
+    elif a.entrypoint_args:
+        problems.append("agent.entrypoint_args: set without agent.entrypoint (they are its keyword arguments)")
     elif a.env not in BUILTIN and ":" not in a.env and "." not in a.env:
         problems.append(f"agent.env: unknown environment {a.env!r} (built-ins: {sorted(BUILTIN)}, or module:Class)")
     if a.tool_parser not in PARSERS and ":" not in a.tool_parser:
@@ -721,11 +723,11 @@ def _check_agent(cfg: RunConfig, problems: list[str]) -> None:
 
 def _check_entrypoint(cfg: RunConfig, problems: list[str]) -> None:
     """A bring-your-own agent: an importable callable, and limits that can be met."""
-    from megarl.envs.entrypoint import EntrypointError, load_entrypoint
+    from megarl.envs.entrypoint import EntrypointError, check_call, load_entrypoint
 
     a = cfg.agent
     try:
-        load_entrypoint(a.entrypoint)
+        check_call(load_entrypoint(a.entrypoint), a.entrypoint_args)
     except EntrypointError as e:
         problems.append(str(e))
     if a.trajectory_timeout_s <= 0:

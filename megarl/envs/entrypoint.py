@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -47,3 +48,27 @@ def load_entrypoint(spec: str) -> Callable[..., Any]:
     if not callable(fn):
         raise EntrypointError(f"agent.entrypoint: {spec!r} is a {type(fn).__name__}, not a callable")
     return fn
+
+
+RESERVED = ("base_url", "api_key", "record")
+
+
+def check_call(fn: Callable[..., Any], extra: dict[str, Any]) -> None:
+    """The call megarl makes, ``fn(base_url=, api_key=, record=, **extra)``, binds to ``fn``'s signature
+    (EntrypointError naming ``agent.entrypoint_args`` or ``agent.entrypoint``): a mismatch is found
+    before any worker starts, not by the first trajectory."""
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise EntrypointError(f"agent.entrypoint_args must be a mapping of names to values, got {extra!r}")
+    clash = sorted(set(extra) & set(RESERVED))
+    if clash:
+        raise EntrypointError(f"agent.entrypoint_args: {clash} are given by megarl on every call; remove them")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):     # a builtin or C callable without a signature: the call will tell
+        return
+    try:
+        sig.bind(**{k: None for k in (*RESERVED, *extra)})
+    except TypeError as e:
+        field = "agent.entrypoint_args" if extra else "agent.entrypoint"
+        raise EntrypointError(f"{field}: {getattr(fn, '__qualname__', fn)}{sig} cannot take "
+                              f"{', '.join((*RESERVED, *extra))} ({e})") from None

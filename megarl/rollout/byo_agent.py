@@ -50,6 +50,7 @@ class ByoSettings:
     host: str = "127.0.0.1"
     port: int = 0
     model: str = "megarl-policy"
+    entrypoint_args: dict[str, Any] = dataclasses.field(default_factory=dict)   # passed on every call
 
 
 def record_dict(record: Any) -> dict[str, Any]:
@@ -60,13 +61,14 @@ def record_dict(record: Any) -> dict[str, Any]:
 
 
 def _run_agent(fn: Callable[..., Any], base_url: str, api_key: str, record: dict[str, Any],
-               started: Callable[[], None]) -> Any:
+               started: Callable[[], None], extra: dict[str, Any]) -> Any:
     """In a pool thread: a plain function is called, a coroutine function runs on a loop of its own.
-    ``started`` first: the trajectory's deadline counts from here, not from its wait for a thread."""
+    ``started`` first: the trajectory's deadline counts from here, not from its wait for a thread.
+    ``extra`` is ``agent.entrypoint_args``."""
     started()
     if inspect.iscoroutinefunction(fn):
-        return asyncio.run(fn(base_url=base_url, api_key=api_key, record=record))
-    out = fn(base_url=base_url, api_key=api_key, record=record)
+        return asyncio.run(fn(base_url=base_url, api_key=api_key, record=record, **extra))
+    out = fn(base_url=base_url, api_key=api_key, record=record, **extra)
     if inspect.isawaitable(out):
         async def wait() -> Any:
             return await out
@@ -105,7 +107,8 @@ class ByoAgentRollout:
 
         def started() -> None:
             loop.call_soon_threadsafe(setattr, session, "deadline", loop.time() + s.trajectory_timeout_s)
-        fut = loop.run_in_executor(self.pool, _run_agent, self.fn, base_url, key, record_dict(record), started)
+        fut = loop.run_in_executor(self.pool, _run_agent, self.fn, base_url, key, record_dict(record), started,
+                                   s.entrypoint_args)
         reward: Any = None
         failure: Optional[Failure] = None
         try:

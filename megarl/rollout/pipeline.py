@@ -138,7 +138,8 @@ class RolloutPipeline:
         a, r = self.cfg.agent, self.cfg.rollout
         limits = CallLimits(a.max_turns, a.max_response_tokens, r.sampling.max_new_tokens, r.max_prompt_len)
         settings = ByoSettings(a.entrypoint, a.tool_parser, limits, a.trajectory_timeout_s, a.concurrency, a.segments,
-                               keep_versions, a.gateway_host, a.gateway_port)
+                               keep_versions, a.gateway_host, a.gateway_port,
+                               entrypoint_args=dict(a.entrypoint_args))
         pool = self.scorer.pool
         return ByoAgentRollout(self.manager, self.sampling(greedy=False), self.tokenizer, settings,
                                pool.score if pool is not None else None)

@@ -176,3 +176,12 @@ def parallel_agent(base_url: str, api_key: str, record: dict) -> float:
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(sub, ["first topic", "second topic"]))
     return 1.0
+
+
+def scaled_agent(base_url: str, api_key: str, record: dict, *, scale: float, tag: str = "") -> float:
+    """One call; returns ``scale`` -- ``agent.entrypoint_args`` arrive as keyword arguments."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": record["prompt"]}],
+                                   max_tokens=3)
+    _note(api_key, tag=tag)
+    return scale
