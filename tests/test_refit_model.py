@@ -14,10 +14,11 @@ from megarl.config.schema import ModelArch
 from megarl.config.validate import arch_from_hf
 from megarl.planning.cli import plan_main
 from megarl.planning.refit import (FP8_SCALE_OVERHEAD, GBPS, Layout, Rates, broadcast_senders, estimate,
-                                   ipc_senders, stage_bytes)
+                                   ipc_senders, node_ipc_senders, stage_bytes)
 
 ROOT = Path(__file__).resolve().parent.parent
-DSV3 = str(ROOT / "recipes/deepseek-v3-671b-grpo-colocated.yaml")
+DSV3 = str(ROOT / "recipes/deepseek-v3-671b-grpo.yaml")                  # disaggregated: broadcast
+DSV3_COLOCATED = str(ROOT / "recipes/deepseek-v3-671b-grpo-colocated.yaml")   # CUDA IPC
 
 # a Qwen3-MoE-shaped config.json (the tests' tiny MoE, untied)
 HF = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -138,17 +139,61 @@ def test_ipc_every_rank_gathers_the_whole_model():
     assert ranks[0].payload == ranks[1].payload == sum((s.tp_sharded + s.replicated + s.experts) * elem for s in st)
 
 
+def test_node_shape_fetches_the_served_model_once_per_node_and_shares_it_over_nvlink():
+    """Two stages on two nodes of two ranks: each rank fetches half of the other node's stage over
+    the network and half of its own node's over NVLink; the send phase is the in-node all-gather."""
+    elem = 2
+    st = stage_bytes(_arch(), [[0], [1]])
+    lay = Layout(tp=2, pp=2, ep=1, etp=1, world=4, ranks_per_node=2, server_tp=2, servers=2,
+                 server_first_node=0, server_ranks_per_node=2)
+    served = [(s.tp_sharded + s.replicated + s.experts) * elem for s in st]     # bf16: served = held
+    ranks = node_ipc_senders(st, lay, fp8=False, elem=elem)
+    assert ranks[0].gather_remote == pytest.approx(served[1] / 2) and ranks[0].gather_local == pytest.approx(served[0] / 2)
+    assert ranks[3].gather_remote == pytest.approx(served[0] / 2) and ranks[3].payload == pytest.approx(sum(served) / 2)
+    rates = _rates(nvlink=10e9, network=1e9)
+    node = estimate(st, lay, rates, transport="tensor", shape="node", fp8=False, elem=elem, bucket_bytes=1 << 30)
+    every = estimate(st, lay, rates, transport="tensor", shape="everywhere", fp8=False, elem=elem, bucket_bytes=1 << 30)
+    assert node.phase("send").seconds == pytest.approx(sum(served) / 2 / 10e9)
+    assert node.phase("apply").bytes == every.phase("apply").bytes == pytest.approx(sum(served))
+    assert node.phase("gather").seconds < every.phase("gather").seconds
+    # FP8: each rank quantizes only the shard it holds (its stage's projections / TP, experts / EP)
+    fp8 = node_ipc_senders(st, lay, fp8=True, elem=elem)
+    assert fp8[2].quantize_in == pytest.approx((st[1].projections / 2 + st[1].experts) * elem)
+
+
+def test_colocated_nccl_is_refused_and_the_colocated_flagship_plans_ipc(capsys):
+    """A colocated broadcast puts a sender and a server rank of its group on one GPU, which NCCL
+    refuses: validation says so; the colocated DeepSeek-V3 recipe pushes by CUDA IPC, and the plan
+    shows the one-gather-per-node candidate under 5 s where every rank gathering takes ~30 s."""
+    from megarl.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(DSV3_COLOCATED, ["sync.transport=nccl"])
+    assert any(p.startswith("sync.transport: nccl refuses two ranks on one GPU") for p in err.value.problems)
+    assert plan_main([DSV3_COLOCATED, "--json"]) == 0
+    refit = json.loads(capsys.readouterr().out)["refit"]
+    cur, cand = refit["current"], refit["candidate"]
+    assert refit["transport"] == "tensor" and cur["shape"] == "everywhere" and cand["shape"] == "node"
+    assert cand["seconds"] <= 5.0 < cur["seconds"] and refit["remainder_phase"] in ("gather", "send")
+    # the gather: 11 of 12 stages' served bytes cross the network, split over a node's 8 GPUs
+    gather = [p for p in cand["phases"] if p["name"] == "gather"][0]
+    cfg = load_config(DSV3_COLOCATED, [])
+    whole = cand["payload_bytes"] / 96 * 8
+    assert gather["seconds"] == pytest.approx(whole * 11 / 12 / 8 / (cfg.cluster.network_gbps * GBPS)
+                                              + whole / 12 / 8 / (cfg.cluster.nvlink_gbps * GBPS), rel=0.05)
+
+
 def test_network_setting_is_bytes_per_second_and_plan_json_has_the_refit(capsys):
     cfg = load_config(DSV3, [])
     assert cfg.cluster.network_gbps == 50.0 and GBPS == 1e9     # 400 Gb/s per GPU = 50 GB/s
     assert plan_main([DSV3, "--json"]) == 0
     refit = json.loads(capsys.readouterr().out)["refit"]
-    cur, par = refit["current"], refit["parallel_senders"]
+    cur, par = refit["current"], refit["candidate"]
     assert refit["transport"] == "distributed" and refit["seconds"] == cur["seconds"]
-    assert [p["name"] for p in cur["phases"]] == ["gather", "quantize", "convert", "pack", "send", "apply", "buckets"]
-    assert cur["senders"] == 12 and par["senders"] == 96 and par["seconds"] < cur["seconds"]
-    assert refit["slowest_link"].startswith("send: network of node")
-    assert refit["parallel_senders_saves_s"] == pytest.approx(cur["seconds"] - par["seconds"])
+    assert [p["name"] for p in cur["phases"]] == ["gather", "convert", "pack", "send", "apply", "buckets"]
+    assert cur["senders"] == 4 and par["senders"] == 128 and par["seconds"] < cur["seconds"]
+    assert refit["slowest_link"].startswith("send: ")
+    assert refit["candidate_saves_s"] == pytest.approx(cur["seconds"] - par["seconds"])
     assert refit["remainder_phase"] == "send"
     # half the NIC bandwidth: the network-bound send phase takes twice as long
     assert plan_main([DSV3, "cluster.network_gbps=25", "--json"]) == 0

@@ -520,6 +520,9 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.sync.transport == "nccl" and cfg.placement.mode == "disaggregated" and one_shared_gpu(cfg):
         problems.append("sync.transport: nccl refuses two ranks on one GPU (trainer and rollout share it here); "
                         "use auto or ipc")
+    if cfg.sync.transport == "nccl" and cfg.placement.mode == "colocated":
+        problems.append("sync.transport: nccl refuses two ranks on one GPU (colocated, each sender's GPU also holds "
+                        "a server rank of its update group); use auto or ipc (CUDA IPC)")
     if cfg.sync.transport == "nccl" and cfg.cluster.device != "cuda":
         problems.append("sync.transport: nccl needs cluster.device = cuda")
     if cfg.trainer.total_steps < 1:

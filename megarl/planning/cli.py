@@ -72,12 +72,12 @@ def format_plan(plan: Plan) -> str:
 
 
 def format_refit(refit: Optional[RefitPlan]) -> list[str]:
-    """The refit lines: seconds per phase of the configured push and of the parallel-senders
-    candidate, the slowest link, the model's caveats."""
+    """The refit lines: seconds per phase of the configured push and of the candidate shape, the
+    slowest link, the model's caveats."""
     if refit is None:
         return []
     out = [f"  Refit (one weight push, {refit.transport}; model: planning/refit.py, cluster.nvlink_gbps / network_gbps):"]
-    for label, est in (("now", refit.current), ("candidate", refit.parallel_senders)):
+    for label, est in (("now", refit.current), ("candidate", refit.candidate)):
         if est is None:
             continue
         parts = ", ".join(f"{p.name} {p.seconds:.3f}" for p in est.phases)

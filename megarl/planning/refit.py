@@ -24,7 +24,10 @@ Senders run in parallel, so each phase costs its slowest sender. Two shapes are 
 every expert-parallel rank's experts, and ``expert`` -- the candidate where each expert-parallel
 rank sends its own experts (the stage sender keeps the dense weights), so the expert gather goes
 away and quantization is spread over the EP ranks (in the push as an opt-in:
-``push_megatron(..., expert_senders=True)``; not a run setting yet).
+``push_megatron(..., expert_senders=True)``; not a run setting yet). Colocated CUDA IPC has two:
+``everywhere`` -- what ``sync/colocated.py`` does, every rank gathers the whole model -- and, across
+nodes, the candidate ``node`` (checkpoint-engine's shape, modelled only): each node fetches the
+served model once, split over its GPUs, and all-gathers it over NVLink.
 
 Bytes come from ``planning/params.py`` (the plan's own counts); the block-FP8 byte count is the
 one the rollout memory plan uses. Rates are settings (``cluster.nvlink_gbps``,
@@ -59,7 +62,8 @@ GPU_QUANTIZE_BPS = 15.23e9 / 0.027               # FP8 push 0.145 vs bf16 0.064 
 #                                                  quantization for 15.23 GB of bf16 input
 GPU_BUCKET_OVERHEAD_S = (57.7e-3 - (12.1 + 6.0 + 12.8 + 9.4) * 1e-3) / 16   # push 57.7 ms less its phases, per bucket
 SHAPES = {"stage": "one sender per pipeline stage", "expert": "every EP rank sends its own experts",
-          "everywhere": "every rank gathers the whole model (CUDA IPC)"}
+          "everywhere": "every rank gathers the whole model (CUDA IPC)",
+          "node": "each node gathers the model once, split over its GPUs, shared over NVLink (CUDA IPC)"}
 GBPS = 1e9                                        # the cluster.*_gbps settings are GB/s (bytes)
 
 
@@ -135,7 +139,7 @@ class PhaseTime:
 
 @dataclass
 class RefitEstimate:
-    shape: str                   # stage | expert | everywhere (colocated IPC: every rank gathers the whole model)
+    shape: str                   # stage | expert | everywhere | node (colocated IPC: see SHAPES)
     transport: str               # distributed | tensor
     senders: int
     payload_bytes: float         # every sender's bytes together
@@ -251,6 +255,32 @@ def ipc_senders(stages: list[StageBytes], lay: Layout, fp8: bool, elem: int) -> 
     return out
 
 
+def node_ipc_senders(stages: list[StageBytes], lay: Layout, fp8: bool, elem: int) -> list[Sender]:
+    """The colocated multi-node candidate (checkpoint-engine's shape, not built): every rank
+    quantizes the shard it holds, each node fetches the served model once -- its GPUs take 1/k of
+    it each (k ranks per node), so the node's k NICs share the cross-node bytes -- and the k pieces
+    are then all-gathered over NVLink (the ``send`` phase), so every GPU holds the whole served
+    model for its own server rank's IPC handles. A stage whose ranks sit on a node is fetched over
+    NVLink in the share of its block that is there (shards are spread evenly over a stage's block)."""
+    block = lay.world // lay.pp
+    out = []
+    for r in range(lay.world):
+        node, (s, _) = lay.node(r), divmod(r, block)
+        k = sum(1 for q in range(lay.world) if lay.node(q) == node)
+        snd = Sender(rank=r)
+        for t, st in enumerate(stages):
+            served = _served(st.projections + st.experts, st.tp_sharded - st.projections + st.replicated, fp8, elem)
+            here = sum(1 for q in range(t * block, (t + 1) * block) if lay.node(q) == node) / block
+            snd.gather_local += served * here / k
+            snd.gather_remote += served * (1 - here) / k
+            snd.held += (st.tp_sharded + st.replicated + st.experts) * elem / k
+            snd.payload += served / k
+            if t == s and fp8:                             # its own shard, quantized where it is held
+                snd.quantize_in = (st.projections / lay.tp + st.experts / (lay.ep * lay.etp)) * elem
+        out.append(snd)
+    return out
+
+
 def _send_phase(senders: list[Sender], lay: Layout, rates: Rates) -> PhaseTime:
     """Broadcast of every sender's payload to every server rank: the busiest link sets the time."""
     server_nodes = lay.server_nodes()
@@ -278,7 +308,9 @@ def _send_phase(senders: list[Sender], lay: Layout, rates: Rates) -> PhaseTime:
 def estimate(stages: list[StageBytes], lay: Layout, rates: Rates, *, transport: str, shape: str, fp8: bool,
              elem: int, bucket_bytes: int) -> RefitEstimate:
     """The modelled seconds of one push, phase by phase (see the module doc)."""
-    if transport == "tensor":
+    if transport == "tensor" and shape == "node":
+        senders = node_ipc_senders(stages, lay, fp8, elem)
+    elif transport == "tensor":
         senders, shape = ipc_senders(stages, lay, fp8, elem), "everywhere"
     elif transport == "distributed":
         senders = broadcast_senders(stages, lay, shape, fp8, elem)
@@ -299,15 +331,21 @@ def estimate(stages: list[StageBytes], lay: Layout, rates: Rates, *, transport: 
     phases.append(slowest("convert", lambda s: s.held / rates.convert, lambda s: s.held, "sender GPU"))
     pack_rate = (1 / rates.pack + (1 / rates.checksum if rates.checksum else 0.0))
     phases.append(slowest("pack", lambda s: s.payload * pack_rate, lambda s: s.payload, "sender GPU"))
+    whole = sum(_served(st.projections + st.experts, st.tp_sharded - st.projections + st.replicated, fp8, elem)
+                for st in stages)               # the served model: what one server rank receives under IPC
     if transport == "distributed":
         phases.append(_send_phase(senders, lay, rates))
+    elif shape == "node":
+        k = max(lay.ranks_per_node, 1)
+        phases.append(PhaseTime("send", whole * (k - 1) / k / rates.nvlink, whole * (k - 1) / k,
+                                "NVLink all-gather inside each node", n))
     else:
         phases.append(PhaseTime("send", 0.0, 0.0, "none (CUDA IPC: a handle to the same GPU)", n))
-    received = sum(s.payload for s in senders) if transport == "distributed" else senders[0].payload
+    received = sum(s.payload for s in senders) if transport == "distributed" else whole
     per_byte = (1 / rates.ipc_receive if transport == "tensor" and rates.ipc_receive else 0.0) \
         + (1 / rates.verify if rates.verify else 0.0) + 1 / (rates.write * lay.server_tp)
     phases.append(PhaseTime("apply", received * per_byte, received, "server GPU", lay.servers * lay.server_tp))
-    buckets = max(math.ceil(s.payload / max(bucket_bytes, 1)) for s in senders)
+    buckets = max(math.ceil((whole if shape == "node" else s.payload) / max(bucket_bytes, 1)) for s in senders)
     phases.append(PhaseTime("buckets", buckets * rates.bucket_overhead_s, 0.0, f"{buckets} bucket round trips", n))
     total = sum(p.seconds for p in phases)
     linked = [p for p in phases if p.name in ("gather", "send") and p.seconds]
@@ -332,27 +370,27 @@ def gpu_rates(cfg: Any, fp8: bool, checksum: bool, engine_verifies: bool) -> Rat
 
 @dataclass
 class RefitPlan:
-    """The plan's refit section: the configured push (``stage``) and the parallel-senders candidate."""
+    """The plan's refit section: the configured push and the candidate shape the model shows
+    (broadcast with EP: expert senders; colocated IPC across nodes: one gather per node)."""
 
     transport: str
     current: Optional[RefitEstimate]
-    parallel_senders: Optional[RefitEstimate]
+    candidate: Optional[RefitEstimate]
     notes: list[str] = field(default_factory=list)
 
     def cut(self) -> Optional[tuple[float, PhaseTime]]:
         """(seconds the candidate saves, the candidate's longest phase: what keeps the remainder)."""
-        if self.current is None or self.parallel_senders is None:
+        if self.current is None or self.candidate is None:
             return None
-        return self.current.seconds - self.parallel_senders.seconds, max(self.parallel_senders.phases,
-                                                                         key=lambda p: p.seconds)
+        return self.current.seconds - self.candidate.seconds, max(self.candidate.phases, key=lambda p: p.seconds)
 
     def to_json(self) -> dict:
         cut = self.cut()
         return {"transport": self.transport, "notes": self.notes,
-                "parallel_senders_saves_s": cut[0] if cut else None,
+                "candidate_saves_s": cut[0] if cut else None,
                 "remainder_phase": cut[1].name if cut else None,
                 "current": self.current.to_json() if self.current else None,
-                "parallel_senders": self.parallel_senders.to_json() if self.parallel_senders else None,
+                "candidate": self.candidate.to_json() if self.candidate else None,
                 "seconds": self.current.seconds if self.current else None,
                 "slowest_link": self.current.slowest_link if self.current else None}
 
@@ -380,13 +418,15 @@ def plan_refit(cfg: Any, fp8: bool, server_tp: int, servers: int) -> RefitPlan:
     stages = stage_bytes(cfg.model.arch, stage_layers(cfg.model.arch.num_layers, p))
     bucket = int(cfg.sync.bucket_mb * (1 << 20))
     current = estimate(stages, lay, rates, transport=transport, shape="stage", fp8=fp8, elem=elem, bucket_bytes=bucket)
-    parallel = None
+    candidate = None
     if transport == "distributed" and p.ep > 1:
-        parallel = estimate(stages, lay, rates, transport=transport, shape="expert", fp8=fp8, elem=elem,
-                            bucket_bytes=bucket)
-    if transport == "distributed" and colocated:
-        notes.append("colocated broadcast: each sender's GPU also holds a server rank of its update group, which "
-                     "NCCL refuses (two ranks of one communicator on one GPU)")
+        candidate = estimate(stages, lay, rates, transport=transport, shape="expert", fp8=fp8, elem=elem,
+                             bucket_bytes=bucket)
+    if transport == "tensor" and len({lay.node(r) for r in range(lay.world)}) > 1:
+        candidate = estimate(stages, lay, rates, transport=transport, shape="node", fp8=fp8, elem=elem,
+                             bucket_bytes=bucket)
+        notes.append("the one-gather-per-node candidate is modelled, not built: sync/colocated.py gathers the "
+                     "whole model on every rank")
     if cfg.rollout.engine == "sglang":
         notes.append("apply: SGLang's own load rate is not measured; the embedded engine's write rate stands in "
                      "(SGLang does not verify)")
@@ -397,4 +437,4 @@ def plan_refit(cfg: Any, fp8: bool, server_tp: int, servers: int) -> RefitPlan:
                      "(merged) push, e.g. a restarted server's")
     if any(is_moe_layer(cfg.model.arch, i) for i in range(cfg.model.arch.num_layers)) and p.ep == 1:
         notes.append("ep = 1: the expert-sender candidate is the current shape")
-    return RefitPlan(transport, current, parallel, notes)
+    return RefitPlan(transport, current, candidate, notes)
