@@ -31,6 +31,8 @@ DELEGATED = {
     "eval": ("megarl.evaluation:eval_main", "held-out accuracy/reward of a model on a recipe's eval split"),
     "ledger": ("megarl.rollout.ledger:ledger_main", "which prompts a run trained on across resumes; "
                                                     "exits 1 if one was repeated or skipped"),
+    "hub": ("megarl.envs.hubs.cli:hub_main", "export a published environment hub's tasks (verifiers, OpenEnv) "
+                                             "as a JSONL dataset for agent.entrypoint's hub adapters"),
     "data": ("megarl.data.prepare:data_main", "prepare downloaded datasets (gsm8k, math, dapo-math-17k, any "
                                               "JSONL/parquet) as megarl's chat JSONL with a held-out split"),
 }
