@@ -147,6 +147,17 @@ def test_distributed_update_joins_as_rank_offset_plus_tp_rank(moe, tp2):
     assert generate(tp2.url, PROMPTS[0])["meta_info"]["weight_version"] == "b"
 
 
+def test_a_world_without_room_for_every_tp_rank_is_refused_and_the_server_lives(moe, tp2):
+    """A sender that counts this TP2 server as one rank (world 2, offset 1) would put TP rank 1 at
+    rank 2 of 2: refused on every rank before any rendezvous, and the server keeps serving."""
+    d, m = moe
+    status, body = call(tp2.url, "/init_weights_update_group",
+                        {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+                         "world_size": 2, "group_name": "g_small", "backend": "gloo"})
+    assert status == 400 and "do not fit world_size 2" in body["message"], body
+    assert_serves(tp2.url, m["b"])
+
+
 def test_tensor_update_reads_one_payload_per_rank_all_or_none(moe, tp2):
     d, m = moe
     named = checkpoint_tensors(str(d / "a"))

@@ -1,9 +1,8 @@
 """Expert senders (megarl/sync/stage.py, ``expert_senders=True``): every expert-parallel rank's
 ETP0/EDP0 rank streams its own experts, the stage sender the dense weights and EP rank 0's experts;
 together they stream exactly what one sender per stage streams, every tensor once, with no expert
-transfer. A real push of that shape (two senders, two update groups) into an embedded server
-leaves it computing the trainer's logprobs. (A TP1 server: two concurrent update groups into a TP2
-embedded server fail the same way with one sender per stage at PP2.)"""
+transfer. A real push of that shape (two senders, two update groups at once) into an embedded
+server, TP1 and TP2, leaves it computing the trainer's logprobs."""
 from __future__ import annotations
 
 import pytest
@@ -44,13 +43,14 @@ def test_expert_senders_stream_every_tensor_once_without_transfers(streams, layo
             assert all(".experts." in n for n, _ in r["streamed"]), "an expert sender sends experts only"
 
 
-def test_two_expert_senders_push_into_a_server(tmp_path):
+@pytest.mark.parametrize("server_tp", [1, 2])
+def test_two_expert_senders_push_into_a_server(tmp_path, server_tp):
     from megarl.parallel import spawn
 
     d = str(tmp_path / "moe")
     make_tiny_hf_model(d, "qwen3_moe", std=0.1, vocab_size=160)
-    with ServerProcess(d) as s:
-        res = spawn(_trainer, 2, d, s.url, 1, 2, True, timeout_s=300)
+    with ServerProcess(d, extra=["--tp-size", str(server_tp)]) as s:
+        res = spawn(_trainer, 2, d, s.url, 1, 2, True, server_tp, timeout_s=300)
     assert [r["sender"] for r in res] == [True, True]
     assert sorted(r["group"] for r in res) == ["megarl_weights_pp0", "megarl_weights_pp0_ep1"]
     assert all(r["stats"]["bytes"] > 0 for r in res)

@@ -12,7 +12,7 @@ from tests.helpers.servers import ServerProcess, make_tiny_hf_model
 PROMPT = [3, 14, 15, 92, 65, 35]
 
 
-def _trainer(rank, world, hf_dir, url, tp, ep, expert_senders=False):
+def _trainer(rank, world, hf_dir, url, tp, ep, expert_senders=False, server_tp=1):
     import torch.distributed as dist
     from megarl.models import build_model, forward_logits, load_hf_weights
     from megarl.parallel import apply_cpu_shim, init_model_parallel
@@ -50,7 +50,8 @@ def _trainer(rank, world, hf_dir, url, tp, ep, expert_senders=False):
 
     pusher = None
     if is_sender_rank(expert_senders=expert_senders):
-        pusher = WeightPusher([url], bucket_mb=0.02, group_name=sender_group_name(expert_senders=expert_senders))
+        pusher = WeightPusher([url], bucket_mb=0.02, group_name=sender_group_name(expert_senders=expert_senders),
+                              server_tp_sizes=[server_tp])
         pusher.connect()
     # the "driver" (rank 0) opens one session on the server around every sender's push
     with weight_update_session([url]) if rank == 0 else _nothing():

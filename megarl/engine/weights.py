@@ -80,6 +80,12 @@ class WeightReceiver:
         if backend == "nccl" and self.model.device.type != "cuda":
             backend = "gloo"  # embedded server on CPU: the trainer must use gloo too
         rank = int(rank_offset) + self.comm.rank
+        if int(rank_offset) < 0 or int(rank_offset) + self.comm.size > int(world_size):
+            # the same verdict on every rank, before any joins: a rank past world_size would reach
+            # gloo's rendezvous and take the server down instead of refusing
+            raise RankFailure(f"Failed to initialize custom process group: rank_offset {rank_offset} + this server's "
+                              f"{self.comm.size} TP rank(s) do not fit world_size {world_size} (the sender's "
+                              f"world must count this server's TP size)")
         err = None
         try:
             if group_name in self.groups:
