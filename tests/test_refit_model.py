@@ -204,3 +204,18 @@ def test_network_setting_is_bytes_per_second_and_plan_json_has_the_refit(capsys)
     text = capsys.readouterr().out
     assert "Refit (one weight push" in text and "candidate (every EP rank sends its own experts)" in text
     assert "the candidate saves" in text and "longest phase is send" in text
+
+
+def test_expert_senders_setting_is_the_planned_shape_and_needs_a_broadcast_with_ep(capsys):
+    """``sync.expert_senders`` is what the plan models as the push (no candidate left); it is
+    refused where no broadcast runs (colocated on GPU: CUDA IPC) or no expert is parallel."""
+    from megarl.config import ConfigError
+
+    assert plan_main([DSV3, "sync.expert_senders=true", "--json"]) == 0
+    refit = json.loads(capsys.readouterr().out)["refit"]
+    assert refit["current"]["shape"] == "expert" and refit["current"]["senders"] == 128 and refit["candidate"] is None
+    for recipe, overrides, words in ((DSV3_COLOCATED, [], "a broadcast push only"),
+                                     (DSV3, ["actor.parallel.ep=1"], "needs actor.parallel.ep > 1")):
+        with pytest.raises(ConfigError) as err:
+            load_config(recipe, ["sync.expert_senders=true", *overrides])
+        assert any(p.startswith("sync.expert_senders:") and words in p for p in err.value.problems), err.value.problems

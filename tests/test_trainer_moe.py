@@ -52,13 +52,20 @@ def test_routing_replay_end_to_end_with_every_sink(moe_model, tmp_path):
     assert [{k: v for k, v in x.items() if k != "step"} for x in lines if x["step"] in (1, 2)] == steps
 
 
-def test_routing_agreement_without_replay_ep2_on_ray(moe_model, tmp_path):
+def test_routing_agreement_without_replay_ep2_on_ray(moe_model, tmp_path, capfd):
     """No replay: the agreement is still measured, summed over the two data-parallel ranks of an
-    EP2 actor (Ray, gloo); fp32 LM head on both sides."""
-    cfg = tiny_run_config(moe_model, tmp_path / "plain", *COMMON, "trainer.total_steps=1", "rollout.fp32_lm_head=true",
-                          "cluster.backend=ray", "actor.gpus=2", "actor.parallel.ep=2")
-    m = Trainer(cfg).run()["steps"][0]
+    EP2 actor (Ray, gloo); fp32 LM head on both sides. The weights go out through expert senders
+    (``sync.expert_senders``: EP rank 1 sends its own experts in an update group of its own), and
+    the second step's rollout logprobs -- from the pushed weights -- still meet the trainer's."""
+    cfg = tiny_run_config(moe_model, tmp_path / "plain", *COMMON, "trainer.total_steps=2", "rollout.fp32_lm_head=true",
+                          "cluster.backend=ray", "actor.gpus=2", "actor.parallel.ep=2", "sync.expert_senders=true")
+    steps = Trainer(cfg).run()["steps"]
+    m = steps[0]
     assert 0.9 < m["routing/agreement"] <= 1.0
     assert m["routing/used_agreement"] == m["routing/agreement"]    # no replay: it used its own choice
     assert 0.0 <= m["routing/exact_match"] <= m["routing/agreement"]
     assert m["routing/tokens"] > 0
+    err = capfd.readouterr().err
+    assert "weight sync: megarl_weights_pp0" in err and "megarl_weights_pp0_ep1" in err, [l for l in err.splitlines() if "weight sync" in l]
+    assert steps[1]["sync/bytes"] > 0 and steps[1]["actor/grad_norm"] > 0
+    assert steps[1]["rollout/logprob_diff_mean"] < steps[0]["rollout/logprob_diff_bound"]

@@ -486,6 +486,9 @@ class SyncConfig:
     verify_checksum: Optional[bool] = opt(None, "server verifies a checksum per bucket; null = on when bytes are "
                                                 "copied on the way (nccl/gloo/disk), off for ipc (the server "
                                                 "reads the trainer's own buffer)")
+    expert_senders: bool = opt(False, "broadcast push (nccl/gloo) with actor.parallel.ep > 1: every expert-parallel "
+                               "rank sends its own experts through an update group of its own, in parallel with "
+                               "its stage's sender (no expert gather to one rank; `megarl plan` models both)")
 
 
 @dataclass

@@ -523,6 +523,14 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.sync.transport == "nccl" and cfg.placement.mode == "colocated":
         problems.append("sync.transport: nccl refuses two ranks on one GPU (colocated, each sender's GPU also holds "
                         "a server rank of its update group); use auto or ipc (CUDA IPC)")
+    if cfg.sync.expert_senders:
+        if cfg.actor.parallel.ep < 2:
+            problems.append(f"sync.expert_senders: needs actor.parallel.ep > 1 (every expert-parallel rank sends its "
+                            f"own experts), got ep {cfg.actor.parallel.ep}")
+        same_gpu = cfg.cluster.device == "cuda" and (cfg.placement.mode == "colocated" or one_shared_gpu(cfg))
+        if cfg.sync.transport in ("ipc", "disk") or (cfg.sync.transport == "auto" and same_gpu):
+            problems.append("sync.expert_senders: a broadcast push only (sync.transport nccl or gloo, or auto when "
+                            "trainer and servers do not share a GPU); this run pushes by CUDA IPC or disk")
     if cfg.sync.transport == "nccl" and cfg.cluster.device != "cuda":
         problems.append("sync.transport: nccl needs cluster.device = cuda")
     if cfg.trainer.total_steps < 1:

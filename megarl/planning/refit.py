@@ -23,8 +23,8 @@ Senders run in parallel, so each phase costs its slowest sender. Two shapes are 
 ``stage`` -- what ``megarl.sync`` does: one sender per pipeline stage gathers its TP shards and
 every expert-parallel rank's experts, and ``expert`` -- the candidate where each expert-parallel
 rank sends its own experts (the stage sender keeps the dense weights), so the expert gather goes
-away and quantization is spread over the EP ranks (in the push as an opt-in:
-``push_megatron(..., expert_senders=True)``; not a run setting yet). Colocated CUDA IPC has two:
+away and quantization is spread over the EP ranks (a run setting:
+``sync.expert_senders``, which makes it the modelled push). Colocated CUDA IPC has two:
 ``everywhere`` -- what ``sync/colocated.py`` does, every rank gathers the whole model -- and, across
 nodes, the candidate ``node`` (checkpoint-engine's shape, modelled only): each node fetches the
 served model once, split over its GPUs, and all-gathers it over NVLink.
@@ -417,9 +417,11 @@ def plan_refit(cfg: Any, fp8: bool, server_tp: int, servers: int) -> RefitPlan:
     rates = gpu_rates(cfg, fp8, checksum, engine_verifies=cfg.rollout.engine == "embedded")
     stages = stage_bytes(cfg.model.arch, stage_layers(cfg.model.arch.num_layers, p))
     bucket = int(cfg.sync.bucket_mb * (1 << 20))
-    current = estimate(stages, lay, rates, transport=transport, shape="stage", fp8=fp8, elem=elem, bucket_bytes=bucket)
+    experts = transport == "distributed" and p.ep > 1 and cfg.sync.expert_senders
+    current = estimate(stages, lay, rates, transport=transport, shape="expert" if experts else "stage", fp8=fp8,
+                       elem=elem, bucket_bytes=bucket)
     candidate = None
-    if transport == "distributed" and p.ep > 1:
+    if transport == "distributed" and p.ep > 1 and not experts:
         candidate = estimate(stages, lay, rates, transport=transport, shape="expert", fp8=fp8, elem=elem,
                              bucket_bytes=bucket)
     if transport == "tensor" and len({lay.node(r) for r in range(lay.world)}) > 1:

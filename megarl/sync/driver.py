@@ -41,7 +41,8 @@ class WeightSync:
                           bucket_mb=cfg.sync.bucket_mb, verify_checksum=cfg.sync.verify_checksum,
                           disk_dir=str(self.servers.weights_dir), api_key=self.servers.api_key,
                           timeout_s=cfg.rollout.request_timeout_s, known_names=names,
-                          ipc_groups=self._ipc_groups(transport), served=read_served_format(self.model_dir, names))
+                          ipc_groups=self._ipc_groups(transport), served=read_served_format(self.model_dir, names),
+                          expert_senders=cfg.sync.expert_senders)
 
     def _ipc_groups(self, transport: str) -> Optional[tuple]:
         """Colocated tensor transport into servers megarl started on the actor's own bundles: which

@@ -36,6 +36,8 @@ class PushTarget:
     # the served checkpoint's weight format (megarl.quant.served): block FP8 is quantized on the
     # sending rank; None = the trainer's dtype
     served: Any = None
+    # distributed transport: every EP rank's ETP0/EDP0 rank sends its own experts (sync.expert_senders)
+    expert_senders: bool = False
 
 
 def checkpoint_names(hf_dir: str) -> Optional[frozenset]:
@@ -79,8 +81,9 @@ class RankSender:
         """Stream HF-named weights bucket by bucket to all servers (every rank takes part)."""
         if target.transport == "tensor" and target.ipc_groups:
             return self._push_colocated(chunks, target, version)
-        if self.pusher is None and is_sender_rank():
-            self.pusher = _stage_pusher(target, sender_group_name())
+        experts = target.expert_senders
+        if self.pusher is None and is_sender_rank(expert_senders=experts):
+            self.pusher = _stage_pusher(target, sender_group_name(expert_senders=experts))
         return _stage_push(chunks, self.pusher, target, version)
 
     def push_to_server(self, chunks: list, target: PushTarget, version: str, server: int, tag: str) -> dict[str, Any]:
@@ -91,7 +94,9 @@ class RankSender:
         if target.transport == "tensor" and target.ipc_groups:
             return self._push_colocated(chunks, target, version, only=server)
         sub = replace(target, urls=(target.urls[server],), server_tp_sizes=(target.server_tp_sizes[server],))
-        pusher = _stage_pusher(sub, f"{sender_group_name()}_{tag}") if is_sender_rank() else None
+        experts = target.expert_senders
+        pusher = (_stage_pusher(sub, f"{sender_group_name(expert_senders=experts)}_{tag}")
+                  if is_sender_rank(expert_senders=experts) else None)
         try:
             return _stage_push(chunks, pusher, sub, version)
         finally:
@@ -161,9 +166,10 @@ def _stage_pusher(target: PushTarget, group_name: str) -> WeightPusher:
 def _stage_push(chunks: list, pusher: Optional[WeightPusher], target: PushTarget, version: str) -> dict[str, Any]:
     """Every rank walks its stage's stream; the sender pushes it. Errors name stage and group."""
     try:
-        stats = push_megatron(chunks, None, pusher, weight_version=version, bucket_mb=target.bucket_mb)
+        stats = push_megatron(chunks, None, pusher, weight_version=version, bucket_mb=target.bucket_mb,
+                              expert_senders=target.expert_senders)
     except Exception as e:
-        name = pusher.group_name if pusher is not None else sender_group_name()
+        name = pusher.group_name if pusher is not None else sender_group_name(expert_senders=target.expert_senders)
         raise SyncError(f"{_where(name)}: {type(e).__name__}: {e}") from e
     if pusher is None:
         return {}
