@@ -1,7 +1,7 @@
 """``megarl hub export HUB OUT --arg k=v ...``: a hub environment's own tasks as a JSONL dataset.
 
 A recipe that trains a hub environment (``agent.entrypoint: megarl.envs.hubs.<hub>_hub:run``)
-reads its prompts from ``data.train_files`` like any other; this writes that file from the
+reads its prompts from ``data.path`` like any other; this writes that file from the
 environment itself, with the same keyword arguments the recipe gives ``agent.entrypoint_args``,
 so every row names a task the adapter's ``run`` can rebuild exactly.
 """
@@ -59,7 +59,7 @@ def hub_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megarl hub", description="environment hubs trained as published "
                                      "(agent.entrypoint: megarl.envs.hubs.<hub>_hub:run)")
     sub = parser.add_subparsers(dest="action", required=True)
-    exp = sub.add_parser("export", help="write a hub environment's tasks as a JSONL dataset (data.train_files)")
+    exp = sub.add_parser("export", help="write a hub environment's tasks as a JSONL dataset (data.path)")
     exp.add_argument("hub", help=f"one of: {', '.join(sorted(HUBS))}")
     exp.add_argument("out", type=Path, help="JSONL file to write")
     exp.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",

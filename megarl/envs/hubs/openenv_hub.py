@@ -379,16 +379,18 @@ def export_records(out: Path, *, count: int, prompt: str = DEFAULT_PROMPT, seed_
     in ``record.metadata``, where :func:`run` reads the episode). ``run_args`` may repeat
     ``agent.entrypoint_args`` (``env_url`` ...) so one argument list serves both; they are not used
     here, since the episodes are made by the server at reset, not listed by it."""
+    from megarl.envs.hubs.cli import HubError   # one line from `megarl hub export`, not a traceback
+
     unknown = sorted(set(run_args) - set(_RUN_ARGS))
     if unknown:
-        raise ValueError(f"openenv export: unknown arguments {unknown} (known: count, prompt, seed_start, reset, "
-                         f"{', '.join(_RUN_ARGS)})")
+        raise HubError(f"openenv export: unknown arguments {unknown} (known: count, prompt, seed_start, reset, "
+                       f"{', '.join(_RUN_ARGS)})")
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"openenv export: count {count!r} must be a positive integer")
+        raise HubError(f"openenv export: count {count!r} must be a positive integer")
     if isinstance(seed_start, bool) or not isinstance(seed_start, int) or seed_start < 0:
-        raise ValueError(f"openenv export: seed_start {seed_start!r} must be an integer >= 0")
+        raise HubError(f"openenv export: seed_start {seed_start!r} must be an integer >= 0")
     if reset is not None and not isinstance(reset, dict):
-        raise ValueError(f"openenv export: reset {reset!r} must be a mapping of reset() arguments")
+        raise HubError(f"openenv export: reset {reset!r} must be a mapping of reset() arguments")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as handle:
