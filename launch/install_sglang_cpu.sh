@@ -29,9 +29,10 @@ PY
 pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check --no-input -q "$@"; }
 pip_install --no-deps sglang==0.5.23 compressed-tensors==0.18.0 xgrammar==0.2.7
 # SGLang's pure-Python request/HTTP stack and the compiled helpers it imports at module level
+# (openai and openai-harmony at SGLang's own pins: the parent env's are newer, for the verifiers hub)
 pip_install triton==3.5.0 msgspec==0.23.0 fastapi==0.165.0 uvicorn==0.55.0 uvloop==0.23.0 pyzmq==27.3.0 \
     pybase64==1.5.1 python-multipart==0.0.34 setproctitle==1.3.8 partial-json-parser==0.2.1.1.post7 \
-    einops==0.8.2 xxhash==4.1.0 orjson openai==2.8.0 dill soundfile sentencepiece==0.2.1 loguru \
+    einops==0.8.2 xxhash==4.1.0 orjson openai==2.8.0 openai-harmony==0.0.4 dill soundfile sentencepiece==0.2.1 loguru \
     apache-tvm-ffi==0.1.11
 # sglang/utils.py imports IPython.display at module level; a fresh venv has no IPython of its own
 pip_install ipython==9.18.1
