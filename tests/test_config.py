@@ -235,12 +235,12 @@ def test_one_gpu_may_be_shared_by_trainer_and_rollout_disaggregated():
     from pathlib import Path as P
 
     from megarl.rollout.launch import LaunchSpec, sglang_args
-    from megarl.sync.rank import run_transport
+    from megarl.config.validate import push_transport
 
     for mode in ("sync", "one_step_off", "async"):
         assert not problems_for(ONE_GPU + [f"rollout.mode={mode}"]), mode
     cfg = load_config(DEFAULT, ONE_GPU + ["rollout.mode=async"])
-    assert run_transport(cfg) == "tensor"
+    assert push_transport(cfg) == "tensor"
     assert "--enable-memory-saver" not in sglang_args(cfg, P("/m"), LaunchSpec(0, "127.0.0.1", 1))
     assert_one_problem(ONE_GPU + ["sync.transport=nccl"], "sync.transport", "two ranks on one GPU")
     # with Ray (pools placed apart) or a critic, one GPU is not enough
@@ -248,4 +248,4 @@ def test_one_gpu_may_be_shared_by_trainer_and_rollout_disaggregated():
                        "one GPU may be shared")
     # two GPUs apart: a broadcast group, as before
     two = load_config(DEFAULT, ONE_GPU + ["cluster.gpus_per_node=2"])
-    assert run_transport(two) == "distributed"
+    assert push_transport(two) == "distributed"

@@ -460,6 +460,16 @@ def one_shared_gpu(cfg: RunConfig) -> bool:
             and cfg.rollout.gpus <= 1 and not cfg.critic.enabled and not cfg.rollout.server_urls)
 
 
+def push_transport(cfg: RunConfig) -> str:
+    """``sync.transport`` -> the pusher's transport (distributed | tensor | disk). ``auto``: CUDA IPC
+    when the trainer and its servers share a GPU (colocated, or one GPU shared disaggregated: NCCL
+    refuses two ranks on one GPU), a broadcast group otherwise. Here, beside the checks that read
+    it, so validation and the push (``sync/rank.py``) cannot disagree."""
+    same_gpu = cfg.placement.mode == "colocated" or one_shared_gpu(cfg)
+    return {"nccl": "distributed", "gloo": "distributed", "ipc": "tensor", "disk": "disk",
+            "auto": "tensor" if cfg.cluster.device == "cuda" and same_gpu else "distributed"}[cfg.sync.transport]
+
+
 def _check_rollout_mode(cfg: RunConfig, problems: list[str]) -> None:
     """Off-policy rollouts overlap generation with training: they need rollout servers that keep
     their device while the trainer trains (disaggregated; on one GPU both may share it)."""
@@ -527,8 +537,7 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
         if cfg.actor.parallel.ep < 2:
             problems.append(f"sync.expert_senders: needs actor.parallel.ep > 1 (every expert-parallel rank sends its "
                             f"own experts), got ep {cfg.actor.parallel.ep}")
-        same_gpu = cfg.cluster.device == "cuda" and (cfg.placement.mode == "colocated" or one_shared_gpu(cfg))
-        if cfg.sync.transport in ("ipc", "disk") or (cfg.sync.transport == "auto" and same_gpu):
+        if push_transport(cfg) != "distributed":
             problems.append("sync.expert_senders: a broadcast push only (sync.transport nccl or gloo, or auto when "
                             "trainer and servers do not share a GPU); this run pushes by CUDA IPC or disk")
     if cfg.sync.transport == "nccl" and cfg.cluster.device != "cuda":

@@ -186,6 +186,12 @@ def _served(params_fp8: float, params_plain: float, fp8: bool, elem: int) -> flo
     return (params_fp8 + params_plain) * elem
 
 
+def _stage_served(st: StageBytes, fp8: bool, elem: int) -> float:
+    """A whole stage's bytes as served: its projections and experts (block FP8 when so served) and
+    the rest in the model dtype."""
+    return _served(st.projections + st.experts, st.tp_sharded - st.projections + st.replicated, fp8, elem)
+
+
 def _peer_bytes(sender: Sender, lay: Layout, peer: int, nbytes: float) -> None:
     if lay.node(peer) == lay.node(sender.rank):
         sender.gather_local += nbytes
@@ -249,8 +255,7 @@ def ipc_senders(stages: list[StageBytes], lay: Layout, fp8: bool, elem: int) -> 
                 _peer_bytes(snd, lay, t * block + pos, whole)
         snd.quantize_in = sum(st.projections + st.experts for st in stages) * elem if fp8 else 0.0
         snd.held = sum((st.tp_sharded + st.replicated + st.experts) * elem for st in stages)
-        snd.payload = sum(_served(st.projections + st.experts, st.tp_sharded - st.projections + st.replicated, fp8, elem)
-                          for st in stages)
+        snd.payload = sum(_stage_served(st, fp8, elem) for st in stages)
         out.append(snd)
     return out
 
@@ -269,7 +274,7 @@ def node_ipc_senders(stages: list[StageBytes], lay: Layout, fp8: bool, elem: int
         k = sum(1 for q in range(lay.world) if lay.node(q) == node)
         snd = Sender(rank=r)
         for t, st in enumerate(stages):
-            served = _served(st.projections + st.experts, st.tp_sharded - st.projections + st.replicated, fp8, elem)
+            served = _stage_served(st, fp8, elem)
             here = sum(1 for q in range(t * block, (t + 1) * block) if lay.node(q) == node) / block
             snd.gather_local += served * here / k
             snd.gather_remote += served * (1 - here) / k
@@ -331,8 +336,7 @@ def estimate(stages: list[StageBytes], lay: Layout, rates: Rates, *, transport: 
     phases.append(slowest("convert", lambda s: s.held / rates.convert, lambda s: s.held, "sender GPU"))
     pack_rate = (1 / rates.pack + (1 / rates.checksum if rates.checksum else 0.0))
     phases.append(slowest("pack", lambda s: s.payload * pack_rate, lambda s: s.payload, "sender GPU"))
-    whole = sum(_served(st.projections + st.experts, st.tp_sharded - st.projections + st.replicated, fp8, elem)
-                for st in stages)               # the served model: what one server rank receives under IPC
+    whole = sum(_stage_served(st, fp8, elem) for st in stages)   # the served model: one server rank's IPC receive
     if transport == "distributed":
         phases.append(_send_phase(senders, lay, rates))
     elif shape == "node":
@@ -397,9 +401,9 @@ class RefitPlan:
 
 def plan_refit(cfg: Any, fp8: bool, server_tp: int, servers: int) -> RefitPlan:
     """The refit section of ``megarl plan`` for a GPU run (CPU runs: measured, not modelled)."""
-    from megarl.sync.rank import run_transport
+    from megarl.config.validate import push_transport
 
-    transport = run_transport(cfg)
+    transport = push_transport(cfg)
     notes: list[str] = []
     if cfg.cluster.device != "cuda":
         return RefitPlan(transport, None, None, ["CPU run: GPU rates do not apply (benchmarks/bench_refit_model.py "

@@ -13,9 +13,10 @@ from typing import Any, Optional
 from megarl.metrics_log import note
 from megarl.quant.served import read_served_format
 from megarl.config.colocation import adapter_push
+from megarl.config.validate import push_transport
 from megarl.sync.adapter_push import AdapterPush
 from megarl.sync.colocated import ipc_groups_for
-from megarl.sync.rank import PushTarget, checkpoint_names, run_transport
+from megarl.sync.rank import PushTarget, checkpoint_names
 from megarl.sync.session import weight_update_session
 from megarl.wire.versions import INIT_TAG
 
@@ -34,7 +35,7 @@ class WeightSync:
     def target(self) -> PushTarget:
         """Where and how this run's weights go (the servers' current URLs)."""
         cfg = self.cfg
-        transport = run_transport(cfg)
+        transport = push_transport(cfg)
         names = checkpoint_names(self.model_dir)
         return PushTarget(urls=tuple(self.servers.urls), server_tp_sizes=tuple(self.servers.tp_sizes),
                           transport=transport, backend="nccl" if cfg.cluster.device == "cuda" else "gloo",

@@ -51,22 +51,6 @@ def checkpoint_names(hf_dir: str) -> Optional[frozenset]:
         return None
 
 
-def resolve_transport(configured: str, device: str, colocated: bool) -> str:
-    """`sync.transport` -> pusher transport. auto: CUDA IPC when colocated on GPU (NCCL refuses two
-    ranks on one GPU), a broadcast group otherwise."""
-    return {"nccl": "distributed", "gloo": "distributed", "ipc": "tensor", "disk": "disk",
-            "auto": "tensor" if device == "cuda" and colocated else "distributed"}[configured]
-
-
-def run_transport(cfg: Any) -> str:
-    """The pusher transport of a run: the trainer and its servers on one GPU (colocated, or one
-    GPU shared disaggregated) push by CUDA IPC under ``auto``."""
-    from megarl.config.validate import one_shared_gpu
-
-    same_gpu = cfg.placement.mode == "colocated" or one_shared_gpu(cfg)
-    return resolve_transport(cfg.sync.transport, cfg.cluster.device, same_gpu)
-
-
 class RankSender:
     """One actor rank's side of every weight push of a run, kept between pushes: its stage's
     pusher (whose update group is made on the first push) or, colocated, its IPC fan-in (whose
