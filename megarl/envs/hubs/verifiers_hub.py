@@ -40,7 +40,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from megarl.envs.hubs.cli import HubError
+from megarl.envs.hubs.cli import HubError   # bad arguments or records: one line naming the field
 
 FIELD = "agent.entrypoint_args"
 ROW_KEY = "verifiers"                     # the JSONL field (record.metadata key) holding the task
@@ -51,17 +51,12 @@ _CACHE_LOCK = threading.Lock()
 _LOAD_LOCKS: dict[str, threading.Lock] = {}
 
 
-# Bad arguments or a record this adapter cannot play: the hubs' HubError (a user error, ValueError,
-# one line naming the field), so `megarl hub export` prints the line instead of a traceback.
-VerifiersHubError = HubError
-
-
 def _vf() -> Any:
     """verifiers' v1 API, imported only when an adapter runs (the package is an optional extra)."""
     try:
         import verifiers.v1 as vf
     except ImportError as err:
-        raise VerifiersHubError(f"{FIELD}: the verifiers package is not installed "
+        raise HubError(f"{FIELD}: the verifiers package is not installed "
                                 f"(pip install 'megarl[hubs]'): {err}") from None
     return vf
 
@@ -74,19 +69,19 @@ def _env_config_data(environment: Any, env_args: Optional[dict[str, Any]]) -> di
     """verifiers' ``[env]`` block: ``env_args`` with the taskset id set to ``environment`` and an
     unpinned seat runtime made local (``subprocess``)."""
     if not isinstance(environment, str) or not environment.strip():
-        raise VerifiersHubError(f"{FIELD}.environment: must name a verifiers environment (taskset id), "
+        raise HubError(f"{FIELD}.environment: must name a verifiers environment (taskset id), "
                                 f"got {environment!r}")
     if env_args is None:
         env_args = {}
     if not isinstance(env_args, dict):
-        raise VerifiersHubError(f"{FIELD}.env_args: must be a mapping (verifiers' [env] block), "
+        raise HubError(f"{FIELD}.env_args: must be a mapping (verifiers' [env] block), "
                                 f"got {type(env_args).__name__}")
     data = copy.deepcopy(env_args)
     taskset = data.get("taskset") or {}
     if not isinstance(taskset, dict):
-        raise VerifiersHubError(f"{FIELD}.env_args.taskset: must be a mapping, got {type(taskset).__name__}")
+        raise HubError(f"{FIELD}.env_args.taskset: must be a mapping, got {type(taskset).__name__}")
     if taskset.get("id") not in (None, environment):
-        raise VerifiersHubError(f"{FIELD}.env_args.taskset.id: {taskset['id']!r} differs from "
+        raise HubError(f"{FIELD}.env_args.taskset.id: {taskset['id']!r} differs from "
                                 f"environment {environment!r}; name it once, as environment")
     data["taskset"] = {**taskset, "id": environment}
     return data
@@ -100,9 +95,9 @@ def _load_config(environment: str, env_args: Optional[dict[str, Any]]) -> Any:
         vf.environment_class(environment, data.get("id") or "")
         vf.taskset_config_type(environment)          # raises when the taskset cannot be imported
     except ModuleNotFoundError as err:
-        raise VerifiersHubError(f"{FIELD}.environment: {environment!r}: {_one_line(err)}") from None
+        raise HubError(f"{FIELD}.environment: {environment!r}: {_one_line(err)}") from None
     except (TypeError, ValueError, AttributeError) as err:
-        raise VerifiersHubError(f"{FIELD}.environment: {environment!r} is not a verifiers environment: "
+        raise HubError(f"{FIELD}.environment: {environment!r} is not a verifiers environment: "
                                 f"{_one_line(err)}") from None
     try:
         cls = vf.env_config_type(environment, data.get("id") or "")
@@ -113,7 +108,7 @@ def _load_config(environment: str, env_args: Optional[dict[str, Any]]) -> Any:
                     data[name] = {**(seat or {}), "runtime": {"type": "subprocess"}}
         return vf.resolve_env_config(data)
     except Exception as err:  # noqa: BLE001 - pydantic's multi-line report, said in one line naming the field
-        raise VerifiersHubError(f"{FIELD}.env_args: {_one_line(err)}") from None
+        raise HubError(f"{FIELD}.env_args: {_one_line(err)}") from None
 
 
 class _Loaded:
@@ -129,14 +124,14 @@ class _Loaded:
         try:
             self.env = vf.load_environment(self.config)
         except Exception as err:  # noqa: BLE001 - any construction failure is the arguments' problem
-            raise VerifiersHubError(f"{FIELD}: loading verifiers environment {environment!r}: "
+            raise HubError(f"{FIELD}: loading verifiers environment {environment!r}: "
                                     f"{type(err).__name__}: {_one_line(err)}") from None
         taskset = self.env.taskset
         if type(taskset).toolsets(taskset.config):
-            raise VerifiersHubError(f"{FIELD}.environment: {environment!r} serves taskset-wide tool servers "
+            raise HubError(f"{FIELD}.environment: {environment!r} serves taskset-wide tool servers "
                                     "(Taskset.toolsets), which need Env.serving(); not supported")
         if type(self.env).start is not vf.Env.start or type(self.env).stop is not vf.Env.stop:
-            raise VerifiersHubError(f"{FIELD}.environment: {environment!r} brings up env-level resources "
+            raise HubError(f"{FIELD}.environment: {environment!r} brings up env-level resources "
                                     "(Env.start/stop), which need Env.serving(); not supported")
         self.task_cls = type(taskset).task_type()
 
@@ -145,7 +140,7 @@ class _Loaded:
         data = self.task_cls.data_type().model_validate(wire["data"])
         task = self.task_cls(data, self.env.taskset.config.task)
         if wire.get("key") is not None and task.key != wire["key"]:
-            raise VerifiersHubError(f"record.metadata.{ROW_KEY}.key: the rebuilt task's key differs from the "
+            raise HubError(f"record.metadata.{ROW_KEY}.key: the rebuilt task's key differs from the "
                                     "exported one (exported with other env_args or another version?)")
         return task
 
@@ -180,7 +175,7 @@ def _wire(record: Any) -> dict[str, Any]:
     meta = record.get("metadata") if isinstance(record, dict) else None
     wire = meta.get(ROW_KEY) if isinstance(meta, dict) else None
     if not isinstance(wire, dict) or not isinstance(wire.get("data"), dict):
-        raise VerifiersHubError(f"record.metadata.{ROW_KEY}: the record carries no verifiers task; train on "
+        raise HubError(f"record.metadata.{ROW_KEY}: the record carries no verifiers task; train on "
                                 "rows written by export_records (megarl hub export verifiers)")
     return wire
 
@@ -258,16 +253,16 @@ def export_records(out: Path, *, environment: str, env_args: Optional[dict[str, 
     taskset option (``env_args.taskset``) of the environments that offer one. An infinite taskset
     needs ``limit``."""
     if split != "train":
-        raise VerifiersHubError(f"split: verifiers tasksets have no splits (got {split!r}); pass the "
+        raise HubError(f"split: verifiers tasksets have no splits (got {split!r}); pass the "
                                 "environment's own option in env_args.taskset for another split")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise VerifiersHubError(f"limit: must be a positive integer, got {limit!r}")
+        raise HubError(f"limit: must be a positive integer, got {limit!r}")
     loaded = load(environment, env_args)
     taskset = loaded.env.taskset
     if limit is not None:
         taskset = taskset.take(limit)
     elif not taskset.bounded:
-        raise VerifiersHubError(f"limit: {environment!r} yields tasks forever; pass a limit")
+        raise HubError(f"limit: {environment!r} yields tasks forever; pass a limit")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     n = 0
