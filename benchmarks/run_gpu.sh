@@ -77,6 +77,13 @@ fp8e2e) # GRPO on real SmolLM2 rolling out from its FP8 copy (after smollm2), bf
 corrections) # rollout corrections on the FP8-rollout recipe, real SmolLM2 (after smollm2): 4 modes x 3 seeds, 6 runs at once
              run 570 python3 benchmarks/bench_rollout_correction.py --model $SMOLLM2_HF --device cuda --steps ${CORR_STEPS:-20} \
                --seeds 1,2,3 --parallel 6 --work $OUT/b_corr --fp8 /tmp/b_corr_fp8 --data-dir .whl/corr_data ;;
+fp8push) # FP8 push kernels (bit-exact vs the torch form on this GPU, speed), then the FP8 vs bf16 IPC push at
+         # 7B (the <= 1.2x target), 1.5B and 0.5B (the refit model's out-of-sample points)
+         run 200 python3 benchmarks/bench_fp8_push_kernels.py --shape qwen2.5-7b --check
+         run 150 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --fp8
+         run 150 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --fp8
+         run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-1.5b --transport tensor --bucket-mb 512 --fp8
+         run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512 --fp8 ;;
 fp8rollout) run 400 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batch 1,128 --prompt 32 --new 128 --no-hf --fp8 ;;
 fp8sync) run 400 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --fp8 ;;
 fp8gemm) run 200 python3 benchmarks/bench_fp8_gemm.py --shape qwen2.5-1.5b --tokens 1,128,4096 ;;

@@ -409,8 +409,18 @@ def _fp8_all_finite(ts: Sequence[torch.Tensor], flat: Optional[torch.Tensor]) ->
         parts.append((flat, ts[0].dtype))
     else:
         parts.extend((t.reshape(-1).view(torch.uint8), t.dtype) for t in ts)
-    bad = [((raw & FP8_NON_FINITE[dt][0]) == FP8_NON_FINITE[dt][1]).any().reshape(1) for raw, dt in parts]
+    bad = [_bytes_match(raw, *FP8_NON_FINITE[dt]) for raw, dt in parts]
     return not bool(torch.cat(bad).any())
+
+
+def _bytes_match(raw: torch.Tensor, mask: int, value: int) -> torch.Tensor:
+    """Whether some byte b of `raw` has b & mask == value, as a one-element tensor (no sync). On
+    CUDA one pass over the bytes (`quant.fp8_kernels.any_byte_matches`); the torch form makes a
+    masked copy and a bool copy of the whole bucket."""
+    if raw.is_cuda and raw.is_contiguous():
+        from megarl.quant.fp8_kernels import any_byte_matches
+        return any_byte_matches(raw, mask, value)
+    return ((raw & mask) == value).any().reshape(1)
 
 
 def _covering_bytes(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:

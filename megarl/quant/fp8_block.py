@@ -56,6 +56,18 @@ def quantize_block_fp8(w: torch.Tensor, block: int = BLOCK,
                        scale_format: ScaleFormat = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 weight of w's shape, fp32 weight_scale_inv of shape ceil(m/b) x ceil(n/b)).
 
+    CUDA tensors go through the single-pass kernel of `fp8_kernels` (the same bytes, tested);
+    others through `quantize_block_fp8_torch`."""
+    if w.dim() == 2 and w.is_cuda:
+        from .fp8_kernels import quantize_block_fp8_kernel
+        return quantize_block_fp8_kernel(w, block, scale_format)
+    return quantize_block_fp8_torch(w, block, scale_format)
+
+
+def quantize_block_fp8_torch(w: torch.Tensor, block: int = BLOCK,
+                             scale_format: ScaleFormat = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_block_fp8` in torch operations: the reference the kernel is tested against.
+
     The bytes are SGLang's ``per_block_cast_to_fp8`` (tests/test_fp8_block.py runs SGLang's own
     function): a weight whose dims are whole blocks is read where it lies (no padded copy, no
     slice copied out at the end); only a partial tail block pads with zeros."""
