@@ -19,6 +19,8 @@ vocab      like copy, plus vocab padding rows (zeros) dropped on export
 qkv        HF q/k/v -> megatron fused ``linear_qkv`` interleaved per query group:
            ``[ng, (heads_per_group q | 1 k | 1 v), head_dim, ...]`` (contiguous TP chunks)
 glu        HF gate/up -> ``linear_fc1``; each TP rank holds ``[gate_shard; up_shard]``
+vqkv       Qwen2.5-VL vision ``qkv`` ``[(q|k|v), heads, head_dim, ...]`` -> per head
+           ``[heads, (q|k|v), head_dim, ...]`` so a TP chunk holds whole heads
 =========  ==================================================================================
 
 Expert weights are per expert in HF on-disk layout (``mlp.experts.{e}.gate_proj.weight``), which
@@ -82,12 +84,34 @@ _MLA = [
     (L + r"self_attention\.linear_kv_up_proj\.layer_norm_weight", [HL + "self_attn.kv_a_layernorm.weight"], "copy"),
     (L + r"self_attention\.linear_kv_up_proj\.weight", [HL + "self_attn.kv_b_proj.weight"], "copy"),
 ]
+# Qwen2.5-VL vision tower (megarl/models/qwen2_vl_vision.py), Hub layout ``visual.*``
+V = r"vision_model\.blocks\.(?P<B>\d+)\."
+HV = "visual.blocks.{B}."
+_VISION = [
+    (r"vision_model\.patch_embed", ["visual.patch_embed.proj.weight"], "copy"),
+    (V + r"norm1\.weight", [HV + "norm1.weight"], "copy"),
+    (V + r"norm2\.weight", [HV + "norm2.weight"], "copy"),
+    (V + r"attn\.qkv\.weight", [HV + "attn.qkv.weight"], "vqkv"),
+    (V + r"attn\.qkv\.bias", [HV + "attn.qkv.bias"], "vqkv"),
+    (V + r"attn\.proj\.weight", [HV + "attn.proj.weight"], "copy"),
+    (V + r"attn\.proj\.bias", [HV + "attn.proj.bias"], "copy"),
+    (V + r"mlp\.linear_fc1\.weight", [HV + "mlp.gate_proj.weight", HV + "mlp.up_proj.weight"], "glu"),
+    (V + r"mlp\.linear_fc1\.bias", [HV + "mlp.gate_proj.bias", HV + "mlp.up_proj.bias"], "glu"),
+    (V + r"mlp\.linear_fc2\.weight", [HV + "mlp.down_proj.weight"], "copy"),
+    (V + r"mlp\.linear_fc2\.bias", [HV + "mlp.down_proj.bias"], "copy"),
+    (r"vision_model\.merger\.ln_q\.weight", ["visual.merger.ln_q.weight"], "copy"),
+    (r"vision_model\.merger\.linear_fc1\.weight", ["visual.merger.mlp.0.weight"], "copy"),
+    (r"vision_model\.merger\.linear_fc1\.bias", ["visual.merger.mlp.0.bias"], "copy"),
+    (r"vision_model\.merger\.linear_fc2\.weight", ["visual.merger.mlp.2.weight"], "copy"),
+    (r"vision_model\.merger\.linear_fc2\.bias", ["visual.merger.mlp.2.bias"], "copy"),
+]
 RULES: Dict[str, list] = {
     "llama": _COMMON + _GQA,
     "qwen2": _COMMON + _GQA,
     "qwen3": _COMMON + _GQA,
     "qwen3_moe": _COMMON + _GQA,
     "deepseek_v3": _COMMON + _MLA,
+    "qwen2_5_vl": _COMMON + _GQA + _VISION,
 }
 _COMPILED = {fam: [(re.compile(p + r"$"), hf, t) for p, hf, t in rules] for fam, rules in RULES.items()}
 
@@ -98,7 +122,7 @@ VALUE_HEAD_HF_NAME = "score.weight"
 class Rule:
     mcore_name: str          # global megatron name
     hf_names: List[str]
-    transform: str           # copy | vocab | qkv | glu
+    transform: str           # copy | vocab | qkv | glu | vqkv
 
 
 def hf_rule(global_name: str, family: str, value_head: bool = False) -> Rule:
@@ -118,6 +142,7 @@ def hf_rule(global_name: str, family: str, value_head: bool = False) -> Rule:
 
 def _gqa_dims(cfg):
     from .config import head_dim
+    cfg = getattr(cfg, "text_config", None) or cfg   # multimodal configs: the decoder's fields
     nh = cfg.num_attention_heads
     ng = getattr(cfg, "num_key_value_heads", None) or nh
     return nh, ng, head_dim(cfg)
@@ -143,6 +168,24 @@ def split_qkv(qkv: torch.Tensor, cfg) -> List[torch.Tensor]:
     return [q.contiguous(), k.contiguous(), v.contiguous()]
 
 
+def _vision_heads(cfg) -> tuple:
+    v = cfg.vision_config
+    return v.num_heads, v.hidden_size // v.num_heads
+
+
+def vision_qkv_to_heads(qkv: torch.Tensor, cfg) -> torch.Tensor:
+    """HF vision ``qkv`` ``[(q|k|v), heads, hd, ...]`` -> megarl's ``[heads, (q|k|v), hd, ...]``."""
+    nh, hd = _vision_heads(cfg)
+    rest = qkv.shape[1:]
+    return qkv.reshape(3, nh, hd, *rest).transpose(0, 1).reshape(3 * nh * hd, *rest).contiguous()
+
+
+def vision_qkv_from_heads(qkv: torch.Tensor, cfg) -> torch.Tensor:
+    nh, hd = _vision_heads(cfg)
+    rest = qkv.shape[1:]
+    return qkv.reshape(nh, 3, hd, *rest).transpose(0, 1).reshape(3 * nh * hd, *rest).contiguous()
+
+
 def hf_to_local(rule: Rule, hf: List[torch.Tensor], cfg, *, tp_rank: int, tp_size: int,
                 partition_dim: Optional[int], local_shape) -> torch.Tensor:
     """HF tensors -> this TP rank's shard of the megatron parameter."""
@@ -154,6 +197,8 @@ def hf_to_local(rule: Rule, hf: List[torch.Tensor], cfg, *, tp_rank: int, tp_siz
         return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], 0)
     if t == "qkv":
         full = fuse_qkv(*hf, cfg)
+    elif t == "vqkv":
+        full = vision_qkv_to_heads(hf[0], cfg)
     else:
         (full,) = hf
     if t == "vocab":
@@ -177,6 +222,8 @@ def local_to_hf(rule: Rule, shards: List[torch.Tensor], cfg, *, partition_dim: O
     full = torch.cat(shards, partition_dim) if partition_dim is not None else shards[0]
     if t == "qkv":
         return split_qkv(full, cfg)
+    if t == "vqkv":
+        return [vision_qkv_from_heads(full, cfg)]
     if t == "vocab" and vocab_size is not None:
         full = full[:vocab_size]
     return [full.contiguous()]
@@ -254,6 +301,10 @@ def _hf_names_to_load(info: ParamInfo, chunk) -> List[str]:
 # HF safetensors source
 # ---------------------------------------------------------------------------------------------
 
+# (prefix as transformers 5 names it in memory, prefix on the Hub / in save_pretrained output)
+_MEMORY_TO_HUB = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
 class SafetensorsSource:
     """Lazy reader over an HF folder's safetensors (index-aware), one file open at a time."""
 
@@ -273,6 +324,16 @@ class SafetensorsSource:
                 with safe_open(str(fn), "pt") as f:
                     for k in f.keys():
                         self.weight_map[k] = fn.name
+        # transformers 5 in-memory names of multimodal models -> the Hub layout the rules use
+        self.stored: Dict[str, str] = {}
+        for k in list(self.weight_map):
+            for mem, hub in _MEMORY_TO_HUB:
+                if k.startswith(mem):
+                    alias = hub + k[len(mem):]
+                    if alias not in self.weight_map:
+                        self.weight_map[alias] = self.weight_map.pop(k)
+                        self.stored[alias] = k
+                    break
 
     def names(self) -> List[str]:
         return sorted(self.weight_map)
@@ -290,7 +351,7 @@ class SafetensorsSource:
         for fn, ns in self.by_file(names).items():
             with safe_open(str(self.dir / fn), "pt") as f:
                 for n in ns:
-                    yield n, f.get_tensor(n)
+                    yield n, f.get_tensor(self.stored.get(n, n))
 
 
 def load_hf_weights(chunks, source: Union[str, os.PathLike, Callable[[str], torch.Tensor], SafetensorsSource],
@@ -446,6 +507,6 @@ def iter_hf_weights(chunks, hf_config=None, *, yield_on_all_ranks: bool = False,
             if rank != 0 and not yield_on_all_ranks:
                 continue
             tensors = local_to_hf(info.rule, shards, cfg, partition_dim=info.partition_dim,
-                                  vocab_size=cfg.vocab_size)
+                                  vocab_size=getattr(c, "vocab_size", None) or cfg.vocab_size)
             for n, x in zip(info.rule.hf_names, tensors):
                 yield n, x

@@ -1,0 +1,174 @@
+"""Qwen2.5-VL on megatron-core (megarl/models/qwen2_vl.py) against transformers'
+``Qwen2_5_VLForConditionalGeneration``: a tiny random model (2 decoder layers, a 4-block vision
+tower with one full-attention block, two images of different grids, one of them spanning two
+attention windows) saved with ``save_pretrained``, loaded into megatron at TP1 and TP2 (gloo):
+fp32 logits, bit-exact export back to HF names, transformers 5's in-memory names accepted on load,
+the frozen tower gets no gradients, and the M-RoPE index equals HF's ``get_rope_index``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import randomize_
+
+from megarl.parallel import spawn
+
+TOL = 1e-5
+IMG, VID, VS, VE = 120, 121, 122, 123
+GRIDS = [(1, 6, 4), (1, 4, 8)]        # (t, h, w) patches; LM tokens = t*h*w/4: 6 and 8
+PATCH_DIM = 3 * 2 * 4 * 4             # channels * temporal_patch * patch * patch
+
+
+def _hf_config():
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=16,
+                           fullatt_block_indexes=[2]),
+        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE,
+        tie_word_embeddings=False)
+
+
+def _inputs():
+    """Two sequences of 24 tokens: text, <vs> image <ve>, text; image 0 in row 0, image 1 in row 1."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i, (t, h, w) in enumerate(GRIDS):
+        n_img = t * h * w // 4
+        pre = 3 + 2 * i
+        post = 24 - pre - n_img - 2
+        txt = torch.randint(0, 110, (pre + post,), generator=g)
+        rows.append(torch.cat([txt[:pre], torch.tensor([VS] + [IMG] * n_img + [VE]), txt[pre:]]))
+    ids = torch.stack(rows)
+    grid = torch.tensor(GRIDS)
+    pixels = torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=g)
+    return ids, pixels, grid
+
+
+def _mm_types(ids):
+    return (ids == IMG).int() + 2 * (ids == VID).int()
+
+
+@pytest.fixture(scope="module")
+def hf_case(tmp_path_factory):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    d = tmp_path_factory.mktemp("qwen2_5_vl")
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(_hf_config()).float().eval()
+    randomize_(model, seed=0)
+    model.save_pretrained(d)
+    ids, pixels, grid = _inputs()
+    with torch.no_grad():
+        ref = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=_mm_types(ids)).logits
+        # the case is sensitive to what is tested: 1-D positions or no image features change the logits
+        flat = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits   # no mm types: 1-D RoPE
+        text_only = model(input_ids=ids).logits
+    assert (flat - ref).abs().max() > 1e-3 and (text_only - ref).abs().max() > 1e-3
+    # the same weights under transformers 5's in-memory names (model.language_model.*, model.visual.*)
+    from safetensors.torch import save_file
+    mem = d / "memory_names"
+    mem.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(mem / "model.safetensors"))
+    (mem / "config.json").write_text((d / "config.json").read_text())
+    from megarl.models.naming import SafetensorsSource
+    src = SafetensorsSource(d)
+    return {"dir": str(d), "mem_dir": str(mem), "ref": ref, "inputs": (ids, pixels, grid),
+            "state": dict(src.read(src.names())), "model": model}
+
+
+def _worker(rank, world, hf_dir, mem_dir, inputs, ref, ref_state):
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from megarl.models.naming import iter_hf_weights, load_hf_weights
+    from megarl.models.qwen2_vl import build_qwen2_vl
+    from megarl.parallel import destroy_model_parallel, init_model_parallel
+
+    ids, pixels, grid = inputs
+    init_model_parallel(tp=world)
+    out = {}
+    (model,) = build_qwen2_vl(hf_dir)
+    load_hf_weights([model], hf_dir)
+    model.eval()
+    with torch.no_grad():
+        logits = gather_from_tensor_model_parallel_region(model(ids, pixel_values=pixels, image_grid_thw=grid))
+    out["diff"] = (logits[..., :ref.shape[-1]] - ref).abs().max().item()
+    exported = dict(iter_hf_weights([model], yield_on_all_ranks=True))
+    out["names"] = sorted(exported)
+    out["bad"] = [n for n, t in exported.items() if not torch.equal(t, ref_state[n])]
+    # transformers 5's in-memory layout loads into the same parameters
+    (model2,) = build_qwen2_vl(mem_dir)
+    load_hf_weights([model2], mem_dir)
+    p1 = dict(model.named_parameters())
+    out["mem_bad"] = [n for n, p in model2.named_parameters() if not torch.equal(p, p1[n])]
+    # freeze_vision (default): one backward, the tower has no grads, the decoder has
+    model.train()
+    model(ids, pixel_values=pixels, image_grid_thw=grid).float().pow(2).mean().backward()
+    out["vision_grads"] = [n for n, p in model.vision_model.named_parameters() if p.grad is not None]
+    out["vision_trainable"] = [n for n, p in model.vision_model.named_parameters() if p.requires_grad]
+    out["decoder_grad"] = model.decoder.layers[0].self_attention.linear_qkv.weight.grad is not None
+    if world == 1:   # an unfrozen tower trains (backward through megatron's parallel linears)
+        (model3,) = build_qwen2_vl(hf_dir, freeze_vision=False)
+        load_hf_weights([model3], hf_dir)
+        model3(ids, pixel_values=pixels, image_grid_thw=grid).float().pow(2).mean().backward()
+        out["unfrozen_no_grad"] = [n for n, p in model3.vision_model.named_parameters() if p.grad is None]
+    destroy_model_parallel()
+    return out
+
+
+def _check(results, ref_state):
+    for r in results:
+        assert r["diff"] < TOL, f"max |megatron - HF| logits = {r['diff']}"
+        assert set(r["names"]) == set(ref_state), sorted(set(r["names"]) ^ set(ref_state))
+        assert not r["bad"], f"re-exported tensors differ: {r['bad']}"
+        assert not r["mem_bad"], f"in-memory-named checkpoint loaded differently: {r['mem_bad']}"
+        assert not r["vision_grads"] and not r["vision_trainable"], r["vision_grads"] or r["vision_trainable"]
+        assert r["decoder_grad"]
+        assert not r.get("unfrozen_no_grad"), r.get("unfrozen_no_grad")
+
+
+def test_logits_export_freeze_tp1(hf_case):
+    c = hf_case
+    _check(spawn(_worker, 1, c["dir"], c["mem_dir"], c["inputs"], c["ref"], c["state"], timeout_s=300),
+           c["state"])
+
+
+def test_logits_export_freeze_tp2(hf_case):
+    c = hf_case
+    _check(spawn(_worker, 2, c["dir"], c["mem_dir"], c["inputs"], c["ref"], c["state"], timeout_s=300),
+           c["state"])
+
+
+def test_mrope_index_matches_hf(hf_case):
+    from megarl.models.qwen2_vl_vision import mrope_position_ids
+
+    hf = hf_case["model"].model
+    ids, _, grid = hf_case["inputs"]
+    ref, ref_d = hf.get_rope_index(ids, _mm_types(ids), image_grid_thw=grid)
+    pos, d = mrope_position_ids(ids, grid, IMG, 2)
+    assert torch.equal(pos, ref) and torch.equal(d, ref_d)
+    # left padding
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    ref, ref_d = hf.get_rope_index(ids, _mm_types(ids), image_grid_thw=grid, attention_mask=mask)
+    pos, d = mrope_position_ids(ids, grid, IMG, 2, attention_mask=mask)
+    assert torch.equal(pos, ref) and torch.equal(d, ref_d)
+
+
+def test_vision_qkv_layout_roundtrip():
+    from megarl.models.naming import vision_qkv_from_heads, vision_qkv_to_heads
+
+    cfg = _hf_config()
+    w = torch.randn(96, 32)
+    b = torch.randn(96)
+    for t in (w, b):
+        h = vision_qkv_to_heads(t, cfg)
+        assert torch.equal(vision_qkv_from_heads(h, cfg), t)
+        # head 0 of the per-head layout is (q0, k0, v0)
+        assert torch.equal(h[:48], torch.cat([t[0:16], t[32:48], t[64:80]]))
