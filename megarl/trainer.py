@@ -32,6 +32,7 @@ from megarl.config import RunConfig
 from megarl.config.served import resolve_served_defaults
 from megarl.config.teacher import served_teacher_key
 from megarl.data import PromptLoader, load_split
+from megarl.data.images import check_images_fit_model
 from megarl.data.batch import LOSS_MASK, TokenBatch
 from megarl.data.packing import denominators
 from megarl.errors import RunStopped
@@ -130,6 +131,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_path)
         self.train_records = load_split(cfg.data, cfg.seed, "train")
         self.eval_records = load_split(cfg.data, cfg.seed, "eval")
+        check_images_fit_model(self.train_records + self.eval_records, self.model_dir, cfg.data.image_key)
         self.loader = PromptLoader(self.train_records, cfg.batch.prompts_per_step, cfg.seed, cfg.data.shuffle)
         self.moe_routing = moe_routing_shape(self.model_dir, cfg)
         note(f"data: {len(self.train_records)} train / {len(self.eval_records)} eval prompts")

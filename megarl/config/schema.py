@@ -375,6 +375,8 @@ class DataConfig:
     eval_path: Optional[str] = opt(None, "held-out file (jsonl/parquet)")
     prompt_key: str = opt("prompt", "field holding the prompt (string or chat messages)")
     answer_key: str = opt("answer", "field holding the reference answer")
+    image_key: str = opt("images", "field holding a row's images (paths beside the file, bytes, data URLs) for the "
+                         "prompt's <image> marks or image parts")
     chosen_key: str = opt("chosen", "preference data: field of the preferred response")
     rejected_key: str = opt("rejected", "preference data: field of the dispreferred response")
     task: str = opt("basic_arithmetic", "reasoning-gym task name")

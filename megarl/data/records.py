@@ -13,7 +13,8 @@ class PromptRecord:
     keeps its whole task entry there because its scorers need the entry, not just the answer.
     """
 
-    prompt: str | list[dict[str, str]]
+    prompt: str | list[dict[str, Any]]
     answer: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     index: int = -1
+    images: list[Any] = field(default_factory=list)    # data.images.ImageRef, in prompt order

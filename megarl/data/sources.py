@@ -17,18 +17,23 @@ class DataError(UserError, ValueError):
     """A data file or task cannot be read; the message names the file and line or field."""
 
 
-def _record_from_row(row: dict[str, Any], prompt_key: str, answer_key: str, where: str, index: int) -> PromptRecord:
+def _record_from_row(row: dict[str, Any], prompt_key: str, answer_key: str, where: str, index: int,
+                     image_key: str = "images", base_dir: Path = Path(".")) -> PromptRecord:
     if prompt_key not in row:
         raise DataError(f"{where}: no field {prompt_key!r} (data.prompt_key); fields are {sorted(row)}")
     prompt = row[prompt_key]
     if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
         raise DataError(f"{where}: field {prompt_key!r} must be a string or a list of {{role, content}} messages")
-    meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-    return PromptRecord(prompt=prompt, answer=row.get(answer_key), metadata=meta, index=index)
+    from megarl.data.images import row_images
+
+    images = row_images(row, prompt, image_key, base_dir, where)
+    meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, image_key)}
+    return PromptRecord(prompt=prompt, answer=row.get(answer_key), metadata=meta, index=index, images=images)
 
 
-def load_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[PromptRecord]:
+def load_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
+               image_key: str = "images") -> list[PromptRecord]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
@@ -43,13 +48,15 @@ def load_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "
                 raise DataError(f"{path}:{lineno}: invalid JSON: {err.msg}") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            records.append(_record_from_row(row, prompt_key, answer_key, f"{path}:{lineno}", len(records)))
+            records.append(_record_from_row(row, prompt_key, answer_key, f"{path}:{lineno}", len(records),
+                                            image_key, path.parent))
     if not records:
         raise DataError(f"{path}: no records")
     return records
 
 
-def load_parquet(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[PromptRecord]:
+def load_parquet(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
+                 image_key: str = "images") -> list[PromptRecord]:
     import pyarrow.parquet as pq
 
     path = Path(path)
@@ -58,7 +65,8 @@ def load_parquet(path: str | Path, prompt_key: str = "prompt", answer_key: str =
     rows = pq.read_table(path).to_pylist()
     if not rows:
         raise DataError(f"{path}: no records")
-    return [_record_from_row(row, prompt_key, answer_key, f"{path} row {i}", i) for i, row in enumerate(rows)]
+    return [_record_from_row(row, prompt_key, answer_key, f"{path} row {i}", i, image_key, path.parent)
+            for i, row in enumerate(rows)]
 
 
 def load_reasoning_gym(task: str, size: int, seed: int, task_args: dict[str, Any] | None = None) -> list[PromptRecord]:
@@ -92,7 +100,7 @@ def load_split(cfg_data: Any, seed: int, split: str) -> list[PromptRecord]:
     if path is None:
         return []
     loader = load_jsonl if cfg_data.source == "jsonl" else load_parquet
-    records = loader(path, cfg_data.prompt_key, cfg_data.answer_key)
+    records = loader(path, cfg_data.prompt_key, cfg_data.answer_key, cfg_data.image_key)
     if split == "eval" and cfg_data.num_eval:
         records = records[: cfg_data.num_eval]
     return records
