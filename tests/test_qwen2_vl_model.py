@@ -86,14 +86,16 @@ def hf_case(tmp_path_factory):
 def _worker(rank, world, hf_dir, mem_dir, inputs, ref, ref_state):
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+    from megarl.models import build_model
     from megarl.models.naming import iter_hf_weights, load_hf_weights
-    from megarl.models.qwen2_vl import build_qwen2_vl
+    from megarl.models.qwen2_vl import Qwen2VLModel, build_qwen2_vl
     from megarl.parallel import destroy_model_parallel, init_model_parallel
 
     ids, pixels, grid = inputs
     init_model_parallel(tp=world)
     out = {}
-    (model,) = build_qwen2_vl(hf_dir)
+    (model,) = build_model(hf_dir)        # detect_family -> qwen2_5_vl -> build_qwen2_vl
+    assert isinstance(model, Qwen2VLModel)
     load_hf_weights([model], hf_dir)
     model.eval()
     with torch.no_grad():
@@ -172,3 +174,25 @@ def test_vision_qkv_layout_roundtrip():
         assert torch.equal(vision_qkv_from_heads(h, cfg), t)
         # head 0 of the per-head layout is (q0, k0, v0)
         assert torch.equal(h[:48], torch.cat([t[0:16], t[32:48], t[64:80]]))
+
+
+def test_config_audit():
+    """The family is detected; the tiny config's fields are all audited (only the "runs do not take
+    VL yet" line is refused); values megarl cannot compute are refused by name."""
+    from transformers import Qwen2_5_VLConfig
+
+    from megarl.models import detect_family
+    from megarl.models.hf_audit import refusals
+    from megarl.models.qwen2_vl import vl_refusals
+
+    cfg = _hf_config()
+    assert detect_family(cfg) == "qwen2_5_vl"
+    assert vl_refusals(cfg) == []
+    assert len(refusals(cfg)) == 1 and "RL runs do not take" in refusals(cfg)[0]
+    d = cfg.to_dict()
+    d["vision_config"]["hidden_act"] = "gelu"
+    d["text_config"]["rope_parameters"]["mrope_section"] = [2, 2, 2]
+    d["vision_config"]["new_field"] = 1
+    bad = vl_refusals(Qwen2_5_VLConfig(**{k: v for k, v in d.items() if k != "model_type"}))
+    for field in ("vision_config.hidden_act", "mrope_section", "vision_config.new_field"):
+        assert any(field in line for line in bad), bad

@@ -2,7 +2,10 @@
 
 Public API (others depend on these names):
 
-- ``detect_family(hf_config) -> str``: 'llama' | 'qwen2' | 'qwen3' | 'qwen3_moe' | 'deepseek_v3'.
+- ``detect_family(hf_config) -> str``: 'llama' | 'qwen2' | 'qwen3' | 'qwen3_moe' | 'deepseek_v3' |
+  'qwen2_5_vl' (vision-language: ``build_model`` returns a
+  :class:`~megarl.models.qwen2_vl.Qwen2VLModel`, a ``GPTModel`` with M-RoPE and a vision tower that
+  takes ``pixel_values`` / ``image_grid_thw``; RL runs refuse it for now, see ``hf_audit``).
   ``hf_config`` may be a transformers config, a dict, a config.json path or an HF folder.
 - ``transformer_config_from_hf(hf_config, *, tp, pp, ep, etp, vpp, params_dtype, ...)``
   -> megatron ``TransformerConfig`` (``MLATransformerConfig`` for DeepSeek-V3).

@@ -99,6 +99,13 @@ def build_model(hf_config, *, value_head: bool = False, params_dtype: torch.dtyp
 
     cfg = load_hf_config(hf_config)
     family = detect_family(cfg)
+    if family == "qwen2_5_vl":
+        if value_head or (vpp and vpp > 1) or fp32_lm_head:
+            raise NotImplementedError("qwen2_5_vl: value head, virtual pipeline and fp32 lm head are not built yet")
+        from .qwen2_vl import build_qwen2_vl
+
+        return build_qwen2_vl(cfg, params_dtype=params_dtype, attention_backend=attention_backend,
+                              perform_initialization=perform_initialization, **config_overrides)
     tp = mpu.get_tensor_model_parallel_world_size()
     pp = mpu.get_pipeline_model_parallel_world_size()
     vpp = vpp or mpu.get_virtual_pipeline_model_parallel_world_size()

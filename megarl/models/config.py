@@ -13,6 +13,8 @@ from .fusions import fusions_enabled
 from .hf_audit import check_hf_config
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+# vision-language: built and HF-exact (models/qwen2_vl.py), not yet taken by RL runs (hf_audit refuses)
+MULTIMODAL_FAMILIES = ("qwen2_5_vl",)
 
 _MODEL_TYPE_TO_FAMILY = {
     "llama": "llama", "mistral": "llama",
@@ -20,6 +22,7 @@ _MODEL_TYPE_TO_FAMILY = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "deepseek_v3": "deepseek_v3",
+    "qwen2_5_vl": "qwen2_5_vl",
 }
 
 
@@ -39,7 +42,7 @@ def load_hf_config(hf_config: Union[str, os.PathLike, Any]):
 
 
 def detect_family(hf_config) -> str:
-    """'llama' | 'qwen2' | 'qwen3' | 'qwen3_moe' | 'deepseek_v3' (ValueError otherwise)."""
+    """'llama' | 'qwen2' | 'qwen3' | 'qwen3_moe' | 'deepseek_v3' | 'qwen2_5_vl' (ValueError otherwise)."""
     cfg = load_hf_config(hf_config)
     fam = _MODEL_TYPE_TO_FAMILY.get(getattr(cfg, "model_type", None))
     if fam is None:
@@ -126,6 +129,14 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
 
     cfg = load_hf_config(hf_config)
     family = detect_family(cfg)
+    if family == "qwen2_5_vl":   # the decoder's config (qwen2 + M-RoPE), audited there
+        from .qwen2_vl import text_transformer_config
+
+        return text_transformer_config(
+            cfg, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, cp=cp, params_dtype=params_dtype,
+            sequence_parallel=sequence_parallel, perform_initialization=perform_initialization,
+            use_cpu_initialization=use_cpu_initialization, recompute=recompute,
+            first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers, **overrides)[0]
     check_hf_config(cfg)   # every field mapped exactly or refused, naming it (models/hf_audit.py)
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()

@@ -140,6 +140,13 @@ def refusals(cfg: Any) -> list[str]:
     family = _MODEL_TYPE_TO_FAMILY.get(model_type)
     if family is None:
         return [f"model_type={model_type!r}: unsupported (supported: {sorted(_MODEL_TYPE_TO_FAMILY)})"]
+    if family == "qwen2_5_vl":
+        from .qwen2_vl import vl_refusals
+
+        # the model is HF-exact (tests/test_qwen2_vl_model.py) but runs cannot take it yet
+        return vl_refusals(cfg) + [
+            "model_type='qwen2_5_vl': RL runs do not take vision-language models yet (rollout engine, batches "
+            "and weight sync are text-only); megarl.models.qwen2_vl builds the megatron model"]
     known = MAPPED["mistral" if model_type == "mistral" else family]
     fields = set(cfg.to_dict()) if hasattr(cfg, "to_dict") else set(vars(cfg))
     out = [f"{name}: a field megarl has not audited for {model_type} (not known to change nothing, not mapped)"

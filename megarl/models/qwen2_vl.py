@@ -43,35 +43,83 @@ class _MRoPE(MultimodalRotaryEmbedding):
 
         self.rotary_interleaved = False
         self.seq_len_interpolation_factor = None
-        self.inv_freq = inv_freq
+        # a (non-persistent) buffer, so ``model.cuda()`` moves it (megatron keeps a plain attribute)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.cp_group = mpu.get_context_parallel_group(check_initialized=False)
 
 
-def text_transformer_config(cfg, **kw):
-    """The decoder's ``TransformerConfig``: Qwen2.5-VL's text model is Qwen2 (q/k/v biases, SwiGLU,
-    RMSNorm) with M-RoPE, so it goes through the qwen2 mapping (and its field audit) plus
-    ``mrope_section``. Refuses what the mapping cannot compute exactly."""
+# vision_config fields that change the tower's computation, all mapped by VisionTower
+_VISION_MAPPED = frozenset({"depth", "hidden_size", "hidden_act", "intermediate_size", "num_heads", "in_channels",
+                            "patch_size", "spatial_merge_size", "temporal_patch_size", "window_size",
+                            "out_hidden_size", "fullatt_block_indexes", "rope_parameters"})
+_VIDEO_ONLY = frozenset({"tokens_per_second"})   # temporal spacing of video positions; images only here
+_TOP_MAPPED = frozenset({"text_config", "vision_config", "tie_word_embeddings"})
+
+
+def _synth_qwen2(cfg):
+    """The decoder as a ``Qwen2Config`` (same computation but the 1-D RoPE): what the qwen2
+    mapping and its audit take."""
     from transformers import Qwen2Config
 
-    from .config import rope_params, transformer_config_from_hf
+    from .config import rope_params
 
     tc = cfg.text_config
+    return Qwen2Config(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+                       num_hidden_layers=tc.num_hidden_layers, num_attention_heads=tc.num_attention_heads,
+                       num_key_value_heads=tc.num_key_value_heads, hidden_act=tc.hidden_act,
+                       max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
+                       attention_dropout=tc.attention_dropout, tie_word_embeddings=bool(cfg.tie_word_embeddings),
+                       rope_parameters={"rope_type": "default",
+                                        "rope_theta": float(rope_params(tc).get("rope_theta", 1e6))},
+                       bos_token_id=None, eos_token_id=None)
+
+
+def vl_refusals(cfg) -> List[str]:
+    """One line per field of a Qwen2.5-VL config megarl does not compute exactly (the
+    ``hf_audit.refusals`` contract): unaudited fields of the top level, ``text_config`` (qwen2's
+    mapped set + M-RoPE) and ``vision_config``; refused values (non-default text RoPE, sliding
+    windows, a non-SiLU tower, non-axial vision RoPE, a bad ``mrope_section``)."""
+    from .config import rope_params
+    from .hf_audit import MAPPED, NO_EFFECT, _no_effect_by_name, refusals
+
+    def unknown(where: str, fields, known) -> List[str]:
+        return [f"{where}{n}: a field megarl has not audited for qwen2_5_vl" for n in sorted(set(fields) - known - NO_EFFECT)
+                if not _no_effect_by_name(n)]
+
+    tc, vc = cfg.text_config, cfg.vision_config
+    out = unknown("", cfg.to_dict(), _TOP_MAPPED)
+    out += unknown("text_config.", tc.to_dict(), MAPPED["qwen2"] | {"max_window_layers", "use_sliding_window"})
+    out += unknown("vision_config.", vc.to_dict(), _VISION_MAPPED | _VIDEO_ONLY)
     rp = rope_params(tc)
     if rp.get("rope_type", "default") != "default":
-        raise ValueError(f"qwen2_5_vl: text rope_type {rp.get('rope_type')!r} is not supported (default only)")
-    if getattr(tc, "use_sliding_window", False) or "sliding_attention" in (getattr(tc, "layer_types", None) or []):
-        raise ValueError("qwen2_5_vl: sliding-window attention is not supported")
-    section = list(rp.get("mrope_section") or [16, 24, 24])
+        out.append(f"text_config.rope_parameters.rope_type={rp.get('rope_type')!r}: M-RoPE is mapped with default "
+                   f"frequencies only")
+    section = list(rp.get("mrope_section") or [])
     hd = tc.hidden_size // tc.num_attention_heads
-    if 2 * sum(section) != hd:
-        raise ValueError(f"qwen2_5_vl: mrope_section {section} must sum to head_dim/2 = {hd // 2}")
-    q2 = Qwen2Config(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-                     num_hidden_layers=tc.num_hidden_layers, num_attention_heads=tc.num_attention_heads,
-                     num_key_value_heads=tc.num_key_value_heads, hidden_act=tc.hidden_act,
-                     max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
-                     attention_dropout=tc.attention_dropout, tie_word_embeddings=bool(cfg.tie_word_embeddings),
-                     rope_parameters={"rope_type": "default", "rope_theta": float(rp.get("rope_theta", 1e6))},
-                     bos_token_id=None, eos_token_id=None)
+    if len(section) != 3 or 2 * sum(section) != hd:
+        out.append(f"text_config.rope_parameters.mrope_section={section}: needs 3 parts summing to head_dim/2 = {hd // 2}")
+    if getattr(tc, "use_sliding_window", False) or "sliding_attention" in (getattr(tc, "layer_types", None) or []):
+        out.append("text_config.use_sliding_window/layer_types: sliding-window attention is not mapped")
+    out += [f"text_config.{line}" for line in refusals(_synth_qwen2(cfg))]
+    if getattr(vc, "hidden_act", "silu") not in ("silu", "swish"):
+        out.append(f"vision_config.hidden_act={vc.hidden_act!r}: the tower's MLP is SwiGLU (silu) only")
+    vrp = dict(getattr(vc, "rope_parameters", None) or {})
+    if vrp.get("rope_type", "axial") != "axial":
+        out.append(f"vision_config.rope_parameters.rope_type={vrp.get('rope_type')!r}: axial only")
+    return out
+
+
+def text_transformer_config(cfg, **kw):
+    """``(TransformerConfig, synthesized Qwen2Config, mrope_section)`` for the decoder: Qwen2.5-VL's
+    text model is Qwen2 (q/k/v biases, SwiGLU, RMSNorm) with M-RoPE, so it goes through the qwen2
+    mapping plus ``mrope_section``. Raises naming every field :func:`vl_refusals` refuses."""
+    from .config import rope_params, transformer_config_from_hf
+
+    problems = vl_refusals(cfg)
+    if problems:
+        raise ValueError("unsupported HF config (qwen2_5_vl): " + "; ".join(problems))
+    section = list(rope_params(cfg.text_config)["mrope_section"])
+    q2 = _synth_qwen2(cfg)
     return transformer_config_from_hf(q2, mrope_section=section, **kw), q2, section
 
 
@@ -93,6 +141,7 @@ class Qwen2VLModel(GPTModel):
         self.mrope_section = section
         self.rotary_pos_emb = _MRoPE(inv)
         self.image_token_id = int(hf_config.image_token_id)
+        self.video_token_id = int(hf_config.video_token_id)
         self.spatial_merge = int(hf_config.vision_config.spatial_merge_size)
         self.freeze_vision = freeze_vision
         self.vision_model = VisionTower(tconf, hf_config.vision_config) if pre_process else None
@@ -102,7 +151,9 @@ class Qwen2VLModel(GPTModel):
 
     def rope_index(self, input_ids: Tensor, image_grid_thw: Optional[Tensor],
                    attention_mask_2d: Optional[Tensor] = None) -> Tensor:
-        """``[3, b, s]`` M-RoPE positions (see :func:`mrope_position_ids`)."""
+        """``[3, b, s]`` M-RoPE positions (see :func:`mrope_position_ids`); video is not supported yet."""
+        if bool((input_ids == self.video_token_id).any()):
+            raise NotImplementedError("Qwen2VLModel: video inputs (video_token_id) are not supported yet")
         return mrope_position_ids(input_ids, image_grid_thw, self.image_token_id, self.spatial_merge,
                                   attention_mask_2d)[0]
 
