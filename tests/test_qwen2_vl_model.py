@@ -83,68 +83,78 @@ def hf_case(tmp_path_factory):
             "state": dict(src.read(src.names())), "model": model}
 
 
-def _worker(rank, world, hf_dir, mem_dir, inputs, ref, ref_state):
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
+def _worker(rank, world, layouts, hf_dir, mem_dir, inputs, ref, ref_state):
     from megarl.models import build_model
     from megarl.models.naming import iter_hf_weights, load_hf_weights
-    from megarl.models.qwen2_vl import Qwen2VLModel, build_qwen2_vl
+    from megarl.models.qwen2_vl import Qwen2VLModel, build_qwen2_vl, vl_forward_logits
     from megarl.parallel import destroy_model_parallel, init_model_parallel
 
     ids, pixels, grid = inputs
-    init_model_parallel(tp=world)
-    out = {}
-    (model,) = build_model(hf_dir)        # detect_family -> qwen2_5_vl -> build_qwen2_vl
-    assert isinstance(model, Qwen2VLModel)
-    load_hf_weights([model], hf_dir)
-    model.eval()
-    with torch.no_grad():
-        logits = gather_from_tensor_model_parallel_region(model(ids, pixel_values=pixels, image_grid_thw=grid))
-    out["diff"] = (logits[..., :ref.shape[-1]] - ref).abs().max().item()
-    exported = dict(iter_hf_weights([model], yield_on_all_ranks=True))
-    out["names"] = sorted(exported)
-    out["bad"] = [n for n, t in exported.items() if not torch.equal(t, ref_state[n])]
-    # transformers 5's in-memory layout loads into the same parameters
-    (model2,) = build_qwen2_vl(mem_dir)
-    load_hf_weights([model2], mem_dir)
-    p1 = dict(model.named_parameters())
-    out["mem_bad"] = [n for n, p in model2.named_parameters() if not torch.equal(p, p1[n])]
-    # freeze_vision (default): one backward, the tower has no grads, the decoder has
-    model.train()
-    model(ids, pixel_values=pixels, image_grid_thw=grid).float().pow(2).mean().backward()
-    out["vision_grads"] = [n for n, p in model.vision_model.named_parameters() if p.grad is not None]
-    out["vision_trainable"] = [n for n, p in model.vision_model.named_parameters() if p.requires_grad]
-    out["decoder_grad"] = model.decoder.layers[0].self_attention.linear_qkv.weight.grad is not None
-    if world == 1:   # an unfrozen tower trains (backward through megatron's parallel linears)
-        (model3,) = build_qwen2_vl(hf_dir, freeze_vision=False)
-        load_hf_weights([model3], hf_dir)
-        model3(ids, pixel_values=pixels, image_grid_thw=grid).float().pow(2).mean().backward()
-        out["unfrozen_no_grad"] = [n for n, p in model3.vision_model.named_parameters() if p.grad is None]
-    destroy_model_parallel()
-    return out
+    results = []
+    for lay in layouts:
+        init_model_parallel(**lay)
+        out = {"layout": str(lay)}
+        (model,) = build_model(hf_dir)        # detect_family -> qwen2_5_vl -> build_qwen2_vl
+        assert isinstance(model, Qwen2VLModel)
+        load_hf_weights([model], hf_dir)
+        logits = vl_forward_logits([model], ids, pixel_values=pixels, image_grid_thw=grid)
+        out["diff"] = None if logits is None else (logits - ref).abs().max().item()
+        exported = dict(iter_hf_weights([model], yield_on_all_ranks=True))
+        out["names"] = sorted(exported)
+        out["bad"] = [n for n, t in exported.items() if not torch.equal(t, ref_state[n])]
+        # transformers 5's in-memory layout loads into the same parameters
+        (model2,) = build_qwen2_vl(mem_dir)
+        load_hf_weights([model2], mem_dir)
+        p1 = dict(model.named_parameters())
+        out["mem_bad"] = [n for n, p in model2.named_parameters() if not torch.equal(p, p1[n])]
+        if lay.get("pp", 1) == 1:
+            # freeze_vision (default): one backward, the tower has no grads, the decoder has
+            model.train()
+            model(ids, pixel_values=pixels, image_grid_thw=grid).float().pow(2).mean().backward()
+            out["vision_grads"] = [n for n, p in model.vision_model.named_parameters() if p.grad is not None]
+            out["vision_trainable"] = [n for n, p in model.vision_model.named_parameters() if p.requires_grad]
+            out["decoder_grad"] = model.decoder.layers[0].self_attention.linear_qkv.weight.grad is not None
+        if world == 1:   # an unfrozen tower trains (backward through megatron's parallel linears)
+            (model3,) = build_qwen2_vl(hf_dir, freeze_vision=False)
+            load_hf_weights([model3], hf_dir)
+            model3(ids, pixel_values=pixels, image_grid_thw=grid).float().pow(2).mean().backward()
+            out["unfrozen_no_grad"] = [n for n, p in model3.vision_model.named_parameters() if p.grad is None]
+        destroy_model_parallel()
+        results.append(out)
+    return results
 
 
-def _check(results, ref_state):
-    for r in results:
-        assert r["diff"] < TOL, f"max |megatron - HF| logits = {r['diff']}"
-        assert set(r["names"]) == set(ref_state), sorted(set(r["names"]) ^ set(ref_state))
-        assert not r["bad"], f"re-exported tensors differ: {r['bad']}"
-        assert not r["mem_bad"], f"in-memory-named checkpoint loaded differently: {r['mem_bad']}"
-        assert not r["vision_grads"] and not r["vision_trainable"], r["vision_grads"] or r["vision_trainable"]
-        assert r["decoder_grad"]
-        assert not r.get("unfrozen_no_grad"), r.get("unfrozen_no_grad")
+def _check(per_rank, ref_state):
+    by_layout: dict = {}
+    for results in per_rank:
+        for r in results:
+            by_layout.setdefault(r["layout"], []).append(r)
+    for lay, rs in by_layout.items():
+        diffs = [r["diff"] for r in rs if r["diff"] is not None]
+        assert diffs and max(diffs) < TOL, f"{lay}: max |megatron - HF| logits = {diffs}"
+        names = {n for r in rs for n in r["names"]}
+        assert names == set(ref_state), f"{lay}: {sorted(names ^ set(ref_state))}"
+        for r in rs:
+            assert not r["bad"], f"{lay}: re-exported tensors differ: {r['bad']}"
+            assert not r["mem_bad"], f"{lay}: in-memory-named checkpoint loaded differently: {r['mem_bad']}"
+            if "vision_grads" in r:
+                assert not r["vision_grads"] and not r["vision_trainable"], r["vision_grads"] or r["vision_trainable"]
+                assert r["decoder_grad"]
+            assert not r.get("unfrozen_no_grad"), r.get("unfrozen_no_grad")
+
+
+def _run(case, world, layouts):
+    return spawn(_worker, world, layouts, case["dir"], case["mem_dir"], case["inputs"], case["ref"], case["state"],
+                 timeout_s=300)
 
 
 def test_logits_export_freeze_tp1(hf_case):
-    c = hf_case
-    _check(spawn(_worker, 1, c["dir"], c["mem_dir"], c["inputs"], c["ref"], c["state"], timeout_s=300),
-           c["state"])
+    _check(_run(hf_case, 1, [dict(tp=1)]), hf_case["state"])
 
 
-def test_logits_export_freeze_tp2(hf_case):
-    c = hf_case
-    _check(spawn(_worker, 2, c["dir"], c["mem_dir"], c["inputs"], c["ref"], c["state"], timeout_s=300),
-           c["state"])
+def test_logits_export_tp2_pp2(hf_case):
+    """TP2 (vision heads, MLPs and merger split over 2 gloo ranks) and PP2 (tower on stage 0)."""
+    _check(_run(hf_case, 2, [dict(tp=2), dict(pp=2)]), hf_case["state"])
 
 
 def test_mrope_index_matches_hf(hf_case):

@@ -220,3 +220,51 @@ def build_qwen2_vl(hf_config, *, params_dtype: torch.dtype = torch.float32, free
     model.value_head = False
     model.vp_stage = None
     return [model]
+
+
+def vl_forward_logits(chunks, input_ids: Tensor, *, pixel_values: Optional[Tensor] = None,
+                      image_grid_thw: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
+                      attention_mask: Optional[Tensor] = None) -> Optional[Tensor]:
+    """Forward only, like :func:`megarl.models.builder.forward_logits` but with images: ``[b, s, vocab]``
+    logits (TP-gathered, vocab padding removed) on the last pipeline stage, ``None`` elsewhere.
+
+    M-RoPE positions are computed once here (every stage needs them; only the first has the tower).
+    With pp > 1 it runs megatron's ``get_forward_backward_func()`` (one micro-batch, forward only),
+    so activations travel between stages by megatron's p2p. Every rank of the model-parallel group
+    calls it with the same inputs."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from .builder import unwrap
+
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    if len(chunks) != 1:
+        raise NotImplementedError("vl_forward_logits: virtual pipeline stages")
+    model = unwrap(chunks[0])
+    if position_ids is None:
+        position_ids = model.rope_index(input_ids, image_grid_thw)
+    kw = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+
+    def post(out: Tensor) -> Tensor:
+        return gather_from_tensor_model_parallel_region(out)[..., :model.vocab_size]
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if mpu.get_pipeline_model_parallel_world_size() == 1:
+                return post(model(input_ids, position_ids, attention_mask, **kw))
+
+            def step(data_iter, m):
+                next(data_iter)
+                out = m(input_ids, position_ids, attention_mask, **kw)
+                return out, lambda output, non_loss_data=True: post(output)
+
+            b, s = input_ids.shape
+            res = get_forward_backward_func()(
+                forward_step_func=step, data_iterator=iter([None]), model=model, num_microbatches=1,
+                seq_length=s, micro_batch_size=b, forward_only=True, collect_non_loss_data=True)
+        return res[0] if mpu.is_pipeline_last_stage(ignore_virtual=True) else None
+    finally:
+        model.train(was_training)
