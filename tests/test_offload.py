@@ -66,15 +66,49 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_offload_every_switch_is_bit_exact(layout, dense, moe, tmp_path):
-    which, layout_overrides = LAYOUTS[layout]
-    model = dense if which == "dense" else moe
-    plain = Trainer(tiny_run_config(model, tmp_path / "plain", *COMMON, *layout_overrides)).run()
-    offloaded = Trainer(tiny_run_config(model, tmp_path / "offload", *COMMON, *layout_overrides,
-                                        *switches("actor"))).run()
-    assert_same_run(plain, offloaded, ("actor/pg_loss", "actor/loss", "actor/grad_norm", "actor/entropy",
-                                       "rollout/logprob_diff_mean", "reward/mean"))
+@pytest.fixture(scope="class")
+def ray_address(dense, tmp_path_factory):
+    """One local Ray instance for the layouts' runs, started as a run starts its own
+    (``placement.pools.init_ray``, sized for the largest layout); each run joins it
+    (``cluster.ray_address``) instead of starting and stopping one, and its placement groups are
+    removed after it. Stopped once the class's runs are done: the local-backend tests of this
+    module run with no Ray in the process, as they do alone."""
+    import ray
+
+    from megarl.placement.pools import init_ray
+
+    largest = LAYOUTS["tp2-dp2-distopt"][1]
+    init_ray(tiny_run_config(dense, tmp_path_factory.mktemp("ray"), *COMMON, *largest))
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def run_on_ray(cfg) -> dict:
+    """``Trainer(cfg).run()`` on the shared Ray instance; its placement groups go with it."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    try:
+        return Trainer(cfg).run()
+    finally:
+        for pg_id, info in placement_group_table().items():
+            if info["state"] != "REMOVED":
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+
+
+class TestEveryLayout:
+    @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+    def test_offload_every_switch_is_bit_exact(self, layout, dense, moe, ray_address, tmp_path):
+        which, layout_overrides = LAYOUTS[layout]
+        model = dense if which == "dense" else moe
+        layout_overrides = (*layout_overrides, f"cluster.ray_address={ray_address}")
+        plain = run_on_ray(tiny_run_config(model, tmp_path / "plain", *COMMON, *layout_overrides))
+        offloaded = run_on_ray(tiny_run_config(model, tmp_path / "offload", *COMMON, *layout_overrides,
+                                               *switches("actor")))
+        assert_same_run(plain, offloaded, ("actor/pg_loss", "actor/loss", "actor/grad_norm", "actor/entropy",
+                                           "rollout/logprob_diff_mean", "reward/mean"))
 
 
 def test_critic_and_reference_offload_and_frozen_roles_hold_no_training_state(dense, tmp_path):
