@@ -15,6 +15,7 @@ from dist_utils import randomize_
 from megarl.parallel import spawn
 
 TOL = 1e-5
+GRAD_TOL = 1e-4   # max |megatron - HF| / max |HF| per parameter gradient, fp32
 IMG, VID, VS, VE = 120, 121, 122, 123
 GRIDS = [(1, 6, 4), (1, 4, 8)]        # (t, h, w) patches; LM tokens = t*h*w/4: 6 and 8
 PATCH_DIM = 3 * 2 * 4 * 4             # channels * temporal_patch * patch * patch
@@ -71,6 +72,18 @@ def hf_case(tmp_path_factory):
         flat = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits   # no mm types: 1-D RoPE
         text_only = model(input_ids=ids).logits
     assert (flat - ref).abs().max() > 1e-3 and (text_only - ref).abs().max() > 1e-3
+    # HF's gradients of a fixed linear function of the logits, under Hub names, for the unfrozen tower too
+    w_loss = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+    model.zero_grad()
+    (model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=_mm_types(ids)).logits
+     * w_loss).sum().backward()
+    hub = {"model.language_model.": "model.", "model.visual.": "visual."}
+    grads = {}
+    for n, p in model.named_parameters():
+        for mem, h in hub.items():
+            n = h + n[len(mem):] if n.startswith(mem) else n
+        grads[n] = p.grad.detach().clone()
+    model.zero_grad()
     # the same weights under transformers 5's in-memory names (model.language_model.*, model.visual.*)
     from safetensors.torch import save_file
     mem = d / "memory_names"
@@ -80,12 +93,12 @@ def hf_case(tmp_path_factory):
     from megarl.models.naming import SafetensorsSource
     src = SafetensorsSource(d)
     return {"dir": str(d), "mem_dir": str(mem), "ref": ref, "inputs": (ids, pixels, grid),
-            "state": dict(src.read(src.names())), "model": model}
+            "state": dict(src.read(src.names())), "model": model, "w_loss": w_loss, "grads": grads}
 
 
-def _worker(rank, world, layouts, hf_dir, mem_dir, inputs, ref, ref_state):
+def _worker(rank, world, layouts, hf_dir, mem_dir, inputs, ref, ref_state, w_loss, hf_grads):
     from megarl.models import build_model
-    from megarl.models.naming import iter_hf_weights, load_hf_weights
+    from megarl.models.naming import iter_hf_weights, load_hf_weights, local_to_hf, param_infos
     from megarl.models.qwen2_vl import Qwen2VLModel, build_qwen2_vl, vl_forward_logits
     from megarl.parallel import destroy_model_parallel, init_model_parallel
 
@@ -114,11 +127,18 @@ def _worker(rank, world, layouts, hf_dir, mem_dir, inputs, ref, ref_state):
             out["vision_grads"] = [n for n, p in model.vision_model.named_parameters() if p.grad is not None]
             out["vision_trainable"] = [n for n, p in model.vision_model.named_parameters() if p.requires_grad]
             out["decoder_grad"] = model.decoder.layers[0].self_attention.linear_qkv.weight.grad is not None
-        if world == 1:   # an unfrozen tower trains (backward through megatron's parallel linears)
+        if world == 1:   # an unfrozen tower trains: every gradient equals HF's (decoder, merge, tower)
             (model3,) = build_qwen2_vl(hf_dir, freeze_vision=False)
             load_hf_weights([model3], hf_dir)
-            model3(ids, pixel_values=pixels, image_grid_thw=grid).float().pow(2).mean().backward()
+            (model3(ids, pixel_values=pixels, image_grid_thw=grid).float() * w_loss).sum().backward()
             out["unfrozen_no_grad"] = [n for n, p in model3.vision_model.named_parameters() if p.grad is None]
+            rel = {}
+            for info in param_infos(model3):
+                got = local_to_hf(info.rule, [info.tensor.grad], model3.hf_config, partition_dim=None,
+                                  vocab_size=model3.vocab_size)
+                for n, g in zip(info.rule.hf_names, got):
+                    rel[n] = ((g - hf_grads[n]).abs().max() / hf_grads[n].abs().max().clamp(min=1e-30)).item()
+            out["grad_rel"] = rel
         destroy_model_parallel()
         results.append(out)
     return results
@@ -141,11 +161,15 @@ def _check(per_rank, ref_state):
                 assert not r["vision_grads"] and not r["vision_trainable"], r["vision_grads"] or r["vision_trainable"]
                 assert r["decoder_grad"]
             assert not r.get("unfrozen_no_grad"), r.get("unfrozen_no_grad")
+            if "grad_rel" in r:
+                assert set(r["grad_rel"]) == set(ref_state)
+                worst = max(r["grad_rel"].items(), key=lambda kv: kv[1])
+                assert worst[1] < GRAD_TOL, f"{lay}: gradient differs from HF's: {worst}"
 
 
 def _run(case, world, layouts):
     return spawn(_worker, world, layouts, case["dir"], case["mem_dir"], case["inputs"], case["ref"], case["state"],
-                 timeout_s=300)
+                 case["w_loss"], case["grads"], timeout_s=300)
 
 
 def test_logits_export_freeze_tp1(hf_case):
