@@ -12,6 +12,9 @@ Tensor parallelism: ``qkv`` / MLP ``linear_fc1`` / merger ``linear_fc1`` are
 are :class:`RowParallelLinear` (all-reduced), so the tower output is replicated over TP like the
 decoder's embeddings. Norms and the patch embedding are replicated.
 
+The tower's modules are ``MegatronModule`` s, so ``sharded_state_dict`` (megatron's distributed
+checkpoint) saves the parallel linears as TP shards and the norms / patch embedding as replicated.
+
 Megatron's column/row linears take ``[s, b, h]``; the tower's token axis is passed as ``s`` with
 ``b = 1`` so their backward (which flattens the first two dims) works when the tower is trained.
 """
@@ -22,6 +25,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from megatron.core.transformer.module import MegatronModule
 
 
 class VisionRMSNorm(nn.Module):
@@ -62,11 +67,11 @@ def _row(cfg, n_in: int, n_out: int, std: float):
                              input_is_parallel=True, skip_bias_add=False)
 
 
-class VisionAttention(nn.Module):
+class VisionAttention(MegatronModule):
     """Bidirectional attention within segments (``cu_seqlens``: windows or whole images)."""
 
     def __init__(self, tconf, dim: int, heads: int, std: float):
-        super().__init__()
+        super().__init__(config=tconf)
         from megatron.core import parallel_state as mpu
 
         tp = mpu.get_tensor_model_parallel_world_size()
@@ -94,15 +99,30 @@ class VisionAttention(nn.Module):
         return self.proj(out)[0]
 
 
-class VisionMLP(nn.Module):
+class VisionMLP(MegatronModule):
     """SwiGLU with biases; ``linear_fc1`` holds ``[gate_shard; up_shard]`` per TP rank."""
 
     def __init__(self, tconf, dim: int, ffn: int, act: str, std: float):
-        super().__init__()
+        super().__init__(config=tconf)
         if act not in ("silu", "swish"):
             raise ValueError(f"vision hidden_act {act!r} is not supported (Qwen2.5-VL uses silu)")
         self.linear_fc1 = _column(tconf, dim, 2 * ffn, std)
         self.linear_fc2 = _row(tconf, ffn, dim, std)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """As megatron's gated ``MLP``: ``linear_fc1`` is saved as separate gate and up tensors, so a
+        checkpoint saved at one TP size loads at another (each rank holds ``[gate_i; up_i]``)."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        out = {}
+        for name, module in self._modules.items():
+            sub = module.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata)
+            if name == "linear_fc1":
+                sub = {k: apply_swiglu_sharded_factory(v, sharded_offsets, singleton)
+                       if k in (f"{prefix}{name}.weight", f"{prefix}{name}.bias") else v for k, v in sub.items()}
+            out.update(sub)
+        return out
 
     def forward(self, x: Tensor) -> Tensor:
         h, _ = self.linear_fc1(x)
@@ -110,9 +130,9 @@ class VisionMLP(nn.Module):
         return self.linear_fc2(F.silu(gate) * up)[0]
 
 
-class VisionBlock(nn.Module):
+class VisionBlock(MegatronModule):
     def __init__(self, tconf, vcfg, std: float):
-        super().__init__()
+        super().__init__(config=tconf)
         dt = tconf.params_dtype
         self.norm1 = VisionRMSNorm(vcfg.hidden_size, dtype=dt)
         self.norm2 = VisionRMSNorm(vcfg.hidden_size, dtype=dt)
@@ -124,11 +144,22 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class PatchMerger(nn.Module):
+class _BlockList(nn.ModuleList):
+    """The blocks; for megatron's distributed checkpoint each block gives its own (TP-sharded) state
+    (a plain ``ModuleList`` would be saved as one TP-replicated state dict)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        out = {}
+        for i, blk in enumerate(self):
+            out.update(blk.sharded_state_dict(f"{prefix}{i}.", sharded_offsets, metadata))
+        return out
+
+
+class PatchMerger(MegatronModule):
     """RMSNorm, then each 2x2 group of neighbouring patches (consecutive tokens) -> one LM token."""
 
     def __init__(self, tconf, vcfg, std: float):
-        super().__init__()
+        super().__init__(config=tconf)
         self.group = vcfg.hidden_size * vcfg.spatial_merge_size ** 2
         self.ln_q = VisionRMSNorm(vcfg.hidden_size, dtype=tconf.params_dtype)
         self.linear_fc1 = _column(tconf, self.group, self.group, std)
@@ -193,12 +224,12 @@ def frame_segments(grid_thw: Tensor) -> List[int]:
     return cu
 
 
-class VisionTower(nn.Module):
+class VisionTower(MegatronModule):
     """Pixels (``[n_patches, C * T * P * P]``, as the HF processor emits) + ``grid_thw`` ->
     ``[n_patches / merge^2, out_hidden_size]`` LM-space features, images concatenated in order."""
 
     def __init__(self, tconf, vcfg):
-        super().__init__()
+        super().__init__(config=tconf)
         std = float(getattr(vcfg, "initializer_range", 0.02))
         self.vcfg = vcfg
         self.merge = int(vcfg.spatial_merge_size)
@@ -208,7 +239,7 @@ class VisionTower(nn.Module):
         self.patch_embed = nn.Parameter(torch.empty(d, vcfg.in_channels, *self.kernel, dtype=tconf.params_dtype))
         if tconf.perform_initialization:
             nn.init.normal_(self.patch_embed, std=std)
-        self.blocks = nn.ModuleList([VisionBlock(tconf, vcfg, std) for _ in range(vcfg.depth)])
+        self.blocks = _BlockList([VisionBlock(tconf, vcfg, std) for _ in range(vcfg.depth)])
         self.merger = PatchMerger(tconf, vcfg, std)
         self.full_attention = set(int(i) for i in vcfg.fullatt_block_indexes)
         rp = dict(getattr(vcfg, "rope_parameters", None) or {})
