@@ -2,7 +2,7 @@
 
 The runs freeze one Megatron rank with SIGSTOP (a reward function does it inside step 2's rollout,
 ``tests/helpers/hang.py``) at gloo TP2 and PP2 under Ray: the next Megatron pass hangs and the
-watchdog must stop the run within that pass's deadline (3 x its step-1 time, at least 20 s), name
+watchdog must stop the run within that pass's deadline (3 x its step-1 time, at least 10 s), name
 the stopped rank and the phase, leave a stack for every rank and exit with the requeue code. No
 timing is asserted beyond generous upper bounds.
 """
@@ -202,7 +202,7 @@ def test_a_stopped_rank_is_named_with_its_phase_and_every_rank_stack_and_the_run
         model, out, "cluster.backend=ray", "actor.gpus=2", f"actor.parallel.{layout}=2", "trainer.total_steps=3",
         "trainer.eval_before_after=false", "checkpoint.export_hf=false", "batch.prompts_per_step=2",
         "data.num_eval=4", "reward.function=tests.helpers.hang:stop_rank_after_calls",
-        "watchdog.factor=3", "watchdog.min_s=20", "watchdog.first_step_s=600", "cluster.collective_timeout_s=900")]
+        "watchdog.factor=3", "watchdog.min_s=10", "watchdog.first_step_s=600", "cluster.collective_timeout_s=900")]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), MEGARL_TEST_STOP_DIR=str(ranks),
                MEGARL_TEST_STOP_RANK=f"actor_rank{stop_rank}_", MEGARL_TEST_STOP_AFTER=str(SAMPLES_PER_STEP),
                MEGARL_WATCHDOG_VIA_RAY=via_ray)
@@ -218,7 +218,7 @@ def test_a_stopped_rank_is_named_with_its_phase_and_every_rank_stack_and_the_run
                      r"stacks of 2 ranks and the driver in (\S+)", log)
     assert line, log[-4000:]
     deadline_s, stacks = float(line.group(1)), Path(line.group(2))
-    assert 20 <= deadline_s < 600                      # from step 1's history, not the first-step deadline
+    assert 10 <= deadline_s < 600                      # from step 1's history, not the first-step deadline
     assert ended - stopped_at < deadline_s + 180, (ended - stopped_at, deadline_s)   # generous: load, dumps
     assert "no checkpoint written: actor rank" in log
     text = stacks.read_text()
@@ -246,7 +246,9 @@ def test_a_hung_rollout_with_healthy_ranks_checkpoints_the_last_step_and_the_req
     args = [sys.executable, "-m", "megarl", "train", str(DEFAULT)]
     common = ("trainer.total_steps=2", "trainer.eval_before_after=false", "checkpoint.export_hf=false",
               "batch.prompts_per_step=2", "data.num_eval=4", "reward.function=tests.helpers.hang:hang_after_calls",
-              "watchdog.factor=3", "watchdog.min_s=20", "watchdog.first_step_s=600")
+              # step 2's rollout (its first phase) is the one that hangs: no healthy phase runs under a
+              # deadline from history, so the floor only sets how long the hang is waited out
+              "watchdog.factor=3", "watchdog.min_s=5", "watchdog.first_step_s=600")
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), MEGARL_TEST_STOP_DIR=str(out / "test"),
                MEGARL_TEST_STOP_AFTER=str(SAMPLES_PER_STEP))
     hung = subprocess.run(args + tiny_overrides(model, out, *common), capture_output=True, text=True, timeout=600,
