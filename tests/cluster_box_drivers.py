@@ -168,6 +168,13 @@ def _ipc_seen(worker: Any) -> list:
     return seen
 
 
+def _gather_seen(worker: Any) -> dict:
+    """On an actor rank: the colocated gather its pushes used and the bytes it moved in the last."""
+    sender = worker.sender
+    stats = sender.node_stats.__dict__ if sender.node_stats is not None else None
+    return {"gather": sender.gather, "nodes": sender.nodes.nodes if sender.nodes else None, "stats": stats}
+
+
 def train(args: dict[str, Any]) -> dict[str, Any]:
     """`megarl train` of the tiny model on this Ray cluster, driven from this node (the head node of
     a job), reporting where things ran: every server's process and namespace (before and after a
@@ -216,6 +223,7 @@ def train(args: dict[str, Any]) -> dict[str, Any]:
                 def recorded(version: str) -> dict[str, float]:
                     out = push(version)
                     facts["ipc"].extend(e for per_rank in actor.call("probe", drivers._ipc_seen) for e in per_rank)
+                    facts["gather"] = actor.call("probe", drivers._gather_seen)
                     return out
                 self.weights.push = recorded
 

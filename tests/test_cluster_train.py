@@ -102,7 +102,7 @@ def test_server_killed_mid_step_is_restarted_on_its_node_and_the_run_finishes(ra
 def test_colocated_two_nodes_ipc_only_from_the_servers_own_node(ray_box, model, tmp_path):
     box = ray_box.cluster
     run = _train(ray_box, model, tmp_path / "run", [
-        "placement.mode=colocated", "actor.gpus=4", "actor.parallel.tp=2", "rollout.num_servers=2", "rollout.tp=2",
+        "placement.mode=colocated", "actor.gpus=4", "actor.parallel.pp=2", "rollout.num_servers=2", "rollout.tp=2",
         "sync.transport=ipc", "cluster.cpus_per_rank=2"], record_ipc=True)
     steps = run["steps"]
     assert len(steps) == 3 and all(s["rollout/logprob_diff_mean"] < 1e-3 for s in steps)
@@ -121,3 +121,10 @@ def test_colocated_two_nodes_ipc_only_from_the_servers_own_node(ray_box, model, 
         assert p["creators"] == [[ranks[first]["pid"]], [ranks[first + 1]["pid"]]], p
         assert {pid_node[c] for per_rank in p["creators"] for c in per_rank} == {node}, p
         assert pid_node[p["poster"]] == node
+    # PP2 over two nodes (stage 0 on node A's ranks 0, 1; stage 1 on node B's): the push gathers once
+    # per node -- each stage's tensors cross to the other node once, the node's ranks taking turns
+    gather = run["gather"]
+    assert all(g["gather"] == "node" and g["nodes"] == [[0, 1], [2, 3]] for g in gather), gather
+    moved = [g["stats"] for g in gather]
+    assert all(m["network_in"] > 0 and m["network_out"] > 0 for m in moved), moved
+    assert sum(m["network_in"] for m in moved) == sum(m["network_out"] for m in moved)

@@ -491,6 +491,10 @@ class SyncConfig:
     expert_senders: bool = opt(False, "broadcast push (nccl/gloo) with actor.parallel.ep > 1: every expert-parallel "
                                "rank sends its own experts through an update group of its own, in parallel with "
                                "its stage's sender (no expert gather to one rank; `megarl plan` models both)")
+    colocated_gather: Literal["auto", "node", "everywhere"] = opt(
+        "auto", "colocated CUDA-IPC push across nodes: node = each pipeline stage's tensors cross to every other node "
+        "once (its ranks take turns) and are shared inside the node; everywhere = every rank fetches the whole model "
+        "itself; auto = node when the run spans nodes and every TP and expert-parallel group fits inside one")
 
 
 @dataclass

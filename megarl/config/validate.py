@@ -470,6 +470,28 @@ def push_transport(cfg: RunConfig) -> str:
             "auto": "tensor" if cfg.cluster.device == "cuda" and same_gpu else "distributed"}[cfg.sync.transport]
 
 
+def node_gather_misfit(tp: int, ep: int, etp: int, gpus_per_node: int) -> str:
+    """Why the one-gather-per-node colocated push cannot run on this layout ('' when it can):
+    megatron-core numbers TP ranks and expert-parallel ranks (behind expert TP) contiguously, so
+    each group lies inside a node when its span divides the node's GPUs."""
+    for name, span in (("actor.parallel.tp", tp), ("actor.parallel.ep x etp", ep * etp)):
+        if span > gpus_per_node or gpus_per_node % span:
+            return f"{name} = {span} does not divide cluster.gpus_per_node = {gpus_per_node} (its group would span nodes)"
+    return ""
+
+
+def colocated_gather(cfg: RunConfig) -> str:
+    """``sync.colocated_gather`` -> the colocated IPC push's gather: ``node`` | ``everywhere`` (and
+    ``none`` for pushes that are not colocated IPC). Read by validation, the plan and the push."""
+    if push_transport(cfg) != "tensor" or cfg.placement.mode != "colocated":
+        return "none"
+    p, gpn = cfg.actor.parallel, max(cfg.cluster.gpus_per_node, 1)
+    if cfg.sync.colocated_gather == "auto":
+        spans = cfg.cluster.nodes > 1 and cfg.actor.gpus > gpn
+        return "node" if spans and not node_gather_misfit(p.tp, p.ep, p.etp, gpn) else "everywhere"
+    return cfg.sync.colocated_gather
+
+
 def _check_rollout_mode(cfg: RunConfig, problems: list[str]) -> None:
     """Off-policy rollouts overlap generation with training: they need rollout servers that keep
     their device while the trainer trains (disaggregated; on one GPU both may share it)."""
@@ -540,6 +562,16 @@ def _check_rest(cfg: RunConfig, problems: list[str]) -> None:
         if push_transport(cfg) != "distributed":
             problems.append("sync.expert_senders: a broadcast push only (sync.transport nccl or gloo, or auto when "
                             "trainer and servers do not share a GPU); this run pushes by CUDA IPC or disk")
+    if cfg.sync.colocated_gather == "node":
+        if colocated_gather(cfg) == "none":
+            problems.append("sync.colocated_gather: node applies to colocated CUDA-IPC pushes (placement.mode colocated, "
+                            "sync.transport auto or ipc)")
+        elif cfg.cluster.device == "cuda":
+            p = cfg.actor.parallel
+            misfit = node_gather_misfit(p.tp, p.ep, p.etp, max(cfg.cluster.gpus_per_node, 1))
+            if misfit:
+                problems.append(f"sync.colocated_gather: node needs every TP and expert-parallel group inside one node; "
+                                f"{misfit}")
     if cfg.sync.transport == "nccl" and cfg.cluster.device != "cuda":
         problems.append("sync.transport: nccl needs cluster.device = cuda")
     if cfg.trainer.total_steps < 1:

@@ -261,27 +261,34 @@ def ipc_senders(stages: list[StageBytes], lay: Layout, fp8: bool, elem: int) -> 
 
 
 def node_ipc_senders(stages: list[StageBytes], lay: Layout, fp8: bool, elem: int) -> list[Sender]:
-    """The colocated multi-node candidate (checkpoint-engine's shape, not built): every rank
-    quantizes the shard it holds, each node fetches the served model once -- its GPUs take 1/k of
-    it each (k ranks per node), so the node's k NICs share the cross-node bytes -- and the k pieces
-    are then all-gathered over NVLink (the ``send`` phase), so every GPU holds the whole served
-    model for its own server rank's IPC handles. A stage whose ranks sit on a node is fetched over
-    NVLink in the share of its block that is there (shards are spread evenly over a stage's block)."""
+    """The colocated multi-node push (``sync/colocated.py::iter_hf_weights_by_node``, checkpoint-
+    engine's shape): each stage's ranks gather their stage's TP shards and experts inside the node
+    and quantize the stage; each stage's served bytes then cross to every other node once -- a
+    node's k ranks take turns by tensor, so its k NICs share them -- and every tensor is broadcast
+    inside the node (the ``send`` phase, NVLink), so every GPU holds the whole served model for its
+    own server rank's IPC handles. A stage with ranks on a node is shared from them, without the
+    network, in the share of its block that is there."""
     block = lay.world // lay.pp
     out = []
     for r in range(lay.world):
-        node, (s, _) = lay.node(r), divmod(r, block)
+        node, (s, pos) = lay.node(r), divmod(r, block)
         k = sum(1 for q in range(lay.world) if lay.node(q) == node)
         snd = Sender(rank=r)
         for t, st in enumerate(stages):
             served = _stage_served(st, fp8, elem)
+            if t == s:                                     # its own stage: gathered inside the stage's block
+                whole = (st.tp_sharded + st.replicated + st.experts) * elem
+                own = (st.tp_sharded / lay.tp + st.replicated + st.experts / (lay.ep * lay.etp)) * elem
+                peer = s * block + (pos + 1) % block if block > 1 else r
+                _peer_bytes(snd, lay, peer, whole - own)
+                snd.held += whole
+                if fp8:
+                    snd.quantize_in = (st.projections + st.experts) * elem
+                continue
             here = sum(1 for q in range(t * block, (t + 1) * block) if lay.node(q) == node) / block
             snd.gather_local += served * here / k
             snd.gather_remote += served * (1 - here) / k
-            snd.held += (st.tp_sharded + st.replicated + st.experts) * elem / k
-            snd.payload += served / k
-            if t == s and fp8:                             # its own shard, quantized where it is held
-                snd.quantize_in = (st.projections / lay.tp + st.experts / (lay.ep * lay.etp)) * elem
+        snd.payload = sum(_stage_served(st, fp8, elem) for st in stages) / max(k, 1)
         out.append(snd)
     return out
 
@@ -401,7 +408,7 @@ class RefitPlan:
 
 def plan_refit(cfg: Any, fp8: bool, server_tp: int, servers: int) -> RefitPlan:
     """The refit section of ``megarl plan`` for a GPU run (CPU runs: measured, not modelled)."""
-    from megarl.config.validate import push_transport
+    from megarl.config.validate import colocated_gather, push_transport
 
     transport = push_transport(cfg)
     notes: list[str] = []
@@ -422,17 +429,27 @@ def plan_refit(cfg: Any, fp8: bool, server_tp: int, servers: int) -> RefitPlan:
     stages = stage_bytes(cfg.model.arch, stage_layers(cfg.model.arch.num_layers, p))
     bucket = int(cfg.sync.bucket_mb * (1 << 20))
     experts = transport == "distributed" and p.ep > 1 and cfg.sync.expert_senders
-    current = estimate(stages, lay, rates, transport=transport, shape="expert" if experts else "stage", fp8=fp8,
-                       elem=elem, bucket_bytes=bucket)
+    gather = colocated_gather(cfg)
+    shape = "expert" if experts else ("node" if gather == "node" else "stage")
+    current = estimate(stages, lay, rates, transport=transport, shape=shape, fp8=fp8, elem=elem, bucket_bytes=bucket)
     candidate = None
     if transport == "distributed" and p.ep > 1 and not experts:
         candidate = estimate(stages, lay, rates, transport=transport, shape="expert", fp8=fp8, elem=elem,
                              bucket_bytes=bucket)
-    if transport == "tensor" and len({lay.node(r) for r in range(lay.world)}) > 1:
-        candidate = estimate(stages, lay, rates, transport=transport, shape="node", fp8=fp8, elem=elem,
-                             bucket_bytes=bucket)
-        notes.append("the one-gather-per-node candidate is modelled, not built: sync/colocated.py gathers the "
-                     "whole model on every rank")
+    multi_node = len({lay.node(r) for r in range(lay.world)}) > 1
+    if transport == "tensor" and multi_node and gather == "everywhere":
+        from megarl.config.validate import node_gather_misfit
+
+        if not node_gather_misfit(p.tp, p.ep, p.etp, gpn):
+            candidate = estimate(stages, lay, rates, transport=transport, shape="node", fp8=fp8, elem=elem,
+                                 bucket_bytes=bucket)
+            notes.append("sync.colocated_gather: everywhere -- the candidate is the one-gather-per-node push "
+                         "(sync.colocated_gather: node or auto)")
+    if transport == "tensor" and multi_node and gather == "node":
+        everywhere = estimate(stages, lay, rates, transport=transport, shape="everywhere", fp8=fp8, elem=elem,
+                              bucket_bytes=bucket)
+        notes.append(f"one gather per node (sync.colocated_gather): the everywhere gather would take "
+                     f"{everywhere.seconds:.2f} s")
     if cfg.rollout.engine == "sglang":
         notes.append("apply: SGLang's own load rate is not measured; the embedded engine's write rate stands in "
                      "(SGLang does not verify)")

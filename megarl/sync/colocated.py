@@ -16,6 +16,7 @@ global order that is the same on all ranks -- so every rank cuts the same bucket
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -137,3 +138,176 @@ class IpcFanIn:
         memory their handles point at."""
         if self.group is not None:
             dist.barrier(group=self.group)
+
+
+# ----------------------------------------------------------------------------- one gather per node
+@dataclass
+class NodeLayout:
+    """Which node each actor rank is on (ranks sharing a node address), and a process group per
+    node with more than one rank, for the in-node broadcast (NVLink on GPU nodes)."""
+
+    nodes: List[List[int]]                     # ranks of each node, ascending; nodes ordered by first rank
+    node_of: dict
+    groups: List[Any]                          # per node: its group (None for a one-rank node)
+    fits: bool                                 # every TP and expert-parallel group inside one node
+    why: str = ""
+
+    @property
+    def spans_nodes(self) -> bool:
+        return len(self.nodes) > 1
+
+
+def node_layout(timeout_s: float = 600.0) -> NodeLayout:
+    """A collective over the actor's world: every rank's node address (`wire.addresses.node_address`:
+    Ray's node address inside Ray, else the source address towards the rendezvous master) and its
+    TP and expert-parallel groups, then one group per node (made on every rank: `new_group` is
+    collective)."""
+    import os
+
+    from megatron.core import parallel_state as mpu
+
+    from megarl.wire.addresses import node_address
+
+    mine = (node_address(os.environ.get("MASTER_ADDR") or None),
+            dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group()),
+            dist.get_process_group_ranks(mpu.get_expert_model_parallel_group()))
+    every: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    layout = nodes_of(every)
+    layout.groups = [dist.new_group(ranks=ranks, timeout=timedelta(seconds=timeout_s)) if len(ranks) > 1 else None
+                     for ranks in layout.nodes]
+    return layout
+
+
+def nodes_of(every: Sequence[Tuple[str, Sequence[int], Sequence[int]]]) -> NodeLayout:
+    """The layout (without groups) from each rank's (node address, TP group, expert-parallel group)."""
+    keys: dict = {}
+    for rank, (key, _, _) in enumerate(every):
+        keys.setdefault(key, []).append(rank)
+    nodes = sorted(keys.values(), key=lambda ranks: ranks[0])
+    node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
+    why = ""
+    for rank, (_, tp, ep) in enumerate(every):
+        for name, group in (("tensor-parallel", tp), ("expert-parallel", ep)):
+            if len({node_of[r] for r in group}) > 1 and not why:
+                why = f"rank {rank}'s {name} group {list(group)} spans nodes"
+    return NodeLayout(nodes=nodes, node_of=node_of, groups=[None] * len(nodes), fits=not why, why=why)
+
+
+@dataclass
+class NodeShareStats:
+    """Bytes this rank moved in the by-node gather: from another node, and in-node broadcasts it led."""
+
+    network_in: int = 0
+    network_out: int = 0
+    node_sent: int = 0
+
+
+class NodeShare:
+    """One tensor of pipeline stage ``s`` reaching every rank, crossing to each other node once.
+
+    Every rank of stage ``s`` holds the tensor (TP shards and experts were gathered inside the
+    node). A node with no rank of stage ``s`` takes tensor ``i`` on its rank ``i mod k`` (k ranks
+    per node, so the node's NICs take turns), from that rank's pipeline peer of stage ``s``; a
+    node with ranks of stage ``s`` takes it from one of them. That rank then broadcasts it inside
+    the node. The everywhere gather sends it to each of the node's k ranks over the network."""
+
+    def __init__(self, layout: NodeLayout, stage_of: Sequence[int], pp_peers: Sequence[Sequence[int]]):
+        self.layout, self.stage_of, self.pp_peers = layout, list(stage_of), pp_peers
+        self.rank = dist.get_rank()
+        self.stats = NodeShareStats()
+
+    def _peer(self, rank: int, stage: int) -> int:
+        """`rank`'s pipeline peer at `stage` (the rank of its pipeline group at that stage)."""
+        return self.pp_peers[rank][stage]
+
+    def __call__(self, t: torch.Tensor, index: int, stage: int) -> torch.Tensor:
+        """Fill ``t`` (this rank's copy if it is of ``stage``, else an empty buffer) on every rank.
+        Bytes move as a uint8 view (gloo has no float8; the bytes are the same)."""
+        lay, me = self.layout, self.rank
+        nbytes = t.numel() * t.element_size()
+        if not nbytes:
+            return t
+        raw = t.reshape(-1).view(torch.uint8)
+        pending = []
+        for n, ranks in enumerate(lay.nodes):
+            if any(self.stage_of[r] == stage for r in ranks):
+                continue
+            taker = ranks[index % len(ranks)]
+            giver = self._peer(taker, stage)
+            if me == giver:
+                pending.append(dist.isend(raw, dst=taker))
+                self.stats.network_out += nbytes
+            elif me == taker:
+                pending.append(dist.irecv(raw, src=giver))
+                self.stats.network_in += nbytes
+        for work in pending:
+            work.wait()
+        n = lay.node_of[me]
+        ranks = lay.nodes[n]
+        if len(ranks) == 1:
+            return t
+        holders = [r for r in ranks if self.stage_of[r] == stage]
+        holder = holders[index % len(holders)] if holders else ranks[index % len(ranks)]
+        if me == holder:
+            dist.broadcast(raw, src=holder, group=lay.groups[n])
+            self.stats.node_sent += nbytes
+        elif self.stage_of[me] == stage:        # holds it already: receive into scratch, keep its own
+            dist.broadcast(torch.empty_like(raw), src=holder, group=lay.groups[n])
+        else:
+            dist.broadcast(raw, src=holder, group=lay.groups[n])
+        return t
+
+
+def iter_hf_weights_by_node(chunks, layout: NodeLayout, convert=None,
+                            stats: Optional[NodeShareStats] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """`iter_hf_weights_everywhere`'s tensors, in its order, with each pipeline stage's bytes
+    crossing to every other node once (`NodeShare`) instead of once per rank there. ``convert``:
+    the served format's stream (block FP8), applied where the tensors are held, so FP8 bytes
+    cross the network and each stage's ranks quantize only their own stage. TP shards and experts
+    are gathered as in the everywhere gather; the layout must keep those groups inside a node.
+    ``stats``: filled with the bytes this rank moved."""
+    from megatron.core import parallel_state as mpu
+
+    from megarl.models import iter_hf_weights
+    from megarl.models.builder import unwrap
+
+    if not layout.fits:
+        raise RuntimeError(f"sync.colocated_gather: node needs every TP and expert-parallel group inside one "
+                           f"node; {layout.why}")
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    num_experts = int(getattr(unwrap(chunks[0]).config, "num_moe_experts", None) or 0)
+    own = _expert_spread(iter_hf_weights(chunks, None, yield_on_all_ranks=True), num_experts)
+    if convert is not None:
+        own = convert(own)
+    if mpu.get_pipeline_model_parallel_world_size() <= 1:
+        yield from own            # one stage: every rank holds every tensor already
+        return
+    group = mpu.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)       # this pipeline's ranks, stage order
+    me = mpu.get_pipeline_model_parallel_rank()
+    peers: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, ranks)
+    stage_of = [p.index(r) for r, p in enumerate(peers)]
+    share = NodeShare(layout, stage_of, peers)
+    if stats is not None:
+        share.stats = stats
+    device = next(iter(chunks[0].parameters())).device
+    for stage, src in enumerate(ranks):
+        index = 0
+        if stage == me:
+            for name, t in own:
+                t = t.contiguous()
+                dist.broadcast_object_list([(name, tuple(t.shape), t.dtype)], src=src, group=group, device=device)
+                yield name, share(t, index, stage)
+                index += 1
+            dist.broadcast_object_list([None], src=src, group=group, device=device)
+            continue
+        while True:
+            meta = [None]
+            dist.broadcast_object_list(meta, src=src, group=group, device=device)
+            if meta[0] is None:
+                break
+            name, shape, dtype = meta[0]
+            yield name, share(torch.empty(shape, dtype=dtype, device=device), index, stage)
+            index += 1

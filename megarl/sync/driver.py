@@ -43,7 +43,7 @@ class WeightSync:
                           disk_dir=str(self.servers.weights_dir), api_key=self.servers.api_key,
                           timeout_s=cfg.rollout.request_timeout_s, known_names=names,
                           ipc_groups=self._ipc_groups(transport), served=read_served_format(self.model_dir, names),
-                          expert_senders=cfg.sync.expert_senders)
+                          expert_senders=cfg.sync.expert_senders, colocated_gather=cfg.sync.colocated_gather)
 
     def _ipc_groups(self, transport: str) -> Optional[tuple]:
         """Colocated tensor transport into servers megarl started on the actor's own bundles: which

@@ -9,7 +9,7 @@ through a fresh, short-lived update group (a restarted server: `megarl.rollout.h
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 from .push import WeightPusher, is_sender_rank, push_megatron, sender_group_name
@@ -38,6 +38,8 @@ class PushTarget:
     served: Any = None
     # distributed transport: every EP rank's ETP0/EDP0 rank sends its own experts (sync.expert_senders)
     expert_senders: bool = False
+    # colocated tensor transport: auto | node | everywhere (sync.colocated_gather; megarl.sync.colocated)
+    colocated_gather: str = "auto"
 
 
 def checkpoint_names(hf_dir: str) -> Optional[frozenset]:
@@ -60,6 +62,9 @@ class RankSender:
     def __init__(self) -> None:
         self.pusher: Optional[WeightPusher] = None
         self.fan: Any = None
+        self.nodes: Any = None                 # colocated: the actor's NodeLayout, made on the first push
+        self.gather = "everywhere"             # colocated: the gather the pushes use (node | everywhere)
+        self.node_stats: Any = None
 
     def push(self, chunks: list, target: PushTarget, version: str) -> dict[str, Any]:
         """Stream HF-named weights bucket by bucket to all servers (every rank takes part)."""
@@ -99,11 +104,19 @@ class RankSender:
         """Every rank streams the whole model; each server's first rank posts its TP ranks'
         handles. ``only``: to that server alone, with a one-off pusher (the others' leaders post
         nothing but still gather, as every bucket's gather is collective within each server's group)."""
-        from .colocated import IpcFanIn, iter_hf_weights_everywhere
+        from .colocated import IpcFanIn, NodeShareStats, iter_hf_weights_by_node, iter_hf_weights_everywhere, node_layout
 
         if self.fan is None:
             self.fan = IpcFanIn(target.ipc_groups, target.timeout_s)
+            if target.colocated_gather != "everywhere":
+                self.nodes = node_layout(target.timeout_s)
+                if target.colocated_gather == "node" and not self.nodes.fits:
+                    raise RuntimeError(f"sync.colocated_gather: node needs every TP and expert-parallel group inside "
+                                       f"one node; {self.nodes.why}")
+                by_node = target.colocated_gather == "node" or (self.nodes.spans_nodes and self.nodes.fits)
+                self.gather = "node" if by_node else "everywhere"
         fan = self.fan
+        by_node = self.gather == "node"
 
         def pusher_for(server: Optional[int]) -> WeightPusher:
             mine = fan.server is not None and fan.leader and (server is None or fan.server == server)
@@ -111,20 +124,31 @@ class RankSender:
                 [target.urls[fan.server]] if mine else [], transport="tensor", bucket_mb=target.bucket_mb,
                 server_tp_sizes=[target.server_tp_sizes[fan.server]] if mine else [],
                 send_checksums=target.verify_checksum, api_key=target.api_key, timeout_s=target.timeout_s,
-                known_names=target.known_names, tensor_payloads=fan.payloads, served=target.served)
+                known_names=target.known_names, tensor_payloads=fan.payloads,
+                served=None if by_node else target.served)
 
         if only is None and self.pusher is None:
             self.pusher = pusher_for(None)
         pusher = self.pusher if only is None else pusher_for(only)
         try:
-            stats = pusher.push(iter_hf_weights_everywhere(chunks), weight_version=version)
+            if by_node:       # the served format (FP8) is made where each tensor is held, before it crosses
+                self.node_stats = NodeShareStats()
+                convert = target.served.stream if target.served is not None else None
+                stream = iter_hf_weights_by_node(chunks, self.nodes, convert=convert, stats=self.node_stats)
+            else:
+                stream = iter_hf_weights_everywhere(chunks)
+            stats = pusher.push(stream, weight_version=version)
             fan.barrier()
         finally:
             if only is not None:
                 pusher.close()
         if not fan.leader:
             return {}
-        return dict(stats.as_dict(), group=f"ipc_server{fan.server}", master=None, servers=len(pusher.servers))
+        out = dict(stats.as_dict(), group=f"ipc_server{fan.server}", master=None, servers=len(pusher.servers),
+                   gather=self.gather)
+        if self.node_stats is not None:
+            out["node_gather"] = asdict(self.node_stats)
+        return out
 
 
 def _stage_pusher(target: PushTarget, group_name: str) -> WeightPusher:
