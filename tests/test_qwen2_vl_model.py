@@ -72,6 +72,10 @@ def hf_case(tmp_path_factory):
         flat = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits   # no mm types: 1-D RoPE
         text_only = model(input_ids=ids).logits
     assert (flat - ref).abs().max() > 1e-3 and (text_only - ref).abs().max() > 1e-3
+    # the tower alone on one 4x4-patch image: a single window == the whole image (unpadded segments)
+    px_one = torch.randn(16, PATCH_DIM, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        tower_ref = model.model.visual(px_one, grid_thw=torch.tensor([[1, 4, 4]])).pooler_output
     # HF's gradients of a fixed linear function of the logits, under Hub names, for the unfrozen tower too
     w_loss = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
     model.zero_grad()
@@ -93,10 +97,11 @@ def hf_case(tmp_path_factory):
     from megarl.models.naming import SafetensorsSource
     src = SafetensorsSource(d)
     return {"dir": str(d), "mem_dir": str(mem), "ref": ref, "inputs": (ids, pixels, grid),
-            "state": dict(src.read(src.names())), "model": model, "w_loss": w_loss, "grads": grads}
+            "state": dict(src.read(src.names())), "model": model, "w_loss": w_loss, "grads": grads,
+            "tower_case": (px_one, tower_ref)}
 
 
-def _worker(rank, world, layouts, hf_dir, mem_dir, inputs, ref, ref_state, w_loss, hf_grads):
+def _worker(rank, world, layouts, hf_dir, mem_dir, inputs, ref, ref_state, w_loss, hf_grads, tower_case):
     from megarl.models import build_model
     from megarl.models.naming import iter_hf_weights, load_hf_weights, local_to_hf, param_infos
     from megarl.models.qwen2_vl import Qwen2VLModel, build_qwen2_vl, vl_forward_logits
@@ -120,6 +125,10 @@ def _worker(rank, world, layouts, hf_dir, mem_dir, inputs, ref, ref_state, w_los
         load_hf_weights([model2], mem_dir)
         p1 = dict(model.named_parameters())
         out["mem_bad"] = [n for n, p in model2.named_parameters() if not torch.equal(p, p1[n])]
+        if model.vision_model is not None:
+            with torch.no_grad():
+                tower = model.vision_model(tower_case[0], torch.tensor([[1, 4, 4]]))
+            out["tower_diff"] = (tower - tower_case[1]).abs().max().item()
         if lay.get("pp", 1) == 1:
             # freeze_vision (default): one backward, the tower has no grads, the decoder has
             model.train()
@@ -157,6 +166,8 @@ def _check(per_rank, ref_state):
         for r in rs:
             assert not r["bad"], f"{lay}: re-exported tensors differ: {r['bad']}"
             assert not r["mem_bad"], f"{lay}: in-memory-named checkpoint loaded differently: {r['mem_bad']}"
+            if "tower_diff" in r:
+                assert r["tower_diff"] < TOL, f"{lay}: tower alone differs from HF's visual: {r['tower_diff']}"
             if "vision_grads" in r:
                 assert not r["vision_grads"] and not r["vision_trainable"], r["vision_grads"] or r["vision_trainable"]
                 assert r["decoder_grad"]
@@ -169,7 +180,7 @@ def _check(per_rank, ref_state):
 
 def _run(case, world, layouts):
     return spawn(_worker, world, layouts, case["dir"], case["mem_dir"], case["inputs"], case["ref"], case["state"],
-                 case["w_loss"], case["grads"], timeout_s=300)
+                 case["w_loss"], case["grads"], case["tower_case"], timeout_s=300)
 
 
 def test_logits_export_freeze_tp1(hf_case):

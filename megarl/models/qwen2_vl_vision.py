@@ -90,13 +90,14 @@ class VisionAttention(MegatronModule):
         c, s = cos[:, None, :], sin[:, None, :]
         q = (q.float() * c + _rotate_half(q.float()) * s).to(v.dtype)
         k = (k.float() * c + _rotate_half(k.float()) * s).to(v.dtype)
-        outs = []
-        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):      # one bidirectional segment at a time
-            seg = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]   # [1, h, L, hd]
-            o = F.scaled_dot_product_attention(*seg, is_causal=False, scale=self.head_dim ** -0.5)
-            outs.append(o[0].transpose(0, 1))
-        out = torch.cat(outs, 0).reshape(n, 1, -1)
-        return self.proj(out)[0]
+        rows, valid = segment_batch(cu_seqlens, x.device)                     # [S, L]
+        # all segments in one call: [S, h, L, hd], padded keys masked out
+        qb, kb, vb = (t[rows].transpose(1, 2) for t in (q, k, v))
+        # equal segments (no padding) take no mask, so the fused (flash) kernels stay eligible
+        mask = None if valid.numel() == n else valid[:, None, None, :]
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=self.head_dim ** -0.5)
+        out = o.transpose(1, 2)[valid]                                          # [n, h, hd], token order
+        return self.proj(out.reshape(n, 1, -1))[0]
 
 
 class VisionMLP(MegatronModule):
@@ -174,6 +175,18 @@ class PatchMerger(MegatronModule):
 # ---------------------------------------------------------------------------------------------
 # token layout: positions, windows, segments (host-side integer bookkeeping per image)
 # ---------------------------------------------------------------------------------------------
+
+def segment_batch(cu_seqlens: List[int], device) -> Tuple[Tensor, Tensor]:
+    """Segments (windows or frames) as a padded batch: ``rows [S, L]`` token indices (padding
+    points at token 0) and ``valid [S, L]``; ``t[rows][valid]`` is ``t`` in its original order."""
+    lens = torch.tensor([b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])], device=device)
+    lens = lens[lens > 0]
+    starts = torch.cumsum(lens, 0) - lens
+    offs = torch.arange(int(lens.max()), device=device)
+    valid = offs[None, :] < lens[:, None]
+    rows = torch.where(valid, starts[:, None] + offs[None, :], torch.zeros_like(valid, dtype=torch.long))
+    return rows, valid
+
 
 def _grids(grid_thw: Tensor) -> List[Tuple[int, int, int]]:
     return [tuple(int(v) for v in g) for g in grid_thw.tolist()]
