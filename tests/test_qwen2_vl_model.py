@@ -98,11 +98,12 @@ def hf_case(tmp_path_factory):
     src = SafetensorsSource(d)
     return {"dir": str(d), "mem_dir": str(mem), "ref": ref, "inputs": (ids, pixels, grid),
             "state": dict(src.read(src.names())), "model": model, "w_loss": w_loss, "grads": grads,
-            "tower_case": (px_one, tower_ref)}
+            "tower_case": (px_one, tower_ref), "text_only": text_only}
 
 
-def _worker(rank, world, layouts, hf_dir, mem_dir, inputs, ref, ref_state, w_loss, hf_grads, tower_case):
-    from megarl.models import build_model
+def _worker(rank, world, layouts, hf_dir, mem_dir, inputs, ref, ref_state, w_loss, hf_grads, tower_case,
+            text_only):
+    from megarl.models import build_model, forward_logits
     from megarl.models.naming import iter_hf_weights, load_hf_weights, local_to_hf, param_infos
     from megarl.models.qwen2_vl import Qwen2VLModel, build_qwen2_vl, vl_forward_logits
     from megarl.parallel import destroy_model_parallel, init_model_parallel
@@ -117,6 +118,9 @@ def _worker(rank, world, layouts, hf_dir, mem_dir, inputs, ref, ref_state, w_los
         load_hf_weights([model], hf_dir)
         logits = vl_forward_logits([model], ids, pixel_values=pixels, image_grid_thw=grid)
         out["diff"] = None if logits is None else (logits - ref).abs().max().item()
+        # megarl's text path (forward_logits: 2-D positions, no pixels) equals HF given input_ids only
+        text = forward_logits([model], ids)
+        out["text_diff"] = None if text is None else (text - text_only).abs().max().item()
         exported = dict(iter_hf_weights([model], yield_on_all_ranks=True))
         out["names"] = sorted(exported)
         out["bad"] = [n for n, t in exported.items() if not torch.equal(t, ref_state[n])]
@@ -161,6 +165,8 @@ def _check(per_rank, ref_state):
     for lay, rs in by_layout.items():
         diffs = [r["diff"] for r in rs if r["diff"] is not None]
         assert diffs and max(diffs) < TOL, f"{lay}: max |megatron - HF| logits = {diffs}"
+        text = [r["text_diff"] for r in rs if r["text_diff"] is not None]
+        assert text and max(text) < TOL, f"{lay}: text-only logits differ from HF's: {text}"
         names = {n for r in rs for n in r["names"]}
         assert names == set(ref_state), f"{lay}: {sorted(names ^ set(ref_state))}"
         for r in rs:
@@ -180,7 +186,7 @@ def _check(per_rank, ref_state):
 
 def _run(case, world, layouts):
     return spawn(_worker, world, layouts, case["dir"], case["mem_dir"], case["inputs"], case["ref"], case["state"],
-                 case["w_loss"], case["grads"], case["tower_case"], timeout_s=300)
+                 case["w_loss"], case["grads"], case["tower_case"], case["text_only"], timeout_s=300)
 
 
 def test_logits_export_freeze_tp1(hf_case):
