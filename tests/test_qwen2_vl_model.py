@@ -1,9 +1,11 @@
 """Qwen2.5-VL on megatron-core (megarl/models/qwen2_vl.py) against transformers'
 ``Qwen2_5_VLForConditionalGeneration``: a tiny random model (2 decoder layers, a 4-block vision
 tower with one full-attention block, two images of different grids, one of them spanning two
-attention windows) saved with ``save_pretrained``, loaded into megatron at TP1 and TP2 (gloo):
-fp32 logits, bit-exact export back to HF names, transformers 5's in-memory names accepted on load,
-the frozen tower gets no gradients, and the M-RoPE index equals HF's ``get_rope_index``.
+attention windows) saved with ``save_pretrained``, loaded into megatron at TP1, TP2 and PP2 (gloo):
+fp32 logits with images (and the text-only path through ``forward_logits``), the tower alone,
+bit-exact export back to HF names, transformers 5's in-memory names accepted on load, the frozen
+tower gets no gradients, an unfrozen one gets HF's gradients (every parameter), the M-RoPE index
+equals HF's ``get_rope_index``, and the config audit refuses what is not mapped.
 """
 from __future__ import annotations
 
