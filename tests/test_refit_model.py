@@ -13,7 +13,7 @@ from megarl.config import load_config
 from megarl.config.schema import ModelArch
 from megarl.config.validate import arch_from_hf
 from megarl.planning.cli import plan_main
-from megarl.planning.refit import (FP8_SCALE_OVERHEAD, GBPS, Layout, Rates, broadcast_senders, estimate,
+from megarl.planning.refit import (FP8_SCALE_OVERHEAD, GBPS, GPU_TENSOR_OVERHEAD_S, Layout, Rates, broadcast_senders, estimate,
                                    ipc_senders, node_ipc_senders, stage_bytes)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,9 +176,16 @@ def test_colocated_nccl_is_refused_and_the_colocated_flagship_plans_ipc(capsys):
     refit = json.loads(capsys.readouterr().out)["refit"]
     cur = refit["current"]
     assert refit["transport"] == "tensor" and cur["shape"] == "node" and refit["candidate"] is None
-    assert cur["seconds"] <= 5.0
     note = [n for n in refit["notes"] if "everywhere gather would take" in n]
-    assert len(note) == 1 and float(note[0].split("take ")[1].split(" s")[0]) > 5.0
+    assert len(note) == 1 and float(note[0].split("take ")[1].split(" s")[0]) > 2 * cur["seconds"]
+    # what keeps the remainder: the per-tensor cost, 45,337 HF tensors + 45,032 FP8 scales by hand
+    # (3 dense layers of 12 tensors, 8 quantized; 58 MoE layers of 781, 776 quantized; embedding,
+    # final norm, output layer) through every server rank
+    tensors = [p for p in cur["phases"] if p["name"] == "tensors"][0]
+    assert tensors["link"] == "90369 tensors through each server rank"
+    assert tensors["seconds"] == pytest.approx(90369 * GPU_TENSOR_OVERHEAD_S)
+    assert tensors["seconds"] == max(p["seconds"] for p in cur["phases"])
+    assert cur["seconds"] - tensors["seconds"] <= 5.0
     # the gather: 11 of 12 stages' served bytes cross the network, split over a node's 8 GPUs, beside
     # the node's own stage gathered over NVLink (in bf16: at most twice its FP8 served bytes)
     gather = [p for p in cur["phases"] if p["name"] == "gather"][0]
@@ -190,8 +197,7 @@ def test_colocated_nccl_is_refused_and_the_colocated_flagship_plans_ipc(capsys):
     assert plan_main([DSV3_COLOCATED, "sync.colocated_gather=everywhere", "--json"]) == 0
     refit = json.loads(capsys.readouterr().out)["refit"]
     cur, cand = refit["current"], refit["candidate"]
-    assert cur["shape"] == "everywhere" and cand["shape"] == "node" and cand["seconds"] <= 5.0 < cur["seconds"]
-
+    assert cur["shape"] == "everywhere" and cand["shape"] == "node" and cand["seconds"] < cur["seconds"] / 2
 
 
 def test_network_setting_is_bytes_per_second_and_plan_json_has_the_refit(capsys):
@@ -201,11 +207,11 @@ def test_network_setting_is_bytes_per_second_and_plan_json_has_the_refit(capsys)
     refit = json.loads(capsys.readouterr().out)["refit"]
     cur, par = refit["current"], refit["candidate"]
     assert refit["transport"] == "distributed" and refit["seconds"] == cur["seconds"]
-    assert [p["name"] for p in cur["phases"]] == ["gather", "convert", "pack", "send", "apply", "buckets"]
+    assert [p["name"] for p in cur["phases"]] == ["gather", "convert", "pack", "send", "apply", "buckets", "tensors"]
     assert cur["senders"] == 4 and par["senders"] == 128 and par["seconds"] < cur["seconds"]
     assert refit["slowest_link"].startswith("send: ")
     assert refit["candidate_saves_s"] == pytest.approx(cur["seconds"] - par["seconds"])
-    assert refit["remainder_phase"] == "send"
+    assert refit["remainder_phase"] == "tensors"     # 90,369 served tensors through each server rank
     # half the NIC bandwidth: the network-bound send phase takes twice as long
     assert plan_main([DSV3, "cluster.network_gbps=25", "--json"]) == 0
     slow = json.loads(capsys.readouterr().out)["refit"]["current"]
@@ -214,7 +220,7 @@ def test_network_setting_is_bytes_per_second_and_plan_json_has_the_refit(capsys)
     assert plan_main([DSV3]) == 0
     text = capsys.readouterr().out
     assert "Refit (one weight push" in text and "candidate (every EP rank sends its own experts)" in text
-    assert "the candidate saves" in text and "longest phase is send" in text
+    assert "the candidate saves" in text and "longest phase is tensors" in text
 
 
 def test_expert_senders_setting_is_the_planned_shape_and_needs_a_broadcast_with_ep(capsys):

@@ -53,14 +53,19 @@ GPU_PACK_BPS = 15.23e9 / 12.1e-3                 # pack 12.1 ms (also the megatr
 GPU_IPC_RECEIVE_BPS = 15.23e9 / 6.0e-3           # server receive 6.0 ms (opening the IPC payload)
 GPU_VERIFY_BPS = 15.23e9 / 12.8e-3               # server verify 12.8 ms, bf16 (finiteness)
 GPU_VERIFY_CHECKSUM_BPS = 15.23e9 / 30.0e-3      # server verify 30.0 ms with --checksum
-GPU_VERIFY_FP8_BPS = 8.71e9 / 0.062              # FP8 verify 0.062 s of 8.71 GB (same command --fp8, H100, 2026-12-07)
+GPU_VERIFY_FP8_BPS = 8.71e9 / 0.0115             # FP8 verify 10.0-13.1 ms of 8.71 GB with the byte-check kernel (same
+#                                                  command --fp8, H100, 2026-12-08)
 GPU_WRITE_BPS = 15.23e9 / 9.4e-3                 # server apply 9.4 ms
 GPU_CHECKSUM_BPS = 15.23e9 / 3.9e-3              # sender checksum: --checksum push 0.0788 vs 0.0577 s, less the
 #                                                  server's extra verify (30.0 - 12.8 ms): 3.9 ms
-GPU_QUANTIZE_BPS = 15.23e9 / 0.027               # FP8 push 0.145 vs bf16 0.064 s (H100, 2026-12-07, --fp8), less
-#                                                  the server's extra FP8 verify (0.062 - 0.008 s): 0.027 s of
-#                                                  quantization for 15.23 GB of bf16 input
-GPU_BUCKET_OVERHEAD_S = (57.7e-3 - (12.1 + 6.0 + 12.8 + 9.4) * 1e-3) / 16   # push 57.7 ms less its phases, per bucket
+GPU_QUANTIZE_BPS = 13.05e9 / 8.71e-3             # the block-FP8 kernel: 13.05 GB of bf16 projections in 8.71 ms
+#                                                  (bench_fp8_push_kernels.py --shape qwen2.5-7b, H100, 2026-12-08)
+GPU_BUCKET_OVERHEAD_S = 0.0                      # per-bucket costs are in the per-tensor one below
+# Per HF tensor through a server rank (sender copy launch, metadata, the server's checks, placement and
+# copy launch): fit to 8 IPC pushes on one H100 (0.5B / 1.5B / 7B, bf16 and FP8, 218-451 tensors,
+# benchmarks/results/h100_fp8_push_kernels_sync.jsonl, 2026-12-08) with every rate above; predicted /
+# measured 0.85-1.25 on all 8
+GPU_TENSOR_OVERHEAD_S = 133e-6
 SHAPES = {"stage": "one sender per pipeline stage", "expert": "every EP rank sends its own experts",
           "everywhere": "every rank gathers the whole model (CUDA IPC)",
           "node": "each node gathers the model once, split over its GPUs, shared over NVLink (CUDA IPC)"}
@@ -82,6 +87,7 @@ class Rates:
     write: float             # server: copy its slice into its parameters
     ipc_receive: float       # server: open an IPC payload (tensor transport)
     bucket_overhead_s: float
+    tensor_overhead_s: float = 0.0   # per HF tensor a server rank takes (checks, copies, metadata)
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,8 @@ class StageBytes:
     replicated: int          # norms, router, latent norms: whole on every TP rank
     experts: int             # routed experts of the stage, all EP ranks together
     projections: int         # of tp_sharded: the attention and MLP projections (block FP8 when served so)
+    tensors: int = 0         # HF tensors of the stage (biases and per-head norms not counted)
+    quantized_tensors: int = 0   # of those, block FP8 when served so (each then adds a scale tensor)
 
 
 @dataclass
@@ -170,13 +178,40 @@ def stage_bytes(arch: ModelArch, layers_of_stages: list[list[int]]) -> list[Stag
         projections = tp_sharded
         replicated = sum(mp.layers[i].replicated for i in layers)
         experts = sum(mp.layers[i].experts for i in layers)
+        counts = [layer_tensors(arch, i) for i in layers]
+        tensors, quantized = sum(c[0] for c in counts), sum(c[1] for c in counts)
         if s == 0:
             tp_sharded += mp.embedding
+            tensors += 1
         if s == len(layers_of_stages) - 1:
             tp_sharded += mp.output
             replicated += mp.final_norm
-        out.append(StageBytes(tp_sharded=tp_sharded, replicated=replicated, experts=experts, projections=projections))
+            tensors += 1 + (1 if mp.output else 0)
+        out.append(StageBytes(tp_sharded=tp_sharded, replicated=replicated, experts=experts, projections=projections,
+                              tensors=tensors, quantized_tensors=quantized))
     return out
+
+
+def layer_tensors(arch: ModelArch, index: int) -> tuple[int, int]:
+    """(HF tensors, of them block-FP8 projections) of one layer: two norms; q/k/v/o, or MLA's
+    q (or q_a, its norm, q_b), kv_a, its norm, kv_b and o; a dense MLP's gate/up/down, or a MoE
+    layer's router, three per routed expert and three for the shared experts."""
+    if arch.kv_lora_rank > 0:
+        attn = 5 if arch.q_lora_rank else 4
+        plain = 2 + (2 if arch.q_lora_rank else 1)
+    else:
+        attn, plain = 4, 2
+    if is_moe_layer(arch, index):
+        mlp = 3 * arch.num_experts + (3 if arch.num_shared_experts else 0)
+        plain += 1
+    else:
+        mlp = 3
+    return plain + attn + mlp, attn + mlp
+
+
+def served_tensors(stages: list[StageBytes], fp8: bool) -> int:
+    """HF tensors of the served model (block FP8: one scale tensor per quantized weight)."""
+    return sum(st.tensors + (st.quantized_tensors if fp8 else 0) for st in stages)
 
 
 def _served(params_fp8: float, params_plain: float, fp8: bool, elem: int) -> float:
@@ -358,6 +393,10 @@ def estimate(stages: list[StageBytes], lay: Layout, rates: Rates, *, transport: 
     phases.append(PhaseTime("apply", received * per_byte, received, "server GPU", lay.servers * lay.server_tp))
     buckets = max(math.ceil((whole if shape == "node" else s.payload) / max(bucket_bytes, 1)) for s in senders)
     phases.append(PhaseTime("buckets", buckets * rates.bucket_overhead_s, 0.0, f"{buckets} bucket round trips", n))
+    if rates.tensor_overhead_s:
+        count = served_tensors(stages, fp8)
+        phases.append(PhaseTime("tensors", count * rates.tensor_overhead_s, 0.0,
+                                f"{count} tensors through each server rank", lay.servers * lay.server_tp))
     total = sum(p.seconds for p in phases)
     linked = [p for p in phases if p.name in ("gather", "send") and p.seconds]
     worst = max(linked, key=lambda p: p.seconds) if linked else None
@@ -376,7 +415,7 @@ def gpu_rates(cfg: Any, fp8: bool, checksum: bool, engine_verifies: bool) -> Rat
                  pack=GPU_PACK_BPS, convert=GPU_PACK_BPS, quantize=GPU_QUANTIZE_BPS,
                  checksum=GPU_CHECKSUM_BPS if checksum else 0.0,
                  verify=verify, write=GPU_WRITE_BPS, ipc_receive=GPU_IPC_RECEIVE_BPS,
-                 bucket_overhead_s=GPU_BUCKET_OVERHEAD_S)
+                 bucket_overhead_s=GPU_BUCKET_OVERHEAD_S, tensor_overhead_s=GPU_TENSOR_OVERHEAD_S)
 
 
 @dataclass
