@@ -11,7 +11,14 @@ if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVIC
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+import multiprocessing
+
 import pytest
+
+# The session's forkserver -- spawn's ranks once this process holds threads or has imported Ray, the
+# reward pool's process workers -- imports megatron once when it starts, whichever starts it first,
+# so its children do not import it each (megarl/parallel/preload.py).
+multiprocessing.set_forkserver_preload(["megarl.parallel.preload"])
 
 # Test tiers (pytest -m unit | integration | e2e; ARCHITECTURE.md, "Tests"). A file's tier is its
 # heaviest common case; a test marked with a tier itself keeps its own.

@@ -8,8 +8,9 @@ rank's traceback; the remaining ranks are terminated after a short grace period 
 probably blocked in a collective).
 
 Start method: ``fork`` by default on Linux (the parent's imports of torch/megatron are reused, so a
-2-rank test costs well under a second of start-up); ``method="spawn"`` for a clean interpreter
-(``fn`` must then be importable at module level).
+2-rank test costs well under a second of start-up); ``forkserver`` once the parent holds threads,
+with the same modules imported once in the forkserver (``megarl.parallel.preload``) and not again in
+each rank; ``method="spawn"`` for a clean interpreter (``fn`` must then be importable at module level).
 """
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ PRELOAD = ("megatron.core.models.gpt.gpt_model", "megatron.core.pipeline_paralle
            "megatron.core.dist_checkpointing", "transformers")
 
 
+FORKSERVER_PRELOAD = "megarl.parallel.preload"   # imports PRELOAD, ignoring failures
+
+
 def _preload(mods):
     import importlib
     import warnings
@@ -105,6 +109,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: Optional[str]
     method = method or _default_method()
     if method == "fork" and preload:
         _preload(preload)  # import once in the parent instead of N times in the children
+    elif method == "forkserver" and preload:
+        # the forkserver imports them once when it starts (its first child, in this process's
+        # lifetime); the ranks it forks then start with them imported, as with fork
+        mp.set_forkserver_preload([FORKSERVER_PRELOAD])
     ctx = mp.get_context(method)
     # the rendezvous store is bound here, now, and every rank dials it (torchelastic's agent-store
     # convention, TORCHELASTIC_USE_AGENT_STORE): no window between finding a free port and binding it
