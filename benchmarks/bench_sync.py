@@ -43,6 +43,7 @@ def main():
     ck.add_argument("--checksum", dest="checksum", action="store_true", default=None)
     ck.add_argument("--no-checksum", dest="checksum", action="store_false")
     a = ap.parse_args()
+    a.layers_given = any(x.startswith("--layers") for x in sys.argv[1:])
     if a.device != "cpu":
         return main_gpu(a)
     torch.set_num_threads(1)
@@ -88,7 +89,16 @@ def main_gpu(a):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_train import hf_config
     dev = torch.device(a.device)
-    cfg = hf_config(a.shape or "qwen2.5-0.5b")
+    if a.shape is None and a.layers_given:
+        # a Qwen2.5-shaped model of --hidden x --layers: the tensor count at a chosen size (the
+        # per-tensor cost of a push apart from its bytes)
+        from transformers import Qwen2Config
+        cfg = Qwen2Config(hidden_size=a.hidden, intermediate_size=a.hidden * 3, num_hidden_layers=a.layers,
+                          num_attention_heads=max(a.hidden // 64, 1), num_key_value_heads=max(a.hidden // 256, 1),
+                          vocab_size=8192, tie_word_embeddings=False, max_position_embeddings=4096)
+        a.shape = f"qwen2-h{a.hidden}-l{a.layers}"
+    else:
+        cfg = hf_config(a.shape or "qwen2.5-0.5b")
     # the trainer's weights live in torch's caching allocator (megatron's buffers); the engine's own
     # weights would sit in CUDA VMM regions, which cannot be exported as CUDA IPC handles (a 7B
     # embedding larger than a bucket is sent from where it lies: "invalid device pointer")
@@ -165,7 +175,7 @@ def _push_into_server(a, cfg, named, served) -> dict:
             synced = _push(p, named)
             p.close()
             st = min(runs, key=lambda r: r.seconds)
-            res.update(seconds=st.seconds, buckets=st.buckets, sync_bytes_per_s=st.bytes_per_s, pushed_bytes=st.bytes,
+            res.update(seconds=st.seconds, buckets=st.buckets, pushed_tensors=st.tensors, sync_bytes_per_s=st.bytes_per_s, pushed_bytes=st.bytes,
                        checksums=p.send_checksums, phases=_phases(st),
                        synced={"seconds": synced.seconds, **_phases(synced)},
                        peak_extra_bytes_measured=peak_extra, peak_extra_bytes_pusher=st.peak_extra_bytes,

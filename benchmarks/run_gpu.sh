@@ -84,6 +84,11 @@ fp8push) # FP8 push kernels (bit-exact vs the torch form on this GPU, speed), th
          run 150 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --fp8
          run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-1.5b --transport tensor --bucket-mb 512 --fp8
          run 90 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-0.5b --transport tensor --bucket-mb 512 --fp8 ;;
+pushcost) # per-push and per-tensor costs apart from bytes: Qwen2-shaped models of 8 and 128 layers at hidden 512
+          # (~75 vs ~1,155 tensors, bf16 and FP8), then 3B (a size the refit model was not fit to) and 7B again
+          for L in 8 128; do run 120 python3 benchmarks/bench_sync.py --device cuda --hidden 512 --layers $L --transport tensor --bucket-mb 256 --fp8; done
+          run 150 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-3b --transport tensor --bucket-mb 1024 --fp8
+          run 150 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --fp8 ;;
 fp8rollout) run 400 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batch 1,128 --prompt 32 --new 128 --no-hf --fp8 ;;
 fp8sync) run 400 python3 benchmarks/bench_sync.py --device cuda --shape qwen2.5-7b --transport tensor --bucket-mb 1024 --fp8 ;;
 fp8gemm) run 200 python3 benchmarks/bench_fp8_gemm.py --shape qwen2.5-1.5b --tokens 1,128,4096 ;;
