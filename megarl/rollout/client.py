@@ -130,6 +130,59 @@ class GenerateOutput:
                    routed_experts=meta.get("routed_experts"))
 
 
+class BadImage(UserError, ValueError):
+    """An image given to `SGLangClient.generate_with_images` that does not decode (one line,
+    naming the request and the image), raised before the request is sent."""
+
+
+def image_data_url(image: Any, where: str = "image") -> str:
+    """One image as a ``data:image/<format>;base64,`` URL (SGLang's ``load_image`` reads the
+    bytes after the comma; a JSON body cannot carry raw bytes). Decoded with PIL first: an image
+    the server could not open is refused here, where the message can name it."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image
+
+    label = type(image).__name__
+    try:
+        if isinstance(image, (bytes, bytearray)):
+            raw, label = bytes(image), f"<{len(image)} bytes>"
+        elif isinstance(image, str):
+            head, sep, body = image.partition(",")
+            if not (sep and head.startswith("data:image/") and head.endswith(";base64")):
+                raise ValueError("a string image must be a data:image/...;base64, URL")
+            label = f"<data URL, {len(image)} chars>"
+            raw = base64.b64decode(body, validate=True)
+        elif getattr(image, "data", None) is not None:           # megarl.data.images.ImageRef with bytes
+            raw, label = bytes(image.data), f"<{len(image.data)} bytes>"
+        elif getattr(image, "path", None):                        # megarl.data.images.ImageRef with a file
+            label = repr(image.path)
+            with open(image.path, "rb") as f:
+                raw = f.read()
+        else:
+            raise ValueError("an image must be an ImageRef, bytes or a data:image URL")
+        with Image.open(io.BytesIO(raw)) as img:
+            img.load()
+            fmt = (img.format or "png").lower()
+    except (OSError, ValueError, SyntaxError, binascii.Error) as err:
+        detail = " ".join(str(err).split())
+        raise BadImage(f"{where} {label} is not a decodable image: {type(err).__name__}: {detail}") from None
+    return f"data:image/{fmt};base64," + base64.b64encode(raw).decode("ascii")
+
+
+def image_data_field(images: Sequence[Any], n: int = 1, rid: Optional[str] = None) -> List[Any]:
+    """SGLang's ``image_data`` for one prompt: its images as data URLs. With ``n == 1`` the
+    request stays a single one and ``image_data`` is the flat list of its images; with ``n > 1``
+    SGLang turns it into a batch of one prompt (``GenerateReqInput._handle_parallel_sampling``)
+    whose ``image_data`` must hold one list per prompt (``_normalize_image_data``), so it is
+    ``[images]``. The rid and input_ids stay as the text path sends them."""
+    name = f"generate request {rid!r}" if rid is not None else "generate request"
+    urls = [image_data_url(img, f"{name}: image {i}") for i, img in enumerate(images)]
+    return urls if n <= 1 else [urls]
+
+
 CONTROL_CONNECTIONS = 16   # connections beyond max_concurrency, for calls that are not /generate
 
 
@@ -233,6 +286,27 @@ class SGLangClient:
             payload["return_routed_experts"] = True
             if routed_experts_start_len:
                 payload["routed_experts_start_len"] = int(routed_experts_start_len)
+        if rid is not None:
+            payload["rid"] = rid
+        if lora_path is not None:   # the served LoRA adapter (adapter-only pushes)
+            payload["lora_path"] = lora_path
+        out = await self._call("generate", payload)
+        items = out if isinstance(out, list) else [out]
+        return [GenerateOutput.from_json(d) for d in items]
+
+    async def generate_with_images(self, input_ids: List[int], images: Sequence[Any],
+                                   sampling: Optional[Dict[str, Any]] = None, return_logprob: bool = True,
+                                   rid: Optional[str] = None, lora_path: Optional[str] = None) -> List[GenerateOutput]:
+        """One prompt with images, token ids in -> outputs (a list, n per prompt), as `generate`.
+        ``input_ids`` keep the image placeholders already expanded (one id per vision token, as
+        `megarl.data.images.encode_with_images` gave them and the trainer keeps them), so what the
+        server generates from is exactly what the loss sees. ``images``: in placeholder order,
+        each an `ImageRef`, raw bytes or a ``data:image/...;base64,`` URL; each is decoded here
+        first, so a bad one is a one-line `BadImage` naming the request before anything is sent."""
+        sampling = sampling or sampling_params()
+        payload: Dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling,
+                                   "image_data": image_data_field(images, int(sampling.get("n", 1) or 1), rid),
+                                   "return_logprob": return_logprob, "stream": False}
         if rid is not None:
             payload["rid"] = rid
         if lora_path is not None:   # the served LoRA adapter (adapter-only pushes)
