@@ -1,9 +1,12 @@
 """megarl's /generate request with images (`SGLangClient.generate_with_images`) against SGLang
 0.5.23's own code, run in the SGLang CPU environment (tests/helpers/sglang_vl.py says exactly which
 parts are SGLang's): the JSON bodies the client sends over HTTP pass SGLang's schema gate, parse
-into its `GenerateReqInput`, normalize as its tokenizer manager does, and carry our token ids and
-our images byte for byte; SGLang's Qwen2.5-VL multimodal processor, given our ids whose image
-placeholders transformers' processor already expanded, ends with the same ids and image tokens.
+into its `GenerateReqInput`, normalize as its tokenizer manager does, and carry our token ids (one
+placeholder per image on the wire) and our images byte for byte; SGLang's Qwen2.5-VL multimodal
+processor then ends with exactly the ids transformers' processor gave us (placeholders expanded to
+the same counts, even text ids that are not the tokenizer's own encoding kept verbatim). The same
+ids sent expanded are decoded and tokenized again by SGLang (checked: they change), which is why
+the client collapses them.
 
 The prompt's ids and pixels come from megarl's `encode_with_images` (transformers' processor) on a
 tiny offline Qwen2.5-VL folder: SmolLM2's tokenizer with Qwen's vision tokens, a one-layer
@@ -24,7 +27,7 @@ from aiohttp import web
 from PIL import Image
 
 from megarl.data.images import ImageRef, encode_with_images, vision_processor
-from megarl.rollout.client import BadImage, SGLangClient, sampling_params
+from megarl.rollout.client import BadImage, SGLangClient, collapse_image_runs, sampling_params
 from tests.helpers.http import serve
 from tests.sglang_cpu.server import ROOT, harness_env, sglang_cpu_python
 
@@ -88,50 +91,71 @@ async def _capture(calls) -> tuple[list[dict[str, Any]], list[Any]]:
     return bodies, results
 
 
+def _non_canonical(ids: list[int], tokenizer: Any, word: str) -> list[int]:
+    """``ids`` with ``word``'s tokens spelled one character per token: the same text, ids the
+    tokenizer would not produce for it (as a rollout's own tokens can be)."""
+    whole = tokenizer.encode(word, add_special_tokens=False)
+    at = next(k for k in range(len(ids)) if ids[k:k + len(whole)] == whole)
+    chars = tokenizer.convert_tokens_to_ids(list(word))
+    out = ids[:at] + chars + ids[at + len(whole):]
+    assert tokenizer.decode(out) == tokenizer.decode(ids) and out != ids
+    return out
+
+
 def test_image_request_is_parsed_by_sglangs_own_code(model_dir, tmp_path):
     proc = vision_processor(str(model_dir))
+    pad = proc.image_token_id
     png, jpeg = _image((255, 0, 0), (56, 42), "PNG"), _image((0, 160, 255), (84, 112), "JPEG")
     (tmp_path / "a.png").write_bytes(png)
     refs = [ImageRef(path=str(tmp_path / "a.png")), ImageRef(data=jpeg)]
     vp = encode_with_images(proc, "<image>left, <image>right: same colour?", refs)
-    vp1 = encode_with_images(proc, "<image>what colour?", refs[1:])
+    vp1 = encode_with_images(proc, "<image>leftover colour?", refs[1:])
     assert vp.image_tokens > 2 and 1 < vp1.image_tokens < vp.image_tokens, "placeholders expanded by transformers"
+    odd = _non_canonical(vp1.input_ids, proc.tokenizer, "leftover")
     one = sampling_params(max_new_tokens=2, temperature=0.7, top_p=0.9, stop_token_ids=[5], sampling_seed=3)
     two = sampling_params(max_new_tokens=2, n=2, sampling_seed=4)
 
     async def calls(client: SGLangClient) -> list[Any]:
-        return [await client.generate_with_images(vp.input_ids, refs, one, rid="r1"),
-                await client.generate_with_images(vp.input_ids, refs, two, rid="r2"),
-                await client.generate_with_images(vp1.input_ids, refs[1:], two, rid="r3"),
+        return [await client.generate_with_images(vp.input_ids, refs, image_token_id=pad, sampling=one, rid="r1"),
+                await client.generate_with_images(vp.input_ids, refs, image_token_id=pad, sampling=two, rid="r2"),
+                await client.generate_with_images(odd, refs[1:], image_token_id=pad, sampling=two, rid="r3"),
                 await client.generate(vp.input_ids, two, rid="r2")]          # the text path, for its rids
 
     bodies, outs = asyncio.run(_capture(calls))
     assert [len(o) for o in outs] == [1, 2, 2, 2] and outs[1][1].logprobs == [-0.5, -0.25]
     assert all(isinstance(u, str) and u.startswith("data:image/") for u in bodies[0]["image_data"])
     assert bodies[0]["image_data"][1].startswith("data:image/jpeg;base64,")
+    # why the ids go collapsed: the same non-canonical ids sent expanded (a body made here)
+    expanded = dict(bodies[2], input_ids=odd, rid="r4")
 
     done = subprocess.run([sglang_cpu_python(), "-m", "tests.helpers.sglang_vl"], capture_output=True, text=True,
-                          input=json.dumps({"model_dir": str(model_dir), "bodies": bodies}), env=harness_env(),
-                          cwd=ROOT, timeout=300)
+                          input=json.dumps({"model_dir": str(model_dir), "bodies": bodies + [expanded]}),
+                          env=harness_env(), cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["sglang"] == "0.5.23" and got["mm_processor"] == "QwenVLImageProcessor"
-    single, pair, lone, text = got["results"]
+    single, pair, lone, text, retokenized = got["results"]
     assert all(r["contract"] is None for r in got["results"]), "SGLang's /generate schema gate admits every body"
 
     assert single["is_single"] and not pair["is_single"]
     assert [r["rid"] for r in pair["requests"]] == [r["rid"] for r in text["requests"]] == ["r2_0", "r2_1"]
     assert single["requests"][0]["rid"] == "r1" and [r["rid"] for r in lone["requests"]] == ["r3_0", "r3_1"]
     assert single["requests"][0]["sampling_params"] == one and single["requests"][0]["return_logprob"] is True
-    for result, images, ours in ((single, [png, jpeg], vp), (pair, [png, jpeg], vp), (lone, [jpeg], vp1)):
+    for result, images, ours, grid in ((single, [png, jpeg], vp.input_ids, vp.image_grid_thw),
+                                       (pair, [png, jpeg], vp.input_ids, vp.image_grid_thw),
+                                       (lone, [jpeg], odd, vp1.image_grid_thw)):
         for r in result["requests"]:
-            assert r["input_ids"] == ours.input_ids, "SGLang's request carries our ids unchanged"
+            assert r["input_ids"] == collapse_image_runs(ours, pad), "one placeholder per image on the wire"
             assert [base64.b64decode(b) for b in r["images"]] == images, "the same images, byte for byte"
             assert [tuple(s) for s in r["sizes"]] == [Image.open(io.BytesIO(b)).size for b in images]
-            # SGLang's Qwen2.5-VL processor on our already-expanded ids: same ids, image tokens and grids
-            assert r["mm_image_tokens"] == ours.image_tokens
-            assert r["mm_grids"] == ours.image_grid_thw.tolist()
-            assert r["mm_input_ids"] == ours.input_ids
+            # SGLang's Qwen2.5-VL processor: exactly our expanded ids (image token counts and grids
+            # as transformers' processor gave them), non-canonical text ids kept verbatim
+            assert r["mm_input_ids"] == ours
+            assert r["mm_image_tokens"] == sum(1 for t in ours if t == pad)
+            assert r["mm_grids"] == grid.tolist()
+    drifted = retokenized["requests"][0]["mm_input_ids"]
+    assert drifted != odd and proc.tokenizer.decode(drifted) == proc.tokenizer.decode(odd), \
+        "SGLang decodes expanded ids and tokenizes the text again"
 
 
 def test_undecodable_image_is_one_line_naming_the_request_before_sending(tmp_path):
@@ -140,16 +164,20 @@ def test_undecodable_image_is_one_line_naming_the_request_before_sending(tmp_pat
 
     async def calls(client: SGLangClient) -> list[Any]:
         errors = []
-        for images in ([good, ImageRef(data=good[:40])], [ImageRef(path=str(tmp_path / "bad.png"))],
-                       ["data:image/png;base64,@@not base64@@"], [ImageRef(path=str(tmp_path / "missing.png"))]):
+        for ids, images in (([1, 9, 2, 9, 9, 3], [good, ImageRef(data=good[:40])]),
+                            ([1, 9, 9, 2], [ImageRef(path=str(tmp_path / "bad.png"))]),
+                            ([9, 9], ["data:image/png;base64,@@not base64@@"]),
+                            ([1, 9], [ImageRef(path=str(tmp_path / "missing.png"))]),
+                            ([1, 9, 9, 2], [good, good])):
             with pytest.raises(BadImage) as caught:
-                await client.generate_with_images([1, 2, 3], images, rid="req-7")
+                await client.generate_with_images(ids, images, image_token_id=9, rid="req-7")
             errors.append(str(caught.value))
         return errors
 
     bodies, errors = asyncio.run(_capture(calls))
     assert bodies == [], "nothing reaches the server"
-    assert all("\n" not in e and e.startswith("generate request 'req-7': image ") for e in errors), errors
+    assert all("\n" not in e and e.startswith("generate request 'req-7': ") for e in errors), errors
     assert errors[0].startswith("generate request 'req-7': image 1 <40 bytes> is not a decodable image")
     assert "bad.png" in errors[1] and errors[2].startswith("generate request 'req-7': image 0 <data URL")
-    assert "missing.png" in errors[3]
+    assert "missing.png" in errors[3] and errors[3].startswith("generate request 'req-7': image 0 ")
+    assert errors[4].endswith("input_ids hold 1 image placeholder run(s) (token 9) but 2 image(s) were given")

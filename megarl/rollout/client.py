@@ -143,7 +143,7 @@ def image_data_url(image: Any, where: str = "image") -> str:
     import binascii
     import io
 
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     label = type(image).__name__
     try:
@@ -151,9 +151,10 @@ def image_data_url(image: Any, where: str = "image") -> str:
             raw, label = bytes(image), f"<{len(image)} bytes>"
         elif isinstance(image, str):
             head, sep, body = image.partition(",")
+            label = repr(image[:40] + ("..." if len(image) > 40 else ""))
             if not (sep and head.startswith("data:image/") and head.endswith(";base64")):
                 raise ValueError("a string image must be a data:image/...;base64, URL")
-            label = f"<data URL, {len(image)} chars>"
+            label = f"<data URL, {len(image)} chars>"     # not the payload itself
             raw = base64.b64decode(body, validate=True)
         elif getattr(image, "data", None) is not None:           # megarl.data.images.ImageRef with bytes
             raw, label = bytes(image.data), f"<{len(image.data)} bytes>"
@@ -166,7 +167,13 @@ def image_data_url(image: Any, where: str = "image") -> str:
         with Image.open(io.BytesIO(raw)) as img:
             img.load()
             fmt = (img.format or "png").lower()
-    except (OSError, ValueError, SyntaxError, binascii.Error) as err:
+    except FileNotFoundError:
+        raise BadImage(f"{where} {label}: no such file") from None
+    except binascii.Error as err:
+        raise BadImage(f"{where} {label} is not valid base64: {err}") from None
+    except UnidentifiedImageError:
+        raise BadImage(f"{where} {label} is not a decodable image: not an image format PIL reads") from None
+    except (OSError, ValueError, SyntaxError) as err:
         detail = " ".join(str(err).split())
         raise BadImage(f"{where} {label} is not a decodable image: {type(err).__name__}: {detail}") from None
     return f"data:image/{fmt};base64," + base64.b64encode(raw).decode("ascii")
@@ -181,6 +188,16 @@ def image_data_field(images: Sequence[Any], n: int = 1, rid: Optional[str] = Non
     name = f"generate request {rid!r}" if rid is not None else "generate request"
     urls = [image_data_url(img, f"{name}: image {i}") for i, img in enumerate(images)]
     return urls if n <= 1 else [urls]
+
+
+def collapse_image_runs(input_ids: Sequence[int], image_token_id: int) -> List[int]:
+    """``input_ids`` with every run of ``image_token_id`` cut to one token: the form in which
+    SGLang expands an image's placeholder itself and keeps every other id as given."""
+    out: List[int] = []
+    for t in input_ids:
+        if not (t == image_token_id and out and out[-1] == image_token_id):
+            out.append(int(t))
+    return out
 
 
 CONTROL_CONNECTIONS = 16   # connections beyond max_concurrency, for calls that are not /generate
@@ -294,17 +311,31 @@ class SGLangClient:
         items = out if isinstance(out, list) else [out]
         return [GenerateOutput.from_json(d) for d in items]
 
-    async def generate_with_images(self, input_ids: List[int], images: Sequence[Any],
+    async def generate_with_images(self, input_ids: List[int], images: Sequence[Any], *, image_token_id: int,
                                    sampling: Optional[Dict[str, Any]] = None, return_logprob: bool = True,
                                    rid: Optional[str] = None, lora_path: Optional[str] = None) -> List[GenerateOutput]:
         """One prompt with images, token ids in -> outputs (a list, n per prompt), as `generate`.
-        ``input_ids`` keep the image placeholders already expanded (one id per vision token, as
-        `megarl.data.images.encode_with_images` gave them and the trainer keeps them), so what the
-        server generates from is exactly what the loss sees. ``images``: in placeholder order,
-        each an `ImageRef`, raw bytes or a ``data:image/...;base64,`` URL; each is decoded here
-        first, so a bad one is a one-line `BadImage` naming the request before anything is sent."""
+
+        ``input_ids`` as the trainer keeps them: image placeholders already expanded, one
+        ``image_token_id`` per vision token (`megarl.data.images.encode_with_images`). They are
+        sent with each run of placeholders collapsed to one (`collapse_image_runs`): SGLang's
+        multimodal processor keeps such ids verbatim and expands each placeholder to its image's
+        token count (``BaseMultimodalProcessor._expand_input_ids``), which gives back exactly
+        these ids; ids sent expanded it decodes to text and tokenizes again instead, which
+        changes any ids that are not the tokenizer's own encoding of their text.
+
+        ``images``: in placeholder order, each an `ImageRef`, raw bytes or a
+        ``data:image/...;base64,`` URL; each is decoded here first, so a bad one (or a count that
+        does not match the placeholders) is a one-line `BadImage` naming the request, before
+        anything is sent."""
         sampling = sampling or sampling_params()
-        payload: Dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling,
+        name = f"generate request {rid!r}" if rid is not None else "generate request"
+        ids = collapse_image_runs(input_ids, image_token_id)
+        runs = sum(1 for t in ids if t == image_token_id)
+        if runs != len(images):
+            raise BadImage(f"{name}: input_ids hold {runs} image placeholder run(s) (token {image_token_id}) "
+                           f"but {len(images)} image(s) were given")
+        payload: Dict[str, Any] = {"input_ids": ids, "sampling_params": sampling,
                                    "image_data": image_data_field(images, int(sampling.get("n", 1) or 1), rid),
                                    "return_logprob": return_logprob, "stream": False}
         if rid is not None:

@@ -10,7 +10,8 @@ the last stdout line, what SGLang 0.5.23's own code makes of each:
   `sglang.srt.utils.common.get_image_bytes` (bytes, base64 here) and `load_image` (size);
 * per request: SGLang's Qwen2.5-VL multimodal processor (`QwenVLImageProcessor`, chosen by
   `get_mm_processor` for the folder's config) given what `TokenizerManager._tokenize_one_request`
-  gives it for a request with input_ids and no text: its input_ids, image tokens and grids.
+  gives it for a request with input_ids and no text: the input_ids it ends with (placeholders
+  expanded), their image tokens, and the image grids.
 
 Two things are not SGLang's here, because torchvision has no wheel that loads beside this CPU
 torch: the `torchvision` import at the top of SGLang's qwen_vl.py is satisfied by a stand-in
