@@ -60,12 +60,15 @@ GPU_CHECKSUM_BPS = 15.23e9 / 3.9e-3              # sender checksum: --checksum p
 #                                                  server's extra verify (30.0 - 12.8 ms): 3.9 ms
 GPU_QUANTIZE_BPS = 13.05e9 / 8.71e-3             # the block-FP8 kernel: 13.05 GB of bf16 projections in 8.71 ms
 #                                                  (bench_fp8_push_kernels.py --shape qwen2.5-7b, H100, 2026-12-08)
-GPU_BUCKET_OVERHEAD_S = 0.0                      # per-bucket costs are in the per-tensor one below
-# Per HF tensor through a server rank (sender copy launch, metadata, the server's checks, placement and
-# copy launch): fit to 8 IPC pushes on one H100 (0.5B / 1.5B / 7B, bf16 and FP8, 218-451 tensors,
-# benchmarks/results/h100_fp8_push_kernels_sync.jsonl, 2026-12-08) with every rate above; predicted /
-# measured 0.85-1.25 on all 8
-GPU_TENSOR_OVERHEAD_S = 133e-6
+# Per bucket (a round trip) and per HF tensor (sender copy launch, metadata over HTTP, the server's
+# checks, placement and copy launch), fit with every rate above to 16 one-GPU IPC pushes on an H100
+# (2026-12-08; benchmarks/results/h100_fp8_push_kernels_sync.jsonl, h100_push_cost_sweep.jsonl):
+# Qwen2.5 0.5B / 1.5B / 3B / 7B and Qwen2-shaped hidden 512 x 8 / 128 layers (75 vs 1,155 counted
+# tensors at one width: the per-tensor cost apart from a per-push one), bf16 and FP8; predicted /
+# measured 0.68-1.22. Tensors as `layer_tensors` counts them (Qwen2's q/k/v biases are not: the fit
+# carries them, so a model without biases is overstated by up to a quarter)
+GPU_BUCKET_OVERHEAD_S = 0.90e-3
+GPU_TENSOR_OVERHEAD_S = 106e-6
 SHAPES = {"stage": "one sender per pipeline stage", "expert": "every EP rank sends its own experts",
           "everywhere": "every rank gathers the whole model (CUDA IPC)",
           "node": "each node gathers the model once, split over its GPUs, shared over NVLink (CUDA IPC)"}
