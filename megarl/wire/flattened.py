@@ -58,6 +58,7 @@ class _WirePickler(pickle._Pickler):  # type: ignore[name-defined]  # pure-Pytho
 
         self.dispatch_table = copyreg.dispatch_table.copy()
         self.dispatch_table.update(ForkingPickler._extra_reducers)
+        self.dispatch_table[FlattenedTensorMetadata] = _metadata_by_fields
 
     def save_global(self, obj, name=None):
         if obj is FlattenedTensorMetadata:
@@ -68,6 +69,13 @@ class _WirePickler(pickle._Pickler):  # type: ignore[name-defined]  # pure-Pytho
             self.memoize(obj)
             return
         super().save_global(obj, name)
+
+
+def _metadata_by_fields(meta: FlattenedTensorMetadata) -> tuple:
+    """The class called with its fields in order (one REDUCE), instead of the default ``__newobj__``
+    plus a state dict of six named fields: the same object after unpickling, at a third of the
+    pure-Python pickler's work per tensor (a bucket's metadata is pickled entry by entry)."""
+    return FlattenedTensorMetadata, (meta.name, meta.shape, meta.dtype, meta.start_idx, meta.end_idx, meta.numel)
 
 
 def dumps(obj: Any) -> bytes:
