@@ -303,6 +303,11 @@ class SGLangClient:
             payload["return_routed_experts"] = True
             if routed_experts_start_len:
                 payload["routed_experts_start_len"] = int(routed_experts_start_len)
+        return await self._generate(payload, rid, lora_path)
+
+    async def _generate(self, payload: Dict[str, Any], rid: Optional[str], lora_path: Optional[str]
+                        ) -> List[GenerateOutput]:
+        """POST /generate with the request id and served adapter added when given; the outputs."""
         if rid is not None:
             payload["rid"] = rid
         if lora_path is not None:   # the served LoRA adapter (adapter-only pushes)
@@ -338,13 +343,7 @@ class SGLangClient:
         payload: Dict[str, Any] = {"input_ids": ids, "sampling_params": sampling,
                                    "image_data": image_data_field(images, int(sampling.get("n", 1) or 1), rid),
                                    "return_logprob": return_logprob, "stream": False}
-        if rid is not None:
-            payload["rid"] = rid
-        if lora_path is not None:   # the served LoRA adapter (adapter-only pushes)
-            payload["lora_path"] = lora_path
-        out = await self._call("generate", payload)
-        items = out if isinstance(out, list) else [out]
-        return [GenerateOutput.from_json(d) for d in items]
+        return await self._generate(payload, rid, lora_path)
 
     async def generate_raw(self, payload: Dict[str, Any]) -> Any:
         return await self._call("generate", payload)

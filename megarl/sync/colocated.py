@@ -16,9 +16,9 @@ global order that is the same on all ranks -- so every rank cuts the same bucket
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -80,15 +80,35 @@ def iter_hf_weights_everywhere(chunks, hf_config=None) -> Iterator[Tuple[str, to
         yield from own
         return
     group = mpu.get_pipeline_model_parallel_group()
+
+    def by_pipeline(t: torch.Tensor, index: int, stage: int, src: int) -> torch.Tensor:
+        dist.broadcast(t, src=src, group=group)
+        return t
+    yield from _stages_on_every_rank(own, next(iter(chunks[0].parameters())).device, by_pipeline)
+
+
+Move = Callable[[torch.Tensor, int, int, int], torch.Tensor]
+
+
+def _stages_on_every_rank(own: Iterator[Tuple[str, torch.Tensor]], device: torch.device,
+                          move: Move) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Every pipeline stage's tensors on every rank, stage by stage, in the same order on all ranks:
+    each tensor's name, shape and dtype go over the pipeline group from the stage's rank there,
+    its bytes by ``move(tensor, index in its stage, stage, source rank)`` -- which fills the tensor
+    (the stage's own copy on its ranks, an empty one elsewhere) on every rank and returns it."""
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(group)       # this pipeline's ranks, stage order
     me = mpu.get_pipeline_model_parallel_rank()
-    device = next(iter(chunks[0].parameters())).device
     for stage, src in enumerate(ranks):
+        index = 0
         if stage == me:
             for name, t in own:
+                t = t.contiguous()
                 dist.broadcast_object_list([(name, tuple(t.shape), t.dtype)], src=src, group=group, device=device)
-                dist.broadcast(t.contiguous(), src=src, group=group)
-                yield name, t
+                yield name, move(t, index, stage, src)
+                index += 1
             dist.broadcast_object_list([None], src=src, group=group, device=device)
             continue
         while True:
@@ -97,9 +117,8 @@ def iter_hf_weights_everywhere(chunks, hf_config=None) -> Iterator[Tuple[str, to
             if meta[0] is None:
                 break
             name, shape, dtype = meta[0]
-            t = torch.empty(shape, dtype=dtype, device=device)
-            dist.broadcast(t, src=src, group=group)
-            yield name, t
+            yield name, move(torch.empty(shape, dtype=dtype, device=device), index, stage, src)
+            index += 1
 
 
 class IpcFanIn:
@@ -283,31 +302,12 @@ def iter_hf_weights_by_node(chunks, layout: NodeLayout, convert=None,
     if mpu.get_pipeline_model_parallel_world_size() <= 1:
         yield from own            # one stage: every rank holds every tensor already
         return
-    group = mpu.get_pipeline_model_parallel_group()
-    ranks = dist.get_process_group_ranks(group)       # this pipeline's ranks, stage order
-    me = mpu.get_pipeline_model_parallel_rank()
+    ranks = dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group())   # stage order
     peers: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(peers, ranks)
     stage_of = [p.index(r) for r, p in enumerate(peers)]
     share = NodeShare(layout, stage_of, peers)
     if stats is not None:
         share.stats = stats
-    device = next(iter(chunks[0].parameters())).device
-    for stage, src in enumerate(ranks):
-        index = 0
-        if stage == me:
-            for name, t in own:
-                t = t.contiguous()
-                dist.broadcast_object_list([(name, tuple(t.shape), t.dtype)], src=src, group=group, device=device)
-                yield name, share(t, index, stage)
-                index += 1
-            dist.broadcast_object_list([None], src=src, group=group, device=device)
-            continue
-        while True:
-            meta = [None]
-            dist.broadcast_object_list(meta, src=src, group=group, device=device)
-            if meta[0] is None:
-                break
-            name, shape, dtype = meta[0]
-            yield name, share(torch.empty(shape, dtype=dtype, device=device), index, stage)
-            index += 1
+    yield from _stages_on_every_rank(own, next(iter(chunks[0].parameters())).device,
+                                     lambda t, index, stage, src: share(t, index, stage))
