@@ -71,8 +71,10 @@ class WeightSync:
         groups = sorted({(s["group"], s.get("master")) for s in stats if s.get("group")})
         if groups != self.groups:
             self.groups = groups
+            gathers = sorted({s["gather"] for s in stats if s.get("gather")})
             note("weight sync: " + ", ".join(f"{g}" + (f" (master {m})" if m else "") for g, m in groups)
-                 + f" -> {len(self.servers.urls)} server(s), TP {list(self.servers.tp_sizes)}")
+                 + f" -> {len(self.servers.urls)} server(s), TP {list(self.servers.tp_sizes)}"
+                 + (f"; colocated gather: {', '.join(gathers)} (sync.colocated_gather)" if gathers else ""))
         total_bytes = sum(s.get("bytes", 0) for s in stats)
         seconds = max((s.get("seconds", 0.0) for s in stats), default=0.0)
         return {"sync/bytes": float(total_bytes), "sync/seconds": float(seconds),
