@@ -16,7 +16,7 @@ global order that is the same on all ranks -- so every rank cuts the same bucket
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -69,22 +69,23 @@ def iter_hf_weights_everywhere(chunks, hf_config=None) -> Iterator[Tuple[str, to
     tensors, then stage 1's, ...). A collective over the actor's whole world."""
     from megatron.core import parallel_state as mpu
 
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+
+    def by_pipeline(t: torch.Tensor, index: int, stage: int, src: int) -> torch.Tensor:
+        dist.broadcast(t, src=src, group=mpu.get_pipeline_model_parallel_group())
+        return t
+    yield from _stages_on_every_rank(_own_stage(chunks, hf_config), next(iter(chunks[0].parameters())).device,
+                                     by_pipeline)
+
+
+def _own_stage(chunks: list, hf_config=None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """This rank's pipeline stage as whole HF tensors: TP shards all-gathered on every rank, every
+    expert-parallel rank's experts spread in (the same stream on every rank of the stage)."""
     from megarl.models import iter_hf_weights
     from megarl.models.builder import unwrap
 
-    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-    pp = mpu.get_pipeline_model_parallel_world_size()
     num_experts = int(getattr(unwrap(chunks[0]).config, "num_moe_experts", None) or 0)
-    own = _expert_spread(iter_hf_weights(chunks, hf_config, yield_on_all_ranks=True), num_experts)
-    if pp <= 1:
-        yield from own
-        return
-    group = mpu.get_pipeline_model_parallel_group()
-
-    def by_pipeline(t: torch.Tensor, index: int, stage: int, src: int) -> torch.Tensor:
-        dist.broadcast(t, src=src, group=group)
-        return t
-    yield from _stages_on_every_rank(own, next(iter(chunks[0].parameters())).device, by_pipeline)
+    return _expert_spread(iter_hf_weights(chunks, hf_config, yield_on_all_ranks=True), num_experts)
 
 
 Move = Callable[[torch.Tensor, int, int, int], torch.Tensor]
@@ -95,9 +96,13 @@ def _stages_on_every_rank(own: Iterator[Tuple[str, torch.Tensor]], device: torch
     """Every pipeline stage's tensors on every rank, stage by stage, in the same order on all ranks:
     each tensor's name, shape and dtype go over the pipeline group from the stage's rank there,
     its bytes by ``move(tensor, index in its stage, stage, source rank)`` -- which fills the tensor
-    (the stage's own copy on its ranks, an empty one elsewhere) on every rank and returns it."""
+    (the stage's own copy on its ranks, an empty one elsewhere) on every rank and returns it.
+    One stage: every rank holds every tensor already, nothing moves."""
     from megatron.core import parallel_state as mpu
 
+    if mpu.get_pipeline_model_parallel_world_size() <= 1:
+        yield from own
+        return
     group = mpu.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(group)       # this pipeline's ranks, stage order
     me = mpu.get_pipeline_model_parallel_rank()
@@ -170,6 +175,7 @@ class NodeLayout:
     groups: List[Any]                          # per node: its group (None for a one-rank node)
     fits: bool                                 # every TP and expert-parallel group inside one node
     why: str = ""
+    pp_peers: List[List[int]] = field(default_factory=list)   # per rank: its pipeline group's ranks, stage order
 
     @property
     def spans_nodes(self) -> bool:
@@ -177,10 +183,10 @@ class NodeLayout:
 
 
 def node_layout(timeout_s: float = 600.0) -> NodeLayout:
-    """A collective over the actor's world: every rank's node address (`wire.addresses.node_address`:
-    Ray's node address inside Ray, else the source address towards the rendezvous master) and its
-    TP and expert-parallel groups, then one group per node (made on every rank: `new_group` is
-    collective)."""
+    """A collective over the actor's world, once per run: every rank's node address
+    (`wire.addresses.node_address`: Ray's node address inside Ray, else the source address towards
+    the rendezvous master), its TP, expert-parallel and pipeline groups, then one group per node
+    (made on every rank: `new_group` is collective)."""
     import os
 
     from megatron.core import parallel_state as mpu
@@ -189,24 +195,27 @@ def node_layout(timeout_s: float = 600.0) -> NodeLayout:
 
     mine = (node_address(os.environ.get("MASTER_ADDR") or None),
             dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group()),
-            dist.get_process_group_ranks(mpu.get_expert_model_parallel_group()))
+            dist.get_process_group_ranks(mpu.get_expert_model_parallel_group()),
+            dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group()))
     every: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     layout = nodes_of(every)
+    layout.pp_peers = [list(entry[3]) for entry in every]
     layout.groups = [dist.new_group(ranks=ranks, timeout=timedelta(seconds=timeout_s)) if len(ranks) > 1 else None
                      for ranks in layout.nodes]
     return layout
 
 
-def nodes_of(every: Sequence[Tuple[str, Sequence[int], Sequence[int]]]) -> NodeLayout:
-    """The layout (without groups) from each rank's (node address, TP group, expert-parallel group)."""
+def nodes_of(every: Sequence[Tuple[Any, ...]]) -> NodeLayout:
+    """The layout (without groups) from each rank's (node address, TP group, expert-parallel
+    group, ...)."""
     keys: dict = {}
-    for rank, (key, _, _) in enumerate(every):
+    for rank, (key, *_) in enumerate(every):
         keys.setdefault(key, []).append(rank)
     nodes = sorted(keys.values(), key=lambda ranks: ranks[0])
     node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
     why = ""
-    for rank, (_, tp, ep) in enumerate(every):
+    for rank, (_, tp, ep, *_) in enumerate(every):
         for name, group in (("tensor-parallel", tp), ("expert-parallel", ep)):
             if len({node_of[r] for r in group}) > 1 and not why:
                 why = f"rank {rank}'s {name} group {list(group)} spans nodes"
@@ -231,10 +240,10 @@ class NodeShare:
     node with ranks of stage ``s`` takes it from one of them. That rank then broadcasts it inside
     the node. The everywhere gather sends it to each of the node's k ranks over the network."""
 
-    def __init__(self, layout: NodeLayout, stage_of: Sequence[int], pp_peers: Sequence[Sequence[int]]):
-        self.layout, self.stage_of, self.pp_peers = layout, list(stage_of), pp_peers
+    def __init__(self, layout: NodeLayout, stats: NodeShareStats):
+        self.layout, self.pp_peers, self.stats = layout, layout.pp_peers, stats
+        self.stage_of = [peers.index(r) for r, peers in enumerate(layout.pp_peers)]
         self.rank = dist.get_rank()
-        self.stats = NodeShareStats()
 
     def _peer(self, rank: int, stage: int) -> int:
         """`rank`'s pipeline peer at `stage` (the rank of its pipeline group at that stage)."""
@@ -286,28 +295,13 @@ def iter_hf_weights_by_node(chunks, layout: NodeLayout, convert=None,
     cross the network and each stage's ranks quantize only their own stage. TP shards and experts
     are gathered as in the everywhere gather; the layout must keep those groups inside a node.
     ``stats``: filled with the bytes this rank moved."""
-    from megatron.core import parallel_state as mpu
-
-    from megarl.models import iter_hf_weights
-    from megarl.models.builder import unwrap
-
     if not layout.fits:
         raise RuntimeError(f"sync.colocated_gather: node needs every TP and expert-parallel group inside one "
                            f"node; {layout.why}")
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-    num_experts = int(getattr(unwrap(chunks[0]).config, "num_moe_experts", None) or 0)
-    own = _expert_spread(iter_hf_weights(chunks, None, yield_on_all_ranks=True), num_experts)
+    own = _own_stage(chunks)
     if convert is not None:
         own = convert(own)
-    if mpu.get_pipeline_model_parallel_world_size() <= 1:
-        yield from own            # one stage: every rank holds every tensor already
-        return
-    ranks = dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group())   # stage order
-    peers: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(peers, ranks)
-    stage_of = [p.index(r) for r, p in enumerate(peers)]
-    share = NodeShare(layout, stage_of, peers)
-    if stats is not None:
-        share.stats = stats
+    share = NodeShare(layout, stats if stats is not None else NodeShareStats())
     yield from _stages_on_every_rank(own, next(iter(chunks[0].parameters())).device,
                                      lambda t, index, stage, src: share(t, index, stage))
