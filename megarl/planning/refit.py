@@ -274,6 +274,19 @@ def broadcast_senders(stages: list[StageBytes], lay: Layout, shape: str, fp8: bo
     return senders
 
 
+def _stage_held(st: StageBytes, elem: int) -> float:
+    """A whole stage in the model dtype (every TP shard and expert gathered)."""
+    return (st.tp_sharded + st.replicated + st.experts) * elem
+
+
+def _gather_own_stage(snd: Sender, lay: Layout, st: StageBytes, stage: int, pos: int, elem: int) -> None:
+    """Its own stage's TP shards and other EP ranks' experts, from the next rank of the stage's block."""
+    block = lay.world // lay.pp
+    own = (st.tp_sharded / lay.tp + st.replicated + st.experts / (lay.ep * lay.etp)) * elem
+    peer = stage * block + (pos + 1) % block if block > 1 else snd.rank
+    _peer_bytes(snd, lay, peer, _stage_held(st, elem) - own)
+
+
 def ipc_senders(stages: list[StageBytes], lay: Layout, fp8: bool, elem: int) -> list[Sender]:
     """Colocated CUDA IPC (``sync/colocated.py``): every rank gathers, quantizes and packs the
     whole model (TP / EP all-gathers in its stage, the other stages by a pipeline broadcast from the
@@ -284,15 +297,12 @@ def ipc_senders(stages: list[StageBytes], lay: Layout, fp8: bool, elem: int) -> 
         s, pos = divmod(r, block)
         snd = Sender(rank=r)
         for t, st in enumerate(stages):
-            whole = (st.tp_sharded + st.replicated + st.experts) * elem
             if t == s:
-                own = (st.tp_sharded / lay.tp + st.replicated + st.experts / (lay.ep * lay.etp)) * elem
-                peer = s * block + (pos + 1) % block if block > 1 else r
-                _peer_bytes(snd, lay, peer, whole - own)
+                _gather_own_stage(snd, lay, st, s, pos, elem)
             else:
-                _peer_bytes(snd, lay, t * block + pos, whole)
+                _peer_bytes(snd, lay, t * block + pos, _stage_held(st, elem))
         snd.quantize_in = sum(st.projections + st.experts for st in stages) * elem if fp8 else 0.0
-        snd.held = sum((st.tp_sharded + st.replicated + st.experts) * elem for st in stages)
+        snd.held = sum(_stage_held(st, elem) for st in stages)
         snd.payload = sum(_stage_served(st, fp8, elem) for st in stages)
         out.append(snd)
     return out
@@ -315,11 +325,8 @@ def node_ipc_senders(stages: list[StageBytes], lay: Layout, fp8: bool, elem: int
         for t, st in enumerate(stages):
             served = _stage_served(st, fp8, elem)
             if t == s:                                     # its own stage: gathered inside the stage's block
-                whole = (st.tp_sharded + st.replicated + st.experts) * elem
-                own = (st.tp_sharded / lay.tp + st.replicated + st.experts / (lay.ep * lay.etp)) * elem
-                peer = s * block + (pos + 1) % block if block > 1 else r
-                _peer_bytes(snd, lay, peer, whole - own)
-                snd.held += whole
+                _gather_own_stage(snd, lay, st, s, pos, elem)
+                snd.held += _stage_held(st, elem)
                 if fp8:
                     snd.quantize_in = (st.projections + st.experts) * elem
                 continue
@@ -450,7 +457,7 @@ class RefitPlan:
 
 def plan_refit(cfg: Any, fp8: bool, server_tp: int, servers: int) -> RefitPlan:
     """The refit section of ``megarl plan`` for a GPU run (CPU runs: measured, not modelled)."""
-    from megarl.config.validate import colocated_gather, push_transport
+    from megarl.config.validate import colocated_gather, node_gather_misfit, push_transport
 
     transport = push_transport(cfg)
     notes: list[str] = []
@@ -480,8 +487,6 @@ def plan_refit(cfg: Any, fp8: bool, server_tp: int, servers: int) -> RefitPlan:
                              bucket_bytes=bucket)
     multi_node = len({lay.node(r) for r in range(lay.world)}) > 1
     if transport == "tensor" and multi_node and gather == "everywhere":
-        from megarl.config.validate import node_gather_misfit
-
         if not node_gather_misfit(p.tp, p.ep, p.etp, gpn):
             candidate = estimate(stages, lay, rates, transport=transport, shape="node", fp8=fp8, elem=elem,
                                  bucket_bytes=bucket)
