@@ -179,13 +179,18 @@ def image_data_url(image: Any, where: str = "image") -> str:
     return f"data:image/{fmt};base64," + base64.b64encode(raw).decode("ascii")
 
 
+def _request_name(rid: Optional[str]) -> str:
+    """How an error names a /generate request."""
+    return f"generate request {rid!r}" if rid is not None else "generate request"
+
+
 def image_data_field(images: Sequence[Any], n: int = 1, rid: Optional[str] = None) -> List[Any]:
     """SGLang's ``image_data`` for one prompt: its images as data URLs. With ``n == 1`` the
     request stays a single one and ``image_data`` is the flat list of its images; with ``n > 1``
     SGLang turns it into a batch of one prompt (``GenerateReqInput._handle_parallel_sampling``)
     whose ``image_data`` must hold one list per prompt (``_normalize_image_data``), so it is
     ``[images]``. The rid and input_ids stay as the text path sends them."""
-    name = f"generate request {rid!r}" if rid is not None else "generate request"
+    name = _request_name(rid)
     urls = [image_data_url(img, f"{name}: image {i}") for i, img in enumerate(images)]
     return urls if n <= 1 else [urls]
 
@@ -334,7 +339,7 @@ class SGLangClient:
         does not match the placeholders) is a one-line `BadImage` naming the request, before
         anything is sent."""
         sampling = sampling or sampling_params()
-        name = f"generate request {rid!r}" if rid is not None else "generate request"
+        name = _request_name(rid)
         ids = collapse_image_runs(input_ids, image_token_id)
         runs = sum(1 for t in ids if t == image_token_id)
         if runs != len(images):
